@@ -1,0 +1,3 @@
+from onecard.cli import main
+
+raise SystemExit(main())
