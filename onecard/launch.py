@@ -1,0 +1,76 @@
+"""`onecard launch` / `python -m onecard.launch`: env knobs -> plan -> preflight -> exec vllm serve.
+
+``--dry-run`` prints the plan table and the exact argv and exits 0; ``--json`` prints the plan as
+JSON. Neither imports vllm or torch. The API key reaches the child only through its environment.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and argv, do not start")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON, do not start")
+    parser.add_argument("--root", default=os.environ.get("ONECARD_ROOT", "."),
+                        help="directory holding .env and api_key.txt (default: current directory)")
+
+
+def _python() -> str:
+    return sys.executable or "python3"
+
+
+def _tiny_model_path() -> str:
+    from onecard.prepare.tiny import ensure_tiny_model  # lazy: another module builds it
+
+    return str(ensure_tiny_model())
+
+
+def run(args: argparse.Namespace) -> int:
+    from onecard import memory
+    from onecard.plan import PlanError, format_table, make_plan
+
+    try:
+        env = dict(os.environ)
+        model = env.get("MODEL", "")
+        model_path = None
+        geom = None
+        if model == "tiny" and not (args.dry_run or args.json):
+            model_path = _tiny_model_path()
+        probe = model_path or model
+        if probe and probe != "tiny" and (Path(probe) / "config.json").is_file():
+            try:
+                geom = memory.ModelGeometry.from_model_dir(probe)
+            except ValueError as e:
+                print(f"onecard launch: note: {e}; using the 27B geometry for the memory model", file=sys.stderr)
+        plan = make_plan(env, args.root, _python(), model_path, geom)
+    except PlanError as e:
+        print(f"onecard launch: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2, default=str))
+        return 0
+    print(format_table(plan))
+    print("argv: " + shlex.join(plan.argv))
+    if plan.child_env:
+        print("child env: " + ", ".join(f"{k}=***" for k in sorted(plan.child_env)))
+    if args.dry_run:
+        return 0
+    sys.stdout.flush()
+    child_env = {**os.environ, **plan.child_env}
+    os.execvpe(plan.argv[0], plan.argv, child_env)
+    return 1  # not reached
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="onecard launch", description=__doc__.splitlines()[0])
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

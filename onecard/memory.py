@@ -1,0 +1,290 @@
+"""The VRAM model: how vLLM 0.27.1 sizes the KV pool of a hybrid (attention + GDN) model.
+
+Pure functions, no torch, no vLLM, no GPU. Everything below mirrors the 0.27.1 source:
+
+* Attention page (``vllm/v1/kv_cache_interface.py``, ``AttentionSpec``): per token per layer
+  ``2 * kv_heads * head_dim' * elem`` with ``head_dim' = head_dim // 2`` for
+  ``int4_per_token_head`` (uint8, two nibbles a byte) and ``elem = 1`` for
+  ``int8_per_token_head`` (int8); both per-token-head modes add ``2 * kv_heads * 4`` bytes
+  of float32 scales (one K and one V scale per token per head), carved from the same pool.
+* GDN state page (``mamba_utils.gated_delta_net_state_shape``): conv state
+  ``(2*16*128 + 48*128) x (conv_kernel - 1 + k)`` plus temporal state ``48 x 128 x 128``,
+  both in the model dtype unless ``--mamba-ssm-cache-dtype`` says otherwise; ``k`` is the
+  number of speculative tokens (the conv window grows with k).
+* Page unification (``platforms/interface.py::_align_hybrid_block_size``): the attention block
+  size becomes ``16 * cdiv(gdn_page, 16 * attn_bytes_1_token)`` (16 = the kernel alignment of
+  FLASH_ATTN / TRITON_ATTN) and the GDN page is padded up to the attention page.
+* Grouping (``kv_cache_utils._get_kv_cache_groups_uniform_page_size``): 16 full-attention
+  layers (+1 when the MTP drafter's attention layer shares the pool) and 48 GDN layers;
+  group size = the smaller count, so GDN layers form ``cdiv(48, group)`` groups.
+  ``num_blocks = kv_mem // page // group_size``.
+* The logged figure (``get_kv_cache_configs``: "GPU KV cache size: N tokens") is
+  ``int(num_blocks / blocks_per_request * max_model_len)`` where blocks_per_request sums
+  ``cdiv(max_len, block)`` for attention and ``(1 + k)`` (mode none) or ``(2 + k)``
+  (mode align, i.e. prefix caching) per GDN group. So the pool figure depends on max_len.
+
+KV_MEM pins inferred (the public 3090 runs publish pool sizes, not their pins):
+* long (int8_per_token_head, 131,072, MTP k=3, prefix cache): ``LONG_KV_MEM`` below is the
+  smallest whole MiB count whose predicted pool is >= 136,429 tokens; it reproduces the figure
+  within one block (<0.6%).
+* single-user int4 (256,000, MTP k=3, one seat): ``INT4_KV_MEM`` likewise for 266,520.
+* fast (bf16): the pin gives ~13,700 tokens per GiB at 65,536 / k=4 (checked in tests).
+The per-GiB bf16 figure is not a pure 16-layer count (16,384 tok/GiB): the MTP layer's KV, the
+GDN blocks each request holds and the block rounding take ~16% of it, which is why the public
+figure reads ~13,700.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+GiB = 1024**3
+MiB = 1024**2
+KERNEL_BLOCK_ALIGN = 16  # FLASH_ATTN and TRITON_ATTN: MultipleOf(16)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What the KV model needs from a Qwen3.5-style hybrid config."""
+
+    num_layers: int = 64
+    num_full_attention: int = 16
+    num_kv_heads: int = 4
+    head_dim: int = 256
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 48
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    conv_kernel: int = 4
+    mtp_layers: int = 1
+    dtype_bytes: int = 2  # bf16 weights/activations
+
+    @property
+    def num_gdn(self) -> int:
+        return self.num_layers - self.num_full_attention
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "ModelGeometry":
+        """Read a HF config.json dict (top level or nested ``text_config``)."""
+        text = cfg.get("text_config", cfg)
+        try:
+            n = int(text["num_hidden_layers"])
+            types = text.get("layer_types")
+            if types:
+                full = sum(1 for t in types[:n] if t == "full_attention")
+            else:
+                full = n // int(text.get("full_attention_interval", 4))
+            dt = str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+            return cls(
+                num_layers=n,
+                num_full_attention=full,
+                num_kv_heads=int(text["num_key_value_heads"]),
+                head_dim=int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]),
+                linear_num_key_heads=int(text["linear_num_key_heads"]),
+                linear_num_value_heads=int(text["linear_num_value_heads"]),
+                linear_key_head_dim=int(text["linear_key_head_dim"]),
+                linear_value_head_dim=int(text["linear_value_head_dim"]),
+                conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+                mtp_layers=int(text.get("mtp_num_hidden_layers", 0)),
+                dtype_bytes=4 if "32" in dt else 2,
+            )
+        except KeyError as e:
+            raise ValueError(f"config is not a Qwen3.5 hybrid config: missing {e.args[0]!r}") from None
+
+    @classmethod
+    def from_model_dir(cls, path: str | os.PathLike) -> "ModelGeometry":
+        p = Path(path) / "config.json"
+        if not p.is_file():
+            raise ValueError(f"no config.json in {path}")
+        return cls.from_config(json.loads(p.read_text()))
+
+
+QWEN38_27B = ModelGeometry()
+
+
+@dataclass(frozen=True)
+class KVDtype:
+    """Byte layout of one token of one attention layer's K+V for a --kv-cache-dtype."""
+
+    name: str  # the value passed to --kv-cache-dtype ("kvarn" comes from the kvarn patch)
+    elem_bytes: int
+    head_divisor: int  # int4 packs two values a byte
+    scale_bytes_per_head: int  # K and V scales per token per head, budgeted in the pool
+    note: str
+
+    def bytes_per_token_layer(self, num_kv_heads: int, head_dim: int) -> int:
+        return num_kv_heads * (2 * (head_dim // self.head_divisor) * self.elem_bytes + self.scale_bytes_per_head)
+
+
+KV_DTYPES: dict[str, KVDtype] = {
+    "bf16": KVDtype("auto", 2, 1, 0, "model dtype (bf16), no scales"),
+    "fp8": KVDtype("fp8", 1, 1, 0, "fp8 e4m3, per-tensor scale"),
+    "int8_per_token_head": KVDtype("int8_per_token_head", 1, 1, 8, "int8 + fp32 K/V scale per token-head"),
+    "int4_per_token_head": KVDtype("int4_per_token_head", 1, 2, 8, "uint8 2xint4 (RHT, asym zp) + fp32 K/V scale per token-head"),
+    # KVarN (issue: kvarn installer): 4-bit K, 2-bit V, fp16 scale+zero each. Estimate until
+    # the kvarn patch defines its spec; used only for the huge profile.
+    "kvarn": KVDtype("kvarn", 1, 1, 0, "KVarN 4-bit K / 2-bit V (estimate)"),
+}
+
+
+def attn_bytes_per_token(geom: ModelGeometry, kv: str) -> int:
+    """Bytes one token occupies in ONE attention layer."""
+    if kv == "kvarn":
+        h = geom.head_dim
+        return geom.num_kv_heads * (h // 2 + h // 4 + 8)
+    if kv not in KV_DTYPES:
+        raise ValueError(f"unknown KV dtype {kv!r}; valid: {', '.join(KV_DTYPES)}")
+    return KV_DTYPES[kv].bytes_per_token_layer(geom.num_kv_heads, geom.head_dim)
+
+
+def gdn_state_bytes(geom: ModelGeometry, num_spec: int = 0, ssm_state_bytes: int | None = None) -> int:
+    """One GDN layer's state page (conv + recurrent) for one sequence slot."""
+    conv_dim = geom.linear_key_head_dim * geom.linear_num_key_heads * 2 + geom.linear_value_head_dim * geom.linear_num_value_heads
+    conv = conv_dim * (geom.conv_kernel - 1 + num_spec) * geom.dtype_bytes
+    ssm = geom.linear_num_value_heads * geom.linear_value_head_dim * geom.linear_key_head_dim
+    return conv + ssm * (ssm_state_bytes or geom.dtype_bytes)
+
+
+def attention_block_size(geom: ModelGeometry, kv: str, num_spec: int = 0, ssm_state_bytes: int | None = None) -> int:
+    """Tokens per attention block after vLLM raises it so one page holds a GDN state."""
+    per_tok = attn_bytes_per_token(geom, kv)
+    return KERNEL_BLOCK_ALIGN * cdiv(gdn_state_bytes(geom, num_spec, ssm_state_bytes), KERNEL_BLOCK_ALIGN * per_tok)
+
+
+@dataclass
+class PoolPrediction:
+    kv: str
+    max_len: int
+    num_spec: int
+    prefix_cache: bool
+    kv_mem_bytes: int
+    block_size: int
+    page_bytes: int
+    group_size: int
+    gdn_groups: int
+    num_blocks: int
+    blocks_per_request: int
+    pool_tokens: int  # what vLLM logs as "GPU KV cache size: N tokens"
+    max_concurrency: float  # "Maximum concurrency for max_len tokens per request"
+    state_slots_per_seq: int = field(default=0)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def predict_pool(
+    geom: ModelGeometry,
+    kv_mem_bytes: int,
+    kv: str,
+    max_len: int,
+    num_spec: int = 0,
+    prefix_cache: bool = False,
+    mtp_in_pool: bool | None = None,
+    ssm_state_bytes: int | None = None,
+) -> PoolPrediction:
+    """Predict the pool vLLM 0.27.1 builds from ``kv_mem_bytes`` (the --kv-cache-memory pin)."""
+    if max_len <= 0 or kv_mem_bytes < 0:
+        raise ValueError("max_len must be > 0 and kv_mem_bytes >= 0")
+    if mtp_in_pool is None:
+        mtp_in_pool = num_spec > 0 and geom.mtp_layers > 0
+    block = attention_block_size(geom, kv, num_spec, ssm_state_bytes)
+    page = block * attn_bytes_per_token(geom, kv)
+    n_attn = geom.num_full_attention + (geom.mtp_layers if mtp_in_pool else 0)
+    n_gdn = geom.num_gdn
+    small, large = min(n_attn, n_gdn), max(n_attn, n_gdn)
+    group = large if large < small * 1.5 else small
+    gdn_groups = cdiv(n_gdn, group)
+    attn_groups = cdiv(n_attn, group)
+    num_blocks = max(int(kv_mem_bytes // page // group), 0)
+    per_gdn_group = (2 if prefix_cache else 1) + num_spec
+    bpr = attn_groups * cdiv(max_len, block) + gdn_groups * per_gdn_group
+    conc = num_blocks / bpr
+    return PoolPrediction(
+        kv=kv, max_len=max_len, num_spec=num_spec, prefix_cache=prefix_cache, kv_mem_bytes=kv_mem_bytes,
+        block_size=block, page_bytes=page, group_size=group, gdn_groups=gdn_groups, num_blocks=num_blocks,
+        blocks_per_request=bpr, pool_tokens=int(conc * max_len), max_concurrency=conc,
+        state_slots_per_seq=gdn_groups * per_gdn_group,
+    )
+
+
+def kv_mem_for_pool(geom: ModelGeometry, pool_tokens: int, kv: str, max_len: int, num_spec: int = 0,
+                    prefix_cache: bool = False, granularity: int = MiB) -> int:
+    """Smallest KV_MEM (multiple of ``granularity``) whose predicted pool is >= pool_tokens."""
+    probe = predict_pool(geom, GiB, kv, max_len, num_spec, prefix_cache)
+    per_block = probe.page_bytes * probe.group_size
+    blocks = cdiv(pool_tokens * probe.blocks_per_request, max_len)
+    while int(blocks / probe.blocks_per_request * max_len) < pool_tokens:
+        blocks += 1
+    return cdiv(blocks * per_block, granularity) * granularity
+
+
+def tokens_per_gib(geom: ModelGeometry, kv: str, max_len: int, num_spec: int = 0, prefix_cache: bool = False) -> float:
+    p = predict_pool(geom, 8 * GiB, kv, max_len, num_spec, prefix_cache)
+    return p.pool_tokens / 8
+
+
+def max_concurrency(geom: ModelGeometry, kv_mem_bytes: int, kv: str, max_len: int, num_spec: int = 0,
+                    prefix_cache: bool = False) -> int:
+    """Whole sequences of max_len that fit at once."""
+    return int(predict_pool(geom, kv_mem_bytes, kv, max_len, num_spec, prefix_cache).max_concurrency)
+
+
+# ---------------------------------------------------------------- weights and the rest of VRAM
+
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def safetensors_header(path: str | os.PathLike) -> dict:
+    """The JSON header of one .safetensors file (8-byte little-endian length + JSON)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 * MiB:
+            raise ValueError(f"{path}: not a safetensors file (header length {n})")
+        try:
+            return json.loads(f.read(n))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: bad safetensors header: {e}") from None
+
+
+def weight_bytes(model_dir: str | os.PathLike, skip_prefixes: tuple[str, ...] = ()) -> int:
+    """Total tensor bytes over every *.safetensors file of a checkpoint (headers only)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors in {model_dir}")
+    total = 0
+    for fp in files:
+        for name, meta in safetensors_header(fp).items():
+            if name == "__metadata__" or name.startswith(skip_prefixes):
+                continue
+            start, end = meta["data_offsets"]
+            total += end - start
+    return total
+
+
+# Reserves on a 24 GB card (measured on 3090s publicly; used only to estimate GPU_UTIL mode)
+CUDA_GRAPH_RESERVE = int(0.75 * GiB)  # FULL_AND_PIECEWISE graphs up to 8..32 tokens
+ACTIVATION_HEADROOM = int(1.25 * GiB)  # profile-run peak (prefill chunk 2048 + sampler)
+CUDA_CONTEXT = int(0.5 * GiB)
+
+
+def kv_mem_from_util(total_bytes: int, gpu_util: float, weights: int, graph_reserve: int = CUDA_GRAPH_RESERVE,
+                     activation: int = ACTIVATION_HEADROOM, context: int = CUDA_CONTEXT) -> int:
+    """KV bytes gpu_memory_utilization would leave; vLLM does NOT subtract graph memory itself,
+    so we do (that is why the profiles pin --kv-cache-memory instead)."""
+    return max(int(total_bytes * gpu_util) - weights - activation - context - graph_reserve, 0)
+
+
+# Inferred 3090 pins (see module docstring); profiles.py references these.
+LONG_KV_MEM = kv_mem_for_pool(QWEN38_27B, 136_429, "int8_per_token_head", 131_072, 3, True)
+INT4_KV_MEM = kv_mem_for_pool(QWEN38_27B, 266_520, "int4_per_token_head", 256_000, 3, True)

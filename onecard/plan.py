@@ -1,0 +1,328 @@
+"""Environment knobs + flags -> ServePlan (argv, child env, and why each value is what it is).
+
+The only place the launcher knobs are read. Order: built-in default < CTX/SPEC profile <
+``.env`` file < process environment; the preflight then may cap a value (source ``cap``) with a
+reason. Bad input raises :class:`PlanError` with one line naming the valid values.
+Never imports vllm or torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import stat
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from onecard import memory, profiles
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+SERVE_PREFIX = ["-m", "vllm.entrypoints.cli.main", "serve"]
+
+
+class PlanError(ValueError):
+    """A bad knob or an impossible configuration: str(e) is one line for the user."""
+
+
+@dataclass
+class Value:
+    value: object
+    source: str  # default | profile | .env | env | cap
+    reason: str = ""
+
+
+@dataclass
+class ServePlan:
+    values: dict[str, Value] = field(default_factory=dict)
+    argv: list[str] = field(default_factory=list)
+    child_env: dict[str, str] = field(default_factory=dict)  # added to the child's environment
+    notes: list[str] = field(default_factory=list)
+    prediction: dict | None = None
+    api_key: str | None = field(default=None, repr=False)
+
+    def get(self, name: str):
+        return self.values[name].value
+
+    def set(self, name: str, value, source: str, reason: str = "") -> None:
+        self.values[name] = Value(value, source, reason)
+
+    def cap(self, name: str, value, reason: str) -> None:
+        self.values[name] = Value(value, "cap", reason)
+
+    def to_json(self) -> dict:
+        return {
+            "values": {k: {"value": v.value, "source": v.source, "reason": v.reason} for k, v in self.values.items()},
+            "argv": self.argv,
+            "child_env": sorted(self.child_env),  # names only: values may be secret
+            "notes": self.notes,
+            "prediction": self.prediction,
+            "api_key_set": self.api_key is not None,
+        }
+
+
+# ------------------------------------------------------------------ environment sources
+
+def read_dotenv(path: Path) -> dict[str, str]:
+    if not path.is_file():
+        return {}
+    from dotenv import dotenv_values
+
+    return {k: v for k, v in dotenv_values(path).items() if v is not None}
+
+
+def read_api_key(env: Mapping[str, str], dotenv: Mapping[str, str], root: Path) -> tuple[str | None, str]:
+    """(key, where it came from). api_key.txt must be mode 0600."""
+    if env.get("VLLM_API_KEY"):
+        return env["VLLM_API_KEY"], "env"
+    if dotenv.get("VLLM_API_KEY"):
+        return dotenv["VLLM_API_KEY"], ".env"
+    kf = root / "api_key.txt"
+    if kf.is_file():
+        mode = stat.S_IMODE(kf.stat().st_mode)
+        if mode & 0o077:
+            raise PlanError(f"api_key.txt has mode {mode:o}; it must be 600 (chmod 600 api_key.txt)")
+        key = kf.read_text().strip()
+        if key:
+            return key, "api_key.txt"
+    return None, ""
+
+
+def parse_bytes(text: str, name: str) -> int:
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(t[-1:] if t else "", 1)
+    num = t[:-1] if mult != 1 else t
+    try:
+        v = float(num)
+    except ValueError:
+        raise PlanError(f"{name}={text!r} is not a size; valid: bytes, or a number with K/M/G (e.g. 5.2G), or 'auto'") from None
+    if v <= 0 or v > 1024**4:
+        raise PlanError(f"{name}={text!r} out of range; valid: 1 byte .. 1T, or 'auto'")
+    return int(v * mult)
+
+
+def parse_int(text: str, name: str, lo: int, hi: int) -> int:
+    try:
+        v = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise PlanError(f"{name}={text!r} is not an integer; valid: {lo}..{hi}") from None
+    if not lo <= v <= hi:
+        raise PlanError(f"{name}={text!r} out of range; valid: {lo}..{hi}")
+    return v
+
+
+def parse_choice(text: str, knob: profiles.Knob) -> str:
+    if text not in knob.choices:
+        shown = "|".join(c if c else "''" for c in knob.choices)
+        raise PlanError(f"{knob.name}={text!r} is not valid; valid: {shown}")
+    return text
+
+
+# ------------------------------------------------------------------ the plan
+
+def resolve(environ: Mapping[str, str], root: Path | str = ".") -> ServePlan:
+    """Resolve every knob to a value with its source (no preflight, no argv yet)."""
+    root = Path(root)
+    dot = read_dotenv(root / ".env")
+    plan = ServePlan()
+
+    def raw(name: str) -> tuple[str | None, str]:
+        if name in environ and environ[name] != "":
+            return environ[name], "env"
+        if name in dot and dot[name] != "":
+            return dot[name], ".env"
+        return None, ""
+
+    for name in profiles.KNOBS:
+        if name == "VLLM_API_KEY":
+            continue
+        v, src = raw(name)
+        k = profiles.KNOBS[name]
+        if v is None:
+            plan.set(name, k.default, "default")
+        else:
+            plan.set(name, v.strip(), src)
+            if k.choices:
+                parse_choice(v.strip(), k)
+    unknown = sorted(n for n in environ if n.startswith("ONECARD_") and n not in ("ONECARD_ROOT",))
+    if unknown:
+        raise PlanError(f"unknown knob {unknown[0]}; valid: {', '.join(profiles.KNOBS)}")
+
+    ctx = profiles.CTX_PROFILES[plan.get("CTX")]
+    spec = profiles.SPEC_PROFILES[plan.get("SPEC")]
+    for feat in (ctx.needs, spec.needs):
+        if feat and not profiles.feature_installed(feat):
+            which = "CTX=huge" if feat == "kvarn" else "SPEC=dflash2"
+            raise PlanError(f"{which} needs {feat}, which is not installed yet ({profiles.FEATURE_ISSUES[feat]}); "
+                            f"valid now: CTX=fast|long, SPEC=off|mtp")
+
+    # KV dtype
+    if plan.values["KV"].source == "default":
+        plan.set("KV", ctx.kv, "profile", f"CTX={ctx.name}")
+    kv = plan.get("KV")
+    if plan.values["KV"].source != "profile" and ctx.name == "huge":
+        raise PlanError("KV cannot be overridden with CTX=huge (KVarN); valid: CTX=fast|long with KV")
+
+    # k
+    if spec.name == "off":
+        k = 0
+        for n in ("SPEC_K", "DFLASH_TOKENS"):
+            if plan.values[n].source != "default":
+                raise PlanError(f"{n} needs SPEC=mtp|dflash2; valid with SPEC=off: unset")
+        plan.set("SPEC_K", 0, "profile", "SPEC=off")
+    elif spec.name == "mtp":
+        if plan.values["DFLASH_TOKENS"].source != "default":
+            raise PlanError("DFLASH_TOKENS needs SPEC=dflash2; valid with SPEC=mtp: SPEC_K=1..7")
+        if plan.values["SPEC_K"].source == "default":
+            plan.set("SPEC_K", spec.k_default[ctx.name], "profile", f"SPEC=mtp CTX={ctx.name}")
+        else:
+            plan.values["SPEC_K"].value = parse_int(plan.get("SPEC_K"), "SPEC_K", *spec.k_range)
+    else:  # dflash2
+        if plan.values["SPEC_K"].source != "default":
+            raise PlanError("SPEC_K is for SPEC=mtp; with SPEC=dflash2 use DFLASH_TOKENS=7..15")
+        if plan.values["DFLASH_TOKENS"].source == "default":
+            plan.set("SPEC_K", spec.k_default[ctx.name], "profile", "SPEC=dflash2")
+        else:
+            plan.set("SPEC_K", parse_int(plan.get("DFLASH_TOKENS"), "DFLASH_TOKENS", *spec.k_range),
+                     plan.values["DFLASH_TOKENS"].source, "DFLASH_TOKENS")
+    if plan.get("LOOKUP") == "1" and spec.name != "dflash2":
+        raise PlanError("LOOKUP=1 needs SPEC=dflash2; valid otherwise: LOOKUP=0")
+
+    # sizes
+    for name, default, lo, hi in (("MAX_LEN", ctx.max_len, 256, 1_048_576), ("MAX_SEQS", ctx.max_seqs, 1, 256)):
+        if plan.values[name].source == "default":
+            plan.set(name, default, "profile", f"CTX={ctx.name}")
+        else:
+            plan.values[name].value = parse_int(plan.get(name), name, lo, hi)
+    plan.values["PORT"].value = parse_int(str(plan.get("PORT")), "PORT", 1, 65535)
+    try:
+        util = float(plan.get("GPU_UTIL"))
+    except ValueError:
+        raise PlanError(f"GPU_UTIL={plan.get('GPU_UTIL')!r} is not a number; valid: 0.10..0.99") from None
+    if not 0.10 <= util <= 0.99:
+        raise PlanError(f"GPU_UTIL={plan.get('GPU_UTIL')!r} out of range; valid: 0.10..0.99")
+    plan.values["GPU_UTIL"].value = util
+
+    kv_mem_raw = plan.get("KV_MEM")
+    if plan.values["KV_MEM"].source == "default":
+        pin = spec.kv_mem.get(ctx.name, ctx.kv_mem)
+        plan.set("KV_MEM", pin, "profile", f"3090 pin for CTX={ctx.name}" + (f" SPEC={spec.name}" if ctx.name in spec.kv_mem else ""))
+    elif str(kv_mem_raw).lower() == "auto":
+        plan.values["KV_MEM"].value = "auto"
+    else:
+        plan.values["KV_MEM"].value = parse_bytes(str(kv_mem_raw), "KV_MEM")
+
+    # model + drafter
+    model = plan.get("MODEL")
+    if model == "tiny":
+        plan.set("MODEL", "tiny", plan.values["MODEL"].source, "resolved at launch by ensure_tiny_model()")
+    if spec.name == "dflash2":
+        draft = Path(plan.get("DRAFT"))
+        if not (draft / "config.json").is_file():
+            raise PlanError(f"SPEC=dflash2 needs a drafter: DRAFT={draft} has no config.json; set DRAFT=<drafter dir>")
+    if plan.values["DRAFT"].source != "default" and spec.name != "dflash2":
+        plan.notes.append(f"DRAFT is ignored with SPEC={spec.name}")
+
+    # host + key
+    host = plan.get("HOST")
+    key, key_src = read_api_key(environ, dot, root)
+    if host not in LOOPBACK and key is None:
+        raise PlanError(f"HOST={host} binds beyond loopback; set VLLM_API_KEY (env, .env, or api_key.txt mode 600) "
+                        f"or use HOST=127.0.0.1|localhost|::1")
+    plan.api_key = key
+    if key:
+        plan.set("VLLM_API_KEY", "***", key_src)
+    try:
+        extra = shlex.split(plan.get("EXTRA_ARGS"))
+    except ValueError as e:
+        raise PlanError(f"EXTRA_ARGS is not valid shell words ({e}); valid: e.g. EXTRA_ARGS='--seed 1'") from None
+    if "--api-key" in extra or any(a.startswith("--api-key=") for a in extra):
+        raise PlanError("EXTRA_ARGS must not carry --api-key (it would show in the process list); use VLLM_API_KEY")
+    plan.set("EXTRA_ARGS", extra, plan.values["EXTRA_ARGS"].source)
+    return plan
+
+
+def tensor_parallel(extra: list[str]) -> int:
+    for i, a in enumerate(extra):
+        for flag in ("--tensor-parallel-size", "-tp"):
+            if a == flag and i + 1 < len(extra):
+                try:
+                    return int(extra[i + 1])
+                except ValueError:
+                    raise PlanError(f"{flag} {extra[i + 1]!r} in EXTRA_ARGS is not an integer") from None
+            if a.startswith(flag + "="):
+                return int(a.split("=", 1)[1])
+    return 1
+
+
+def build_argv(plan: ServePlan, python: str = sys.executable, model_path: str | None = None) -> list[str]:
+    v = plan.get
+    kv = memory.KV_DTYPES.get(v("KV"))
+    argv = [python, *SERVE_PREFIX, model_path or str(v("MODEL")),
+            "--served-model-name", v("SERVED_NAME"),
+            "--host", v("HOST"), "--port", str(v("PORT")),
+            "--max-model-len", str(v("MAX_LEN")), "--max-num-seqs", str(v("MAX_SEQS"))]
+    if v("KV_MEM") == "auto" or v("KV_MEM") is None:
+        argv += ["--gpu-memory-utilization", str(v("GPU_UTIL"))]
+    else:
+        argv += ["--kv-cache-memory-bytes", str(v("KV_MEM"))]
+    if kv is not None and kv.name != "auto":
+        argv += ["--kv-cache-dtype", kv.name]
+    ctx = profiles.CTX_PROFILES[v("CTX")]
+    if ctx.attention_backend and v("KV") == ctx.kv:
+        argv += ["--attention-backend", ctx.attention_backend]
+    elif v("KV") in ("int8_per_token_head", "int4_per_token_head"):
+        argv += ["--attention-backend", "TRITON_ATTN"]
+    if v("PREFIX_CACHE") == "1":
+        argv += ["--enable-prefix-caching", "--mamba-cache-mode", "align"]
+    else:
+        argv += ["--no-enable-prefix-caching"]
+    spec = profiles.SPEC_PROFILES[v("SPEC")]
+    if spec.method:
+        sc: dict = {"method": spec.method, "num_speculative_tokens": v("SPEC_K")}
+        if spec.name == "dflash2":
+            sc["model"] = str(v("DRAFT"))
+            if v("LOOKUP") == "1":
+                sc["prompt_lookup"] = True
+        argv += ["--speculative-config", json.dumps(sc, separators=(",", ":"))]
+    if "CUDAGRAPH_SIZES" in plan.values:
+        argv += ["-cc", json.dumps({"cudagraph_capture_sizes": plan.get("CUDAGRAPH_SIZES")}, separators=(",", ":"))]
+    if v("TOOLS") == "1":
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", v("TOOL_PARSER")]
+    if v("REASONING_PARSER") != "none":
+        argv += ["--reasoning-parser", v("REASONING_PARSER")]
+    argv += ["--default-chat-template-kwargs", json.dumps({"enable_thinking": v("THINKING") == "1"})]
+    if v("GDN_PREFILL"):
+        argv += ["--additional-config", json.dumps({"gdn_prefill_backend": v("GDN_PREFILL")})]
+    argv += list(v("EXTRA_ARGS"))
+    return argv
+
+
+def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", python: str = sys.executable,
+              model_path: str | None = None, geometry: memory.ModelGeometry | None = None) -> ServePlan:
+    """resolve -> preflight -> argv. The one entry point for launch, tests and jobs."""
+    from onecard import preflight
+
+    environ = dict(os.environ if environ is None else environ)
+    plan = resolve(environ, root)
+    preflight.run_checks(plan, geometry or memory.QWEN38_27B)
+    plan.argv = build_argv(plan, python, model_path)
+    if plan.api_key:
+        plan.child_env["VLLM_API_KEY"] = plan.api_key
+    return plan
+
+
+def format_table(plan: ServePlan) -> str:
+    rows = [("knob", "value", "source", "reason")]
+    for name, val in plan.values.items():
+        shown = " ".join(val.value) if isinstance(val.value, list) else str(val.value)
+        rows.append((name, shown, val.source, val.reason))
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    out = [f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]}".rstrip() for r in rows]
+    p = plan.prediction
+    if p:
+        out.append(f"predicted pool: {p['pool_tokens']:,} tokens (block {p['block_size']}, {p['num_blocks']} blocks, "
+                   f"max concurrency {p['max_concurrency']:.2f}x at {p['max_len']:,})")
+    out += [f"note: {n}" for n in plan.notes]
+    return "\n".join(out)

@@ -1,0 +1,180 @@
+"""Every launcher default, as data. One place to read what a knob does and what it defaults to.
+
+CTX picks the context profile, SPEC the speculation method; the tables below give the values
+each one implies. `onecard.plan` is the only reader of the environment; nothing else reads
+these knobs. `render_readme()` writes single-user/README.md from this module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from onecard import memory
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class CtxProfile:
+    name: str
+    kv: str  # key of onecard.memory.KV_DTYPES
+    max_len: int
+    max_seqs: int
+    attention_backend: str | None
+    kv_mem: int  # --kv-cache-memory-bytes pin for a 24 GB card (3090)
+    needs: str | None  # feature that must be installed, else the plan refuses
+    doc: str
+
+
+CTX_PROFILES: dict[str, CtxProfile] = {
+    "fast": CtxProfile(
+        "fast", "bf16", 65_536, 8, None,
+        memory.kv_mem_for_pool(memory.QWEN38_27B, 72_992, "bf16", 65_536, 4, True),
+        None, "bf16 KV, 64k context; public 3090 pool 68,605-72,992 tokens"),
+    "long": CtxProfile(
+        "long", "int8_per_token_head", 131_072, 4, "TRITON_ATTN", memory.LONG_KV_MEM,
+        None, "int8 per-token-head KV on TRITON_ATTN, 128k; public 3090 pool 136,429 tokens"),
+    "huge": CtxProfile(
+        "huge", "kvarn", 245_760, 2, None, memory.LONG_KV_MEM,
+        "kvarn", "KVarN 4/2-bit KV, 245,760 context; public 3090 pool 268,169 tokens"),
+}
+
+
+@dataclass(frozen=True)
+class SpecProfile:
+    name: str
+    method: str | None  # speculative_config["method"]
+    k_default: dict[str, int]  # per CTX
+    k_range: tuple[int, int]
+    needs: str | None
+    kv_mem: dict[str, int] = field(default_factory=dict)  # CTX -> pin override
+    doc: str = ""
+
+
+SPEC_PROFILES: dict[str, SpecProfile] = {
+    "off": SpecProfile("off", None, {"fast": 0, "long": 0, "huge": 0}, (0, 0), None, doc="no speculation"),
+    "mtp": SpecProfile("mtp", "mtp", {"fast": 4, "long": 3, "huge": 3}, (1, 7), None,
+                       doc="the checkpoint's MTP layer drafts k tokens"),
+    "dflash2": SpecProfile(
+        "dflash2", "dflash", {"fast": 7, "long": 7, "huge": 7}, (7, 15), "dflash2",
+        kv_mem={"fast": memory.kv_mem_for_pool(memory.QWEN38_27B, 68_605, "bf16", 65_536, 7, True),
+                "long": memory.LONG_KV_MEM, "huge": memory.LONG_KV_MEM},
+        doc="DFlash2 block drafter (DRAFT path), DFLASH_TOKENS 7..15"),
+}
+
+SINGLE_USER = {"CTX": "long", "KV": "int4_per_token_head", "MAX_LEN": "256000", "MAX_SEQS": "1",
+               "KV_MEM": str(memory.INT4_KV_MEM)}
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    default: str
+    valid: str  # human description of valid values
+    doc: str
+    choices: tuple[str, ...] = ()
+
+
+BOOL = ("0", "1")
+KNOBS: dict[str, Knob] = {k.name: k for k in [
+    Knob("CTX", "fast", "fast|long|huge", "context profile (KV dtype, max_len, MAX_SEQS, KV_MEM pin)", tuple(CTX_PROFILES)),
+    Knob("SPEC", "mtp", "off|mtp|dflash2", "speculative decoding method", tuple(SPEC_PROFILES)),
+    Knob("SPEC_K", "", "1..7 (mtp)", "draft tokens per step; default per profile (mtp 4 fast / 3 long+huge)"),
+    Knob("DFLASH_TOKENS", "", "7..15", "DFlash2 block size (draft tokens), default 7"),
+    Knob("LOOKUP", "0", "0|1", "DFlash2 prompt-lookup drafting on top of the drafter", BOOL),
+    Knob("KV", "", "bf16|fp8|int8_per_token_head|int4_per_token_head", "override the profile's KV cache dtype",
+         ("bf16", "fp8", "int8_per_token_head", "int4_per_token_head")),
+    Knob("PREFIX_CACHE", "1", "0|1", "prefix caching (+ --mamba-cache-mode align)", BOOL),
+    Knob("MAX_SEQS", "", "1..256", "max concurrent sequences; default per profile"),
+    Knob("KV_MEM", "", "bytes, or with K/M/G suffix, or 'auto'", "KV pool pin (--kv-cache-memory-bytes); 'auto' uses GPU_UTIL"),
+    Knob("GPU_UTIL", "0.92", "0.10..0.99", "gpu_memory_utilization when KV_MEM=auto"),
+    Knob("MAX_LEN", "", "256..1048576", "max model length; default per profile"),
+    Knob("PORT", "18020", "1..65535", "listen port"),
+    Knob("HOST", "127.0.0.1", "address", "listen address; beyond loopback needs an API key"),
+    Knob("MODEL", "models/qwen38-27b", "path, or 'tiny'", "checkpoint directory; 'tiny' builds the CPU-sized test model"),
+    Knob("SERVED_NAME", "qwen3.8-27b", "name", "model name clients use"),
+    Knob("DRAFT", "models/dflash2-drafter", "path", "DFlash2 drafter checkpoint (SPEC=dflash2)"),
+    Knob("TOOLS", "1", "0|1", "auto tool choice", BOOL),
+    Knob("TOOL_PARSER", "qwen3_coder", "qwen3_coder|qwen3_xml|hermes", "tool-call parser",
+         ("qwen3_coder", "qwen3_xml", "hermes")),
+    Knob("REASONING_PARSER", "qwen3", "qwen3|none", "reasoning parser", ("qwen3", "none")),
+    Knob("THINKING", "1", "0|1", "default enable_thinking in the chat template", BOOL),
+    Knob("GDN_PREFILL", "", "triton|''", "GDN prefill backend (additional-config); set triton on H100/H200", ("", "triton")),
+    Knob("EXTRA_ARGS", "", "shell words", "appended last to vllm serve"),
+    Knob("VLLM_API_KEY", "", "string", "API key (or .env, or api_key.txt mode 0600); never printed"),
+]}
+
+
+FEATURE_MARKERS = {"kvarn": "kvarn_installed.txt", "dflash2": "dflash2_installed.txt"}
+FEATURE_ISSUES = {"kvarn": "the KVarN issue (kvarn/install.sh)", "dflash2": "the DFlash2 issue"}
+
+
+def feature_installed(name: str) -> bool:
+    """A later feature (KVarN, DFlash2) is present when its installer left the marker file
+    ``vllm/<name>_installed.txt`` inside the installed vllm package (kvarn/install.sh writes
+    ``kvarn_installed.txt``). Found with importlib.util.find_spec: vllm is not imported."""
+    import importlib.util
+    from pathlib import Path
+
+    marker = FEATURE_MARKERS[name]
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any((Path(p) / marker).is_file() for p in spec.submodule_search_locations)
+
+
+def kvarn_installed() -> bool:
+    return feature_installed("kvarn")
+
+
+def render_readme() -> str:
+    """single-user/README.md, generated (tests check the committed file equals this)."""
+    lines = [
+        "# single-user: one seat, 256k context",
+        "",
+        "<!-- generated by onecard.profiles.render_readme(); edit profiles.py, then run",
+        "     python -c 'from onecard.profiles import write_readme; write_readme()' -->",
+        "",
+        "`alternative.sh` starts the server with int4 per-token-head KV and MAX_LEN 256,000 for",
+        "a single user:",
+        "",
+        "| knob | value |",
+        "|---|---|",
+    ]
+    lines += [f"| `{k}` | `{v}` |" for k, v in SINGLE_USER.items()]
+    lines += ["", "Any knob below can still be set in the environment or in `.env`.", "",
+              "## Every knob", "", "| knob | default | valid | what |", "|---|---|---|---|"]
+    for k in KNOBS.values():
+        lines.append(f"| `{k.name}` | `{k.default}` | {k.valid} | {k.doc} |")
+    lines += ["", "## CTX profiles", "", "| CTX | KV | max_len | MAX_SEQS | backend | KV_MEM pin | needs | note |",
+              "|---|---|---|---|---|---|---|---|"]
+    for p in CTX_PROFILES.values():
+        lines.append(f"| {p.name} | {p.kv} | {p.max_len:,} | {p.max_seqs} | {p.attention_backend or 'default'} | "
+                     f"{p.kv_mem:,} | {p.needs or '-'} | {p.doc} |")
+    lines += ["", "## SPEC profiles", "", "| SPEC | method | k (fast/long/huge) | k range | needs | note |",
+              "|---|---|---|---|---|---|"]
+    for s in SPEC_PROFILES.values():
+        ks = "/".join(str(s.k_default[c]) for c in CTX_PROFILES)
+        lines.append(f"| {s.name} | {s.method or '-'} | {ks} | {s.k_range[0]}..{s.k_range[1]} | {s.needs or '-'} | {s.doc} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_readme(path: str = "single-user/README.md") -> None:
+    import os
+    import tempfile
+
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".readme.")
+    with os.fdopen(fd, "w") as f:
+        f.write(render_readme())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def single_user_exports() -> str:
+    """Shell lines for single-user/alternative.sh: each SINGLE_USER value unless already set."""
+    import shlex
+
+    return "\n".join(f': "${{{k}:={shlex.quote(v)}}}"; export {k}' for k, v in SINGLE_USER.items())
