@@ -1,0 +1,1 @@
+"""Triton kernels with plain-torch references (see reference.py)."""

@@ -1,0 +1,264 @@
+"""Plain-torch references for onecard's Triton kernels, and builders of paged KV test cases.
+
+``reference_verify_attention`` computes the wide-verify attention in float64 straight from
+vLLM 0.27.1's paged cache layout (TRITON_ATTN backend), dequantizing int8 / int4 per-token-head
+entries with the formats described in ``onecard.kernels.wide_verify``.
+
+``make_verify_case`` builds a random batch the way the TRITON_ATTN backend lays it out: one
+packed allocation of logical shape (num_blocks, num_kv_heads, block_size, 2 * padded_head)
+split into K and V views [num_blocks, block_size, num_kv_heads, padded_head], float32 scale
+views carved from the padding bytes, a shuffled block table and ragged sequence lengths. The
+quantizers here mirror vLLM's write path (int8: absmax / 127, round half away from zero; int4:
+randomized Hadamard rotation, asymmetric 4-bit with the zero point hidden in the scale's low
+mantissa bits) so the data has realistic statistics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+KV_DTYPES = ("bf16", "int8", "int4")
+
+
+def _hadamard(d: int, dtype=torch.float64, device="cpu") -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=dtype, device=device)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def _rht_signs(d: int, device) -> torch.Tensor:
+    from vllm.v1.attention.ops.int4_per_token_head import _get_rht_signs
+
+    return _get_rht_signs(d, 0, torch.device("cpu")).to(device=device, dtype=torch.float64)
+
+
+def rht_forward(x: torch.Tensor) -> torch.Tensor:
+    """H . (signs * x) along the last dim, unnormalized (vLLM ``single_rht``), in float64."""
+    d = x.shape[-1]
+    x = x.double() * _rht_signs(d, x.device)
+    return x @ _hadamard(d, device=x.device)
+
+
+def rht_inverse(y: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`rht_forward` (signs * H . y / d), in float64."""
+    d = y.shape[-1]
+    return (y.double() @ _hadamard(d, device=y.device)) * _rht_signs(d, y.device) / d
+
+
+def _split_scale_bits(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    bits = scale.contiguous().view(torch.int32)
+    zp = (bits & 0xF).double()
+    sc = (bits & -16).view(torch.float32).double()
+    return sc, zp
+
+
+def dequant_tokens(data: torch.Tensor, scale: torch.Tensor | None, kv_dtype: str,
+                   head_dim: int) -> torch.Tensor:
+    """[N, H, D_store] cache rows (+ [N, H] float32 scales) -> [N, H, head_dim] float64 in
+    the model's domain (int4 rows are rotated back)."""
+    if kv_dtype == "bf16":
+        return data[..., :head_dim].double()
+    if kv_dtype == "int8":
+        return data[..., :head_dim].double() * scale.double()[..., None]
+    if kv_dtype == "int4":
+        packed = data[..., : head_dim // 2].to(torch.int32)
+        nib = torch.stack([packed & 0xF, (packed >> 4) & 0xF], dim=-1).reshape(
+            *packed.shape[:-1], head_dim).double()
+        sc, zp = _split_scale_bits(scale)
+        return rht_inverse((nib - zp[..., None]) * sc[..., None])
+    raise ValueError(f"kv_dtype {kv_dtype!r} is not valid; valid: {', '.join(KV_DTYPES)}")
+
+
+def reference_verify_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    kv_dtype: str = "bf16",
+    k_scale_cache: torch.Tensor | None = None,
+    v_scale_cache: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Float64 causal verify attention; returns [T, Hq, D] float64 (rows of tokens outside every
+    sequence are left zero)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    page = key_cache.shape[1]
+    num_kv_heads = key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float64, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for s, seq_len in enumerate(lens):
+        q0, q1 = cu[s], cu[s + 1]
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        pos = torch.arange(seq_len, device=q.device)
+        blk = block_table[s, pos // page].long()
+        slot = pos % page
+        ks = k_scale_cache[blk, slot] if k_scale_cache is not None else None
+        vs = v_scale_cache[blk, slot] if v_scale_cache is not None else None
+        k = dequant_tokens(key_cache[blk, slot], ks, kv_dtype, head_dim)  # [L, Hkv, D]
+        v = dequant_tokens(value_cache[blk, slot], vs, kv_dtype, head_dim)
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        qs = q[q0:q1].double()  # [ql, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * softmax_scale
+        limit = seq_len - q_len + torch.arange(q_len, device=q.device) + 1
+        mask = pos[None, :] >= limit[:, None]
+        scores = scores.masked_fill(mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Random cases in vLLM's layout
+# ---------------------------------------------------------------------------------------------
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] -> int8 data, float32 scale (absmax / 127, round half away from zero)."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1) / 127.0).clamp_min(1e-6)
+    y = xf / scale[..., None]
+    y = torch.where(y >= 0, y + 0.5, y - 0.5).trunc().clamp(-128, 127)
+    return y.to(torch.int8), scale
+
+
+def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] -> packed uint8 [..., D/2] (rotated, asymmetric) and float32 scale with zp bits."""
+    r = rht_forward(x.float()).float()
+    lo, hi = r.amin(-1), r.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-6)
+    z = -lo / scale
+    zp = torch.where(z >= 0, z + 0.5, z - 0.5).trunc().clamp(0, 15)
+    nib = (r / scale[..., None] + zp[..., None])
+    nib = torch.where(nib >= 0, nib + 0.5, nib - 0.5).trunc().clamp(0, 15).to(torch.int32)
+    packed = (nib[..., 0::2] | (nib[..., 1::2] << 4)).to(torch.uint8)
+    bits = (scale.contiguous().view(torch.int32) & -16) | zp.to(torch.int32)
+    return packed, bits.view(torch.float32)
+
+
+@dataclass
+class VerifyCase:
+    q: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    k_scale_cache: torch.Tensor | None
+    v_scale_cache: torch.Tensor | None
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    softmax_scale: float
+    kv_dtype: str
+    max_query_len: int
+    max_seq_len: int
+    kv_cache: torch.Tensor = field(repr=False, default=None)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K/V (+ scales) a kernel must read once for this batch."""
+        nkv, d = self.key_cache.shape[2], self.q.shape[2]
+        per_head = {"bf16": 2 * d, "int8": d + 4, "int4": d // 2 + 4}[self.kv_dtype]
+        return int(self.seq_lens.sum().item()) * nkv * 2 * per_head
+
+    def reference(self) -> torch.Tensor:
+        return reference_verify_attention(
+            self.q, self.key_cache, self.value_cache, cu_seqlens_q=self.cu_seqlens_q,
+            seq_lens=self.seq_lens, block_table=self.block_table,
+            softmax_scale=self.softmax_scale, kv_dtype=self.kv_dtype,
+            k_scale_cache=self.k_scale_cache, v_scale_cache=self.v_scale_cache)
+
+
+def paged_views(kv_cache: torch.Tensor, head_dim: int, kv_dtype: str):
+    """TRITON_ATTN's views of one packed allocation of logical shape
+    (num_blocks, nkv, block_size, 2 * padded): K, V [nb, bs, nkv, padded] and, for int8/int4,
+    float32 scale views [nb, bs, nkv] over the bytes after the data of each half."""
+    nb, nkv, bs, content = kv_cache.shape
+    padded = content // 2
+    k, v = kv_cache.transpose(1, 2).split(padded, dim=-1)
+    if kv_dtype == "bf16":
+        return k, v, None, None
+    esz = kv_cache.element_size()
+    data = padded - 4 // esz
+    base = torch.tensor([], dtype=torch.float32, device=kv_cache.device).set_(
+        kv_cache.untyped_storage())
+    st = [s * esz // 4 for s in kv_cache.stride()]
+    off = kv_cache.storage_offset() * esz // 4
+    size, stride = (nb, bs, nkv), (st[0], st[2], st[1])
+    ks = torch.as_strided(base, size, stride, off + data * esz // 4)
+    vs = torch.as_strided(base, size, stride, off + (padded + data) * esz // 4)
+    return k, v, ks, vs
+
+
+def make_verify_case(
+    *,
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    kv_dtype: str,
+    extra_blocks: int = 3,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    generator: torch.Generator | None = None,
+) -> VerifyCase:
+    """Random verify batch; data drawn fresh from ``generator`` (never zeros)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype {kv_dtype!r} is not valid; valid: {', '.join(KV_DTYPES)}")
+    if len(q_lens) != len(seq_lens) or any(ql > sl or ql < 1 for ql, sl in zip(q_lens, seq_lens)):
+        raise ValueError("need one q_len per sequence with 1 <= q_len <= seq_len")
+    gen = generator
+    blocks_per_seq = [math.ceil(sl / block_size) for sl in seq_lens]
+    max_blocks = max(blocks_per_seq)
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_table = torch.zeros(len(seq_lens), max_blocks + 1, dtype=torch.int32)
+    i = 0
+    for s, nb in enumerate(blocks_per_seq):
+        block_table[s, :nb] = perm[i:i + nb].to(torch.int32)
+        block_table[s, nb:] = perm[-1].item()  # unused slots point at a real (unused) block
+        i += nb
+    if kv_dtype == "bf16":
+        padded, cdt = head_dim, dtype
+    elif kv_dtype == "int8":
+        padded, cdt = head_dim + 4, torch.int8
+    else:
+        padded, cdt = head_dim // 2 + 4, torch.uint8
+    kv_cache = torch.empty(num_blocks, num_kv_heads, block_size, 2 * padded, dtype=cdt)
+    k_c, v_c, ks_c, vs_c = paged_views(kv_cache, head_dim, kv_dtype)
+    # fill every slot (also unused ones) with random content
+    k_full = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_full = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    k_full = (k_full * 1.5 + 0.3).to(dtype)
+    v_full = v_full.to(dtype)
+    if kv_dtype == "bf16":
+        k_c.copy_(k_full)
+        v_c.copy_(v_full)
+    else:
+        quant = quantize_int8 if kv_dtype == "int8" else quantize_int4
+        for src, dst, sdst in ((k_full, k_c, ks_c), (v_full, v_c, vs_c)):
+            data, scale = quant(src)
+            dst[..., : data.shape[-1]].copy_(data)
+            sdst.copy_(scale)
+    total_q = sum(q_lens)
+    q = (torch.randn(total_q, num_q_heads, head_dim, generator=gen) * 1.2).to(dtype)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    dev = torch.device(device)
+    kv_cache = kv_cache.to(dev)
+    k_c, v_c, ks_c, vs_c = paged_views(kv_cache, head_dim, kv_dtype)
+    return VerifyCase(
+        q=q.to(dev), key_cache=k_c, value_cache=v_c, k_scale_cache=ks_c, v_scale_cache=vs_c,
+        cu_seqlens_q=cu.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        block_table=block_table.to(dev), softmax_scale=head_dim ** -0.5, kv_dtype=kv_dtype,
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens), kv_cache=kv_cache)
