@@ -1,0 +1,45 @@
+"""Shared fixtures. Tests that need the pinned vLLM skip cleanly where it is not installed."""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _vllm_dir() -> Path | None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]).resolve()
+
+
+@pytest.fixture(scope="session")
+def vllm_dir() -> Path:
+    path = _vllm_dir()
+    if path is None:
+        pytest.skip("vllm is not installed in this environment")
+    return path
+
+
+@pytest.fixture(scope="session")
+def patched_site(vllm_dir, tmp_path_factory) -> Path:
+    """A patched view of the installed vLLM (symlinks + patched copies); the install stays pristine."""
+    from onecard.patching import overlay
+
+    return overlay(vllm_dir, tmp_path_factory.mktemp("patched-site"))
+
+
+def copy_subset(vllm_dir: Path, rels: set[str], dest: Path) -> Path:
+    """Copy the named files of a vLLM install (plus _version.py and dist-info) to dest/vllm."""
+    site = vllm_dir.parent
+    for rel in set(rels) | {"vllm/__init__.py", "vllm/_version.py"}:
+        if (site / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(site / rel, dest / rel)
+    for info in site.glob("vllm-*.dist-info"):
+        shutil.copytree(info, dest / info.name)
+    return dest / "vllm"
