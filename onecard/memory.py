@@ -23,15 +23,23 @@ Pure functions, no torch, no vLLM, no GPU. Everything below mirrors the 0.27.1 s
   ``cdiv(max_len, block)`` for attention and ``(1 + k)`` (mode none) or ``(2 + k)``
   (mode align, i.e. prefix caching) per GDN group. So the pool figure depends on max_len.
 
-KV_MEM pins inferred (the public 3090 runs publish pool sizes, not their pins):
-* long (int8_per_token_head, 131,072, MTP k=3, prefix cache): ``LONG_KV_MEM`` below is the
-  smallest whole MiB count whose predicted pool is >= 136,429 tokens; it reproduces the figure
-  within one block (<0.6%).
-* single-user int4 (256,000, MTP k=3, one seat): ``INT4_KV_MEM`` likewise for 266,520.
-* fast (bf16): the pin gives ~13,700 tokens per GiB at 65,536 / k=4 (checked in tests).
-The per-GiB bf16 figure is not a pure 16-layer count (16,384 tok/GiB): the MTP layer's KV, the
-GDN blocks each request holds and the block rounding take ~16% of it, which is why the public
-figure reads ~13,700.
+GDN recurrent-state dtype: vLLM's Qwen3.5 hook (models/config.py) sets
+``mamba_ssm_cache_dtype`` from the checkpoint's ``mamba_ssm_dtype`` (float32 in Qwen3.5
+configs), so ``QWEN38_27B`` uses a 4-byte state and ``ModelGeometry.from_config`` reads it.
+The public 3090 figures, however, fit a bf16 state (``PUBLIC_3090``): with it all three agree
+(136,429 / 266,520 within one block, 13,734 tok/GiB vs ~13,700), with fp32 the per-GiB figure
+would read ~12,500 (-9%). So the public runs most likely had a bf16 SSM state, and their pins
+are inferred under that geometry. Booting the same pin on a float32-state checkpoint gives a
+smaller pool; the plan predicts that from the checkpoint's own config.
+
+KV_MEM pins inferred (the public runs publish pool sizes, not pins). Each is the smallest whole
+MiB whose predicted pool under ``PUBLIC_3090`` with MTP and prefix caching is >= the figure:
+* long (int8_per_token_head, 131,072, MTP k=3): ``LONG_KV_MEM`` (136,429 tokens).
+* single-user int4 (256,000, MTP k=3, one seat): ``INT4_KV_MEM`` (266,520 tokens).
+* fast (bf16, 65,536, MTP k=4): ``FAST_KV_MEM`` from the top of the 68,605-72,992 range;
+  ``FAST_DFLASH_KV_MEM`` (k=7) from its bottom (the wider conv window of k=7 costs blocks).
+The bf16 per-GiB figure is not a pure 16-layer count (16,384 tok/GiB): the MTP layer's KV, the
+GDN blocks each request holds and the block rounding take ~16% of it.
 """
 from __future__ import annotations
 
@@ -64,7 +72,8 @@ class ModelGeometry:
     linear_value_head_dim: int = 128
     conv_kernel: int = 4
     mtp_layers: int = 1
-    dtype_bytes: int = 2  # bf16 weights/activations
+    dtype_bytes: int = 2  # bf16 weights/activations (and the GDN conv state)
+    ssm_state_bytes: int = 4  # GDN recurrent state: config mamba_ssm_dtype (Qwen3.5: float32)
 
     @property
     def num_gdn(self) -> int:
@@ -82,6 +91,7 @@ class ModelGeometry:
             else:
                 full = n // int(text.get("full_attention_interval", 4))
             dt = str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+            ssm = str(text.get("mamba_ssm_dtype") or dt)
             return cls(
                 num_layers=n,
                 num_full_attention=full,
@@ -94,6 +104,7 @@ class ModelGeometry:
                 conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
                 mtp_layers=int(text.get("mtp_num_hidden_layers", 0)),
                 dtype_bytes=4 if "32" in dt else 2,
+                ssm_state_bytes=4 if "32" in ssm else 2,
             )
         except KeyError as e:
             raise ValueError(f"config is not a Qwen3.5 hybrid config: missing {e.args[0]!r}") from None
@@ -107,6 +118,8 @@ class ModelGeometry:
 
 
 QWEN38_27B = ModelGeometry()
+# The geometry the public 3090 figures fit: GDN recurrent state in bf16 (see module docstring).
+PUBLIC_3090 = ModelGeometry(ssm_state_bytes=2)
 
 
 @dataclass(frozen=True)
@@ -149,7 +162,7 @@ def gdn_state_bytes(geom: ModelGeometry, num_spec: int = 0, ssm_state_bytes: int
     conv_dim = geom.linear_key_head_dim * geom.linear_num_key_heads * 2 + geom.linear_value_head_dim * geom.linear_num_value_heads
     conv = conv_dim * (geom.conv_kernel - 1 + num_spec) * geom.dtype_bytes
     ssm = geom.linear_num_value_heads * geom.linear_value_head_dim * geom.linear_key_head_dim
-    return conv + ssm * (ssm_state_bytes or geom.dtype_bytes)
+    return conv + ssm * (ssm_state_bytes or geom.ssm_state_bytes)
 
 
 def attention_block_size(geom: ModelGeometry, kv: str, num_spec: int = 0, ssm_state_bytes: int | None = None) -> int:
@@ -286,5 +299,7 @@ def kv_mem_from_util(total_bytes: int, gpu_util: float, weights: int, graph_rese
 
 
 # Inferred 3090 pins (see module docstring); profiles.py references these.
-LONG_KV_MEM = kv_mem_for_pool(QWEN38_27B, 136_429, "int8_per_token_head", 131_072, 3, True)
-INT4_KV_MEM = kv_mem_for_pool(QWEN38_27B, 266_520, "int4_per_token_head", 256_000, 3, True)
+LONG_KV_MEM = kv_mem_for_pool(PUBLIC_3090, 136_429, "int8_per_token_head", 131_072, 3, True)
+INT4_KV_MEM = kv_mem_for_pool(PUBLIC_3090, 266_520, "int4_per_token_head", 256_000, 3, True)
+FAST_KV_MEM = kv_mem_for_pool(PUBLIC_3090, 72_992, "bf16", 65_536, 4, True)
+FAST_DFLASH_KV_MEM = kv_mem_for_pool(PUBLIC_3090, 68_605, "bf16", 65_536, 7, True)

@@ -82,7 +82,7 @@ def read_api_key(env: Mapping[str, str], dotenv: Mapping[str, str], root: Path) 
     if kf.is_file():
         mode = stat.S_IMODE(kf.stat().st_mode)
         if mode & 0o077:
-            raise PlanError(f"api_key.txt has mode {mode:o}; it must be 600 (chmod 600 api_key.txt)")
+            raise PlanError(f"api_key.txt has mode {mode:o}; valid: 600 (chmod 600 api_key.txt)")
         key = kf.read_text().strip()
         if key:
             return key, "api_key.txt"
@@ -162,7 +162,7 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".") -> ServePlan:
         plan.set("KV", ctx.kv, "profile", f"CTX={ctx.name}")
     kv = plan.get("KV")
     if plan.values["KV"].source != "profile" and ctx.name == "huge":
-        raise PlanError("KV cannot be overridden with CTX=huge (KVarN); valid: CTX=fast|long with KV")
+        raise PlanError("KV cannot be overridden with CTX=huge (KVarN); valid: KV with CTX=fast|long")
 
     # k
     if spec.name == "off":
@@ -180,7 +180,7 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".") -> ServePlan:
             plan.values["SPEC_K"].value = parse_int(plan.get("SPEC_K"), "SPEC_K", *spec.k_range)
     else:  # dflash2
         if plan.values["SPEC_K"].source != "default":
-            raise PlanError("SPEC_K is for SPEC=mtp; with SPEC=dflash2 use DFLASH_TOKENS=7..15")
+            raise PlanError("SPEC_K is for SPEC=mtp; valid with SPEC=dflash2: DFLASH_TOKENS=7..15")
         if plan.values["DFLASH_TOKENS"].source == "default":
             plan.set("SPEC_K", spec.k_default[ctx.name], "profile", "SPEC=dflash2")
         else:
@@ -220,7 +220,7 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".") -> ServePlan:
     if spec.name == "dflash2":
         draft = Path(plan.get("DRAFT"))
         if not (draft / "config.json").is_file():
-            raise PlanError(f"SPEC=dflash2 needs a drafter: DRAFT={draft} has no config.json; set DRAFT=<drafter dir>")
+            raise PlanError(f"SPEC=dflash2 needs a drafter: DRAFT={draft} has no config.json; valid: DRAFT=<drafter dir with config.json>")
     if plan.values["DRAFT"].source != "default" and spec.name != "dflash2":
         plan.notes.append(f"DRAFT is ignored with SPEC={spec.name}")
 
@@ -229,7 +229,7 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".") -> ServePlan:
     key, key_src = read_api_key(environ, dot, root)
     if host not in LOOPBACK and key is None:
         raise PlanError(f"HOST={host} binds beyond loopback; set VLLM_API_KEY (env, .env, or api_key.txt mode 600) "
-                        f"or use HOST=127.0.0.1|localhost|::1")
+                        f"or use a valid loopback HOST=127.0.0.1|localhost|::1")
     plan.api_key = key
     if key:
         plan.set("VLLM_API_KEY", "***", key_src)
@@ -238,7 +238,7 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".") -> ServePlan:
     except ValueError as e:
         raise PlanError(f"EXTRA_ARGS is not valid shell words ({e}); valid: e.g. EXTRA_ARGS='--seed 1'") from None
     if "--api-key" in extra or any(a.startswith("--api-key=") for a in extra):
-        raise PlanError("EXTRA_ARGS must not carry --api-key (it would show in the process list); use VLLM_API_KEY")
+        raise PlanError("EXTRA_ARGS must not carry --api-key (it would show in the process list); valid: set VLLM_API_KEY instead")
     plan.set("EXTRA_ARGS", extra, plan.values["EXTRA_ARGS"].source)
     return plan
 
@@ -250,9 +250,12 @@ def tensor_parallel(extra: list[str]) -> int:
                 try:
                     return int(extra[i + 1])
                 except ValueError:
-                    raise PlanError(f"{flag} {extra[i + 1]!r} in EXTRA_ARGS is not an integer") from None
+                    raise PlanError(f"{flag} {extra[i + 1]!r} in EXTRA_ARGS is not an integer; valid: 1..8") from None
             if a.startswith(flag + "="):
-                return int(a.split("=", 1)[1])
+                try:
+                    return int(a.split("=", 1)[1])
+                except ValueError:
+                    raise PlanError(f"{a!r} in EXTRA_ARGS is not an integer; valid: 1..8") from None
     return 1
 
 
@@ -274,6 +277,8 @@ def build_argv(plan: ServePlan, python: str = sys.executable, model_path: str | 
         argv += ["--attention-backend", ctx.attention_backend]
     elif v("KV") in ("int8_per_token_head", "int4_per_token_head"):
         argv += ["--attention-backend", "TRITON_ATTN"]
+    if v("SSM_DTYPE") != "auto":
+        argv += ["--mamba-ssm-cache-dtype", v("SSM_DTYPE")]
     if v("PREFIX_CACHE") == "1":
         argv += ["--enable-prefix-caching", "--mamba-cache-mode", "align"]
     else:

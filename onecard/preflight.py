@@ -38,8 +38,12 @@ def _has_flag_value(extra: list[str], flag: str, value: str) -> bool:
 def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B) -> ServePlan:
     from onecard.plan import tensor_parallel
 
+    import dataclasses
+
     extra = _extra(plan)
     k = int(plan.get("SPEC_K"))
+    if plan.get("SSM_DTYPE") != "auto":
+        geom = dataclasses.replace(geom, ssm_state_bytes=4 if plan.get("SSM_DTYPE") == "float32" else 2)
     # 1. TP > 1
     if tensor_parallel(extra) > 1 and plan.get("KV_MEM") != "auto":
         plan.cap("KV_MEM", "auto", "tensor parallel > 1 in EXTRA_ARGS: the single-card pin does not apply")

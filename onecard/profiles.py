@@ -28,7 +28,7 @@ class CtxProfile:
 CTX_PROFILES: dict[str, CtxProfile] = {
     "fast": CtxProfile(
         "fast", "bf16", 65_536, 8, None,
-        memory.kv_mem_for_pool(memory.QWEN38_27B, 72_992, "bf16", 65_536, 4, True),
+        memory.FAST_KV_MEM,
         None, "bf16 KV, 64k context; public 3090 pool 68,605-72,992 tokens"),
     "long": CtxProfile(
         "long", "int8_per_token_head", 131_072, 4, "TRITON_ATTN", memory.LONG_KV_MEM,
@@ -56,13 +56,15 @@ SPEC_PROFILES: dict[str, SpecProfile] = {
                        doc="the checkpoint's MTP layer drafts k tokens"),
     "dflash2": SpecProfile(
         "dflash2", "dflash", {"fast": 7, "long": 7, "huge": 7}, (7, 15), "dflash2",
-        kv_mem={"fast": memory.kv_mem_for_pool(memory.QWEN38_27B, 68_605, "bf16", 65_536, 7, True),
+        kv_mem={"fast": memory.FAST_DFLASH_KV_MEM,
                 "long": memory.LONG_KV_MEM, "huge": memory.LONG_KV_MEM},
         doc="DFlash2 block drafter (DRAFT path), DFLASH_TOKENS 7..15"),
 }
 
 SINGLE_USER = {"CTX": "long", "KV": "int4_per_token_head", "MAX_LEN": "256000", "MAX_SEQS": "1",
-               "KV_MEM": str(memory.INT4_KV_MEM)}
+               "KV_MEM": str(memory.INT4_KV_MEM), "SSM_DTYPE": "bfloat16"}
+# SSM_DTYPE=bfloat16: the public 256k pool fits a bf16 GDN state (onecard.memory docstring); with
+# the checkpoint's float32 state the same pin holds ~240k and the preflight would cap MAX_LEN.
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("LOOKUP", "0", "0|1", "DFlash2 prompt-lookup drafting on top of the drafter", BOOL),
     Knob("KV", "", "bf16|fp8|int8_per_token_head|int4_per_token_head", "override the profile's KV cache dtype",
          ("bf16", "fp8", "int8_per_token_head", "int4_per_token_head")),
+    Knob("SSM_DTYPE", "auto", "auto|bfloat16|float32",
+         "GDN recurrent-state dtype (auto: the checkpoint's mamba_ssm_dtype, float32 for Qwen3.5; "
+         "the public 3090 pools fit bfloat16)", ("auto", "bfloat16", "float32")),
     Knob("PREFIX_CACHE", "1", "0|1", "prefix caching (+ --mamba-cache-mode align)", BOOL),
     Knob("MAX_SEQS", "", "1..256", "max concurrent sequences; default per profile"),
     Knob("KV_MEM", "", "bytes, or with K/M/G suffix, or 'auto'", "KV pool pin (--kv-cache-memory-bytes); 'auto' uses GPU_UTIL"),

@@ -1,0 +1,195 @@
+"""env -> ServePlan: golden argv per CTX x SPEC, bad inputs, sources, API key handling."""
+import importlib.util
+import os
+import shlex
+import types
+from pathlib import Path
+
+import pytest
+
+from onecard import plan as P
+from onecard import profiles
+
+GOLDEN = Path(__file__).parent / "golden" / "launch"
+
+
+@pytest.fixture
+def root(tmp_path):
+    return tmp_path
+
+
+@pytest.fixture
+def features(tmp_path, monkeypatch):
+    """Pretend KVarN and DFlash2 are installed (marker files in a fake vllm dir)."""
+    d = tmp_path / "fakevllm"
+    d.mkdir()
+    for marker in profiles.FEATURE_MARKERS.values():
+        (d / marker).write_text("1")
+    fake = types.SimpleNamespace(submodule_search_locations=[str(d)])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: fake)
+    draft = tmp_path / "drafter"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    return draft
+
+
+def mk(env, root, **kw):
+    return P.make_plan(env, root, python="python3", **kw)
+
+
+COMBOS = [(c, s) for c in ("fast", "long", "huge") for s in ("off", "mtp", "dflash2")]
+
+
+@pytest.mark.parametrize("ctx,spec", COMBOS)
+def test_golden_argv(ctx, spec, root, features):
+    env = {"CTX": ctx, "SPEC": spec, "DRAFT": "DRAFTDIR"} if spec != "dflash2" else {"CTX": ctx, "SPEC": spec}
+    if spec == "dflash2":
+        env["DRAFT"] = str(features)
+    plan = mk(env, root)
+    got = shlex.join(plan.argv).replace(str(features), "DRAFTDIR") + "\n"
+    path = GOLDEN / f"{ctx}-{spec}.txt"
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(got)
+    assert got == path.read_text()
+
+
+def test_sources(root):
+    plan = mk({"CTX": "long", "PORT": "9000"}, root)
+    assert plan.values["CTX"].source == "env"
+    assert plan.values["PORT"].source == "env" and plan.get("PORT") == 9000
+    assert plan.values["KV"].source == "profile"
+    assert plan.values["HOST"].source == "default"
+    assert plan.values["KV_MEM"].source == "profile"
+
+
+def test_dotenv_and_env_precedence(root):
+    (root / ".env").write_text("CTX=long\nPORT=1234\n")
+    plan = mk({"PORT": "4321"}, root)
+    assert plan.get("CTX") == "long" and plan.values["CTX"].source == ".env"
+    assert plan.get("PORT") == 4321 and plan.values["PORT"].source == "env"
+
+
+def test_kv_mem_units_and_auto(root):
+    assert mk({"KV_MEM": "6G"}, root).get("KV_MEM") == 6 * 1024**3
+    assert mk({"KV_MEM": "6000M"}, root).get("KV_MEM") == 6000 * 1024**2
+    plan = mk({"KV_MEM": "auto", "GPU_UTIL": "0.9"}, root)
+    assert "--gpu-memory-utilization" in plan.argv and "--kv-cache-memory-bytes" not in plan.argv
+    assert any("CUDA-graph" in n for n in plan.notes)
+
+
+def test_overrides(root):
+    plan = mk({"CTX": "fast", "KV": "int8_per_token_head", "MAX_SEQS": "2", "PREFIX_CACHE": "0",
+               "TOOLS": "0", "REASONING_PARSER": "none", "THINKING": "0", "GDN_PREFILL": "triton",
+               "EXTRA_ARGS": "--seed 7", "SPEC_K": "2"}, root)
+    a = plan.argv
+    assert a[a.index("--kv-cache-dtype") + 1] == "int8_per_token_head" and "TRITON_ATTN" in a
+    assert "--no-enable-prefix-caching" in a and "--enable-auto-tool-choice" not in a
+    assert "--reasoning-parser" not in a and a[-2:] == ["--seed", "7"]
+    assert '{"gdn_prefill_backend": "triton"}' in a
+    assert '{"enable_thinking": false}' in a
+    assert '"num_speculative_tokens":2' in a[a.index("--speculative-config") + 1]
+
+
+def test_host_needs_key(root):
+    with pytest.raises(P.PlanError, match="API key|VLLM_API_KEY"):
+        mk({"HOST": "0.0.0.0"}, root)
+    plan = mk({"HOST": "0.0.0.0", "VLLM_API_KEY": "sekrit"}, root)
+    assert "sekrit" not in " ".join(plan.argv) and plan.child_env["VLLM_API_KEY"] == "sekrit"
+    assert "sekrit" not in str(plan.to_json())
+    for h in ("localhost", "::1", "127.0.0.1"):
+        mk({"HOST": h}, root)
+
+
+def test_key_from_dotenv_and_file(root):
+    (root / ".env").write_text("VLLM_API_KEY=fromdotenv\n")
+    assert mk({"HOST": "0.0.0.0"}, root).api_key == "fromdotenv"
+    (root / ".env").unlink()
+    kf = root / "api_key.txt"
+    kf.write_text("fromfile\n")
+    kf.chmod(0o644)
+    with pytest.raises(P.PlanError, match="valid: 600"):
+        mk({"HOST": "0.0.0.0"}, root)
+    kf.chmod(0o600)
+    plan = mk({"HOST": "0.0.0.0"}, root)
+    assert plan.api_key == "fromfile" and plan.values["VLLM_API_KEY"].source == "api_key.txt"
+
+
+def test_feature_refusals(root, monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(P.PlanError, match="not installed yet") as e:
+        mk({"CTX": "huge"}, root)
+    assert "\n" not in str(e.value)
+    with pytest.raises(P.PlanError, match="not installed yet"):
+        mk({"SPEC": "dflash2"}, root)
+
+
+BAD = [
+    ({"CTX": "medium"}, "fast|long|huge"),
+    ({"CTX": "FAST"}, "fast|long|huge"),
+    ({"SPEC": "eagle"}, "off|mtp|dflash2"),
+    ({"KV": "fp4"}, "valid"),
+    ({"PREFIX_CACHE": "yes"}, "0|1"),
+    ({"TOOLS": "true"}, "0|1"),
+    ({"THINKING": "2"}, "0|1"),
+    ({"LOOKUP": "on"}, "0|1"),
+    ({"TOOL_PARSER": "json"}, "qwen3_coder"),
+    ({"REASONING_PARSER": "deepseek"}, "qwen3|none"),
+    ({"SSM_DTYPE": "fp8"}, "auto|bfloat16|float32"),
+    ({"GDN_PREFILL": "cuda"}, "triton"),
+    ({"PORT": "http"}, "1..65535"),
+    ({"PORT": "70000"}, "1..65535"),
+    ({"PORT": "0"}, "1..65535"),
+    ({"MAX_LEN": "12"}, "256..1048576"),
+    ({"MAX_LEN": "lots"}, "256..1048576"),
+    ({"MAX_SEQS": "0"}, "1..256"),
+    ({"MAX_SEQS": "1000"}, "1..256"),
+    ({"GPU_UTIL": "1.5"}, "0.10..0.99"),
+    ({"GPU_UTIL": "most"}, "0.10..0.99"),
+    ({"KV_MEM": "lots"}, "K/M/G"),
+    ({"KV_MEM": "-5G"}, "valid"),
+    ({"SPEC": "mtp", "SPEC_K": "9"}, "1..7"),
+    ({"SPEC": "mtp", "SPEC_K": "x"}, "1..7"),
+    ({"SPEC": "off", "SPEC_K": "3"}, "SPEC=mtp"),
+    ({"SPEC": "mtp", "DFLASH_TOKENS": "8"}, "SPEC=dflash2"),
+    ({"SPEC": "mtp", "LOOKUP": "1"}, "SPEC=dflash2"),
+    ({"HOST": "0.0.0.0"}, "VLLM_API_KEY"),
+    ({"EXTRA_ARGS": "--seed 'unterminated"}, "shell words"),
+    ({"EXTRA_ARGS": "--api-key abc"}, "VLLM_API_KEY"),
+    ({"EXTRA_ARGS": "--dtype float16"}, "float16"),
+    ({"KV_MEM": "100M"}, "KV_MEM >="),
+    ({"ONECARD_FOO": "1"}, "unknown knob"),
+]
+
+
+@pytest.mark.parametrize("env,needle", BAD, ids=[",".join(f"{k}={v}" for k, v in e.items()) for e, _ in BAD])
+def test_bad_inputs_one_line(env, needle, root):
+    with pytest.raises(P.PlanError) as e:
+        mk(env, root)
+    msg = str(e.value)
+    assert needle in msg
+    assert "\n" not in msg and "valid" in msg.lower()
+
+
+def test_bad_dflash_tokens_and_missing_drafter(root, features):
+    with pytest.raises(P.PlanError, match="7..15"):
+        mk({"SPEC": "dflash2", "DFLASH_TOKENS": "20", "DRAFT": str(features)}, root)
+    with pytest.raises(P.PlanError, match="needs a drafter"):
+        mk({"SPEC": "dflash2", "DRAFT": str(root / "missing")}, root)
+    with pytest.raises(P.PlanError, match="DFLASH_TOKENS"):
+        mk({"SPEC": "dflash2", "SPEC_K": "3", "DRAFT": str(features)}, root)
+    with pytest.raises(P.PlanError, match="CTX=huge"):
+        mk({"CTX": "huge", "KV": "bf16"}, root)
+
+
+def test_dflash_lookup_and_tokens(root, features):
+    plan = mk({"SPEC": "dflash2", "DFLASH_TOKENS": "9", "LOOKUP": "1", "DRAFT": str(features)}, root)
+    sc = plan.argv[plan.argv.index("--speculative-config") + 1]
+    assert '"num_speculative_tokens":9' in sc and '"prompt_lookup":true' in sc and '"method":"dflash"' in sc
+
+
+def test_format_table_lists_every_value(root):
+    plan = mk({"CTX": "long"}, root)
+    t = P.format_table(plan)
+    for name in plan.values:
+        assert name in t
+    assert "predicted pool" in t
