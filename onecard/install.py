@@ -1,0 +1,179 @@
+"""`install.sh`: venv + pinned vLLM + the patch series (+ optional steps) + verify --no-server.
+
+Runs under the system Python with the standard library only (the venv does not exist yet when
+it starts). Idempotent: every step first looks at what is there and does nothing when it is
+already right, so a second run changes nothing. Each failure names its step and the fix.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from onecard import VLLM_PIN
+
+REPO = Path(__file__).resolve().parent.parent
+FLASHINFER_PIN = "0.6.16.post3"  # vLLM 0.27.1's own pin (its METADATA: flashinfer-python==0.6.16.post3)
+# Wheels vLLM 0.27.1 pins that are built for a different torch than the one a CPU machine gets;
+# where they fail to import beside the installed torch they are removed (text serving does not
+# use them, and a broken one makes `import vllm` fail).
+TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+
+
+class StepFailed(Exception):
+    def __init__(self, step: str, what: str, fix: str):
+        super().__init__(f"{step}: {what}")
+        self.step, self.what, self.fix = step, what, fix
+
+
+@dataclass
+class Installer:
+    venv: Path
+    wheelhouse: Path | None = None
+    model: str | None = None
+    kvarn: bool = False
+    verify: bool = True
+    summary: list[tuple[str, str, str]] = field(default_factory=list)  # step, outcome, detail
+
+    @property
+    def py(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    def note(self, step: str, outcome: str, detail: str = "") -> None:
+        self.summary.append((step, outcome, detail))
+        print(f"[{len(self.summary)}] {step}: {outcome}" + (f" - {detail}" if detail else ""), flush=True)
+
+    def sh(self, step: str, cmd: list[str], fix: str, env: dict | None = None) -> None:
+        started = time.monotonic()
+        proc = subprocess.run([str(c) for c in cmd], env={**os.environ, **(env or {})})
+        if proc.returncode != 0:
+            raise StepFailed(step, f"`{' '.join(map(str, cmd[:6]))} ...` exited {proc.returncode} after {time.monotonic() - started:.0f} s", fix)
+
+    def installed(self) -> dict[str, str]:
+        out = subprocess.run([str(self.py), "-m", "pip", "list", "--format=json", "--disable-pip-version-check"],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            return {}
+        return {p["name"].lower().replace("_", "-"): p["version"] for p in json.loads(out.stdout)}
+
+    # ------------------------------------------------------------------ steps
+
+    def step_python(self) -> None:
+        v = sys.version_info
+        if v < (3, 11):
+            raise StepFailed("python", f"{sys.executable} is {v.major}.{v.minor}", "run with Python >= 3.11: PYTHON=python3.12 ./install.sh")
+        self.note("python", "ok", f"{v.major}.{v.minor}.{v.micro} ({sys.executable})")
+
+    def step_venv(self) -> None:
+        if self.py.exists():
+            self.note("venv", "already present", str(self.venv))
+            return
+        self.sh("venv", [sys.executable, "-m", "venv", self.venv], f"check that {self.venv.parent} is writable and python3-venv is installed")
+        self.note("venv", "created", str(self.venv))
+
+    def step_packages(self) -> None:
+        have = self.installed()
+        want = {"vllm": VLLM_PIN, "flashinfer-python": FLASHINFER_PIN}
+        wrong = {n: v for n, v in want.items() if have.get(n) != v}
+        deps_ok = all(n in have for n in ("huggingface-hub", "unidiff", "safetensors", "onecard"))
+        if not wrong and deps_ok:
+            self.note("packages", "already installed", f"vllm {VLLM_PIN}, flashinfer-python {FLASHINFER_PIN}")
+            return
+        source = ["--no-index", "--find-links", self.wheelhouse] if self.wheelhouse else []
+        print(f"    installing vllm=={VLLM_PIN} and its companions (about 2 GB on a CUDA machine; pip's progress follows)", flush=True)
+        self.sh("packages", [self.py, "-m", "pip", "install", "--disable-pip-version-check", *source,
+                             f"vllm=={VLLM_PIN}", f"flashinfer-python=={FLASHINFER_PIN}", "huggingface_hub", "-e", REPO],
+                "read pip's error above; offline machines: ./install.sh --wheelhouse DIR")
+        self.note("packages", "installed", ", ".join(f"{n} {v}" for n, v in want.items()))
+
+    def step_companions(self) -> None:
+        have = self.installed()
+        removed = []
+        for name in TORCH_COMPANIONS:
+            if name not in have:
+                continue
+            probe = subprocess.run([str(self.py), "-c", f"import {name}"], capture_output=True, text=True)
+            if probe.returncode != 0:
+                self.sh("torch companions", [self.py, "-m", "pip", "uninstall", "-y", "-q", name],
+                        f"remove it by hand: {self.py} -m pip uninstall {name}")
+                removed.append(name)
+        if removed:
+            self.note("torch companions", "removed", f"{', '.join(removed)} (built for another torch; text serving does not use them)")
+        else:
+            self.note("torch companions", "ok", "nothing to remove")
+
+    def step_patches(self) -> None:
+        out = subprocess.run([str(self.py), "-m", "onecard", "patches", "apply"], capture_output=True, text=True, cwd=REPO)
+        if out.returncode != 0:
+            raise StepFailed("patches", (out.stderr or out.stdout).strip().splitlines()[-1],
+                             "reinstall the pinned vLLM (`venv/bin/pip install --force-reinstall vllm==0.27.1`) and re-run")
+        last = out.stdout.strip().splitlines()[-1]
+        self.note("patches", "already applied" if last.startswith("already") else "applied", last)
+
+    def step_kvarn(self) -> None:
+        script = REPO / "kvarn" / "install.sh"
+        if not self.kvarn:
+            self.note("kvarn", "skipped", "add --kvarn for CTX=huge")
+            return
+        if not script.is_file():
+            raise StepFailed("kvarn", "the KVarN cache is not part of this release yet", "run without --kvarn (CTX=fast|long work without it)")
+        self.sh("kvarn", ["bash", script], "see kvarn/README.md", env={"VENV": str(self.venv)})
+        self.note("kvarn", "installed")
+
+    def step_model(self) -> None:
+        if not self.model:
+            self.note("model", "skipped", "add --model ID|PATH to download and prepare one")
+            return
+        self.sh("model", [self.py, "-m", "onecard", "prepare", "model", self.model],
+                "check the id/path and your disk space; HF_HUB_OFFLINE=1 uses only the local cache")
+        self.note("model", "prepared", self.model)
+
+    def step_verify(self) -> None:
+        if not self.verify:
+            self.note("verify", "skipped")
+            return
+        env = {"VENV": str(self.venv)}
+        if self.model:
+            env["MODEL"] = self.model
+        self.sh("verify", ["bash", REPO / "verify.sh", "--no-server"], "fix the FAIL lines above, then ./verify.sh --no-server", env=env)
+        self.note("verify", "passed")
+
+    def run(self) -> int:
+        steps = [self.step_python, self.step_venv, self.step_packages, self.step_companions,
+                 self.step_patches, self.step_kvarn, self.step_model, self.step_verify]
+        try:
+            for step in steps:
+                step()
+        except StepFailed as exc:
+            self.note(exc.step, "FAILED", exc.what)
+            print(f"\ninstall.sh stopped at step '{exc.step}': {exc.what}\n  fix: {exc.fix}", file=sys.stderr)
+            return 1
+        width = max(len(s) for s, _, _ in self.summary)
+        print("\nonecard install summary")
+        for step, outcome, detail in self.summary:
+            print(f"  {step:<{width}}  {outcome}")
+        print(f"venv: {self.venv}   next: CTX=long ./start_qwen.sh   (./start_qwen.sh --dry-run shows the plan)")
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="install.sh", description=__doc__.splitlines()[0])
+    parser.add_argument("--venv", default=os.environ.get("VENV", str(REPO / "venv")), help="virtual environment (default: venv/, or $VENV)")
+    parser.add_argument("--wheelhouse", type=Path, help="install from this folder of wheels only (no index)")
+    parser.add_argument("--model", default=os.environ.get("INSTALL_MODEL"), help="download (huggingface_hub) and prepare this model id or path")
+    parser.add_argument("--kvarn", action="store_true", help="also install the KVarN 4/2-bit KV cache (CTX=huge)")
+    parser.add_argument("--no-verify", action="store_true", help="skip the final ./verify.sh --no-server")
+    args = parser.parse_args(argv)
+    if args.wheelhouse and not args.wheelhouse.is_dir():
+        parser.error(f"--wheelhouse {args.wheelhouse}: not a directory")
+    return Installer(Path(args.venv).expanduser().absolute(), args.wheelhouse, args.model, args.kvarn, not args.no_verify).run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,292 @@
+"""`verify.sh`: is this installation (and, live, the server) what onecard says it is?
+
+Each check returns PASS, WARN or FAIL with one line of detail; the run ends with a count and
+exits 1 on any FAIL. ``--no-server`` runs the offline checks only; without it the live checks
+run too, against ``--url`` (default http://127.0.0.1:$PORT).
+
+Offline checks never import vLLM or torch into this process: versions come from package
+metadata, and imports that may touch a GPU run in a subprocess with a timeout. Later issues add
+their checks by appending to ``OFFLINE_CHECKS`` / ``LIVE_CHECKS``.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from onecard import VLLM_PIN
+
+PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
+
+
+@dataclass
+class Result:
+    status: str
+    name: str
+    detail: str
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _import_in_subprocess(module: str, timeout: float = 120) -> str | None:
+    """None if `python -c 'import module'` works, else its last error line."""
+    try:
+        out = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"import {module} took longer than {timeout:.0f} s"
+    if out.returncode == 0:
+        return None
+    lines = [l for l in out.stderr.strip().splitlines() if l.strip()]
+    return lines[-1] if lines else f"exit {out.returncode}"
+
+
+# --------------------------------------------------------------------------- offline checks
+
+
+def check_python(ctx) -> Result:
+    v = sys.version_info
+    ok = v >= (3, 11)
+    return Result(PASS if ok else FAIL, "python", f"{v.major}.{v.minor}.{v.micro}" + ("" if ok else "; onecard needs Python >= 3.11"))
+
+
+def check_venv(ctx) -> Result:
+    if sys.prefix != sys.base_prefix:
+        return Result(PASS, "venv", sys.prefix)
+    return Result(WARN, "venv", f"not running in a virtual environment ({sys.prefix}); install.sh creates venv/")
+
+
+def check_vllm_version(ctx) -> Result:
+    found = _version("vllm")
+    if found is None:
+        return Result(FAIL, "vllm", f"not installed; run ./install.sh (pins vllm=={VLLM_PIN})")
+    if found != VLLM_PIN:
+        return Result(FAIL, "vllm", f"{found} installed, onecard's patch series is for {VLLM_PIN}; run ./install.sh")
+    return Result(PASS, "vllm", found)
+
+
+def check_patches(ctx) -> Result:
+    from onecard import patching
+
+    try:
+        vllm_dir = patching.locate_vllm(ctx.get("vllm_dir"))
+        report = patching.status(vllm_dir, ctx.get("series", patching.DEFAULT_SERIES))
+    except patching.PatchError as exc:
+        return Result(FAIL, "patches", str(exc))
+    missing = [f"{n} ({s})" for n, s, _ in report.states if s != patching.APPLIED]
+    if missing:
+        return Result(FAIL, "patches", f"not applied: {', '.join(missing)}; run `onecard patches apply`")
+    return Result(PASS, "patches", f"all {len(report.states)} applied ({patching.series_hash(ctx.get('series', patching.DEFAULT_SERIES))})")
+
+
+def check_unexpected(ctx) -> Result:
+    from onecard import patching
+
+    try:
+        vllm_dir = patching.locate_vllm(ctx.get("vllm_dir"))
+        problems = patching.audit(vllm_dir, ctx.get("series", patching.DEFAULT_SERIES))
+    except patching.PatchError as exc:
+        return Result(WARN, "vllm files", str(exc))
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        return Result(FAIL, "vllm files", "; ".join(problems[:3]) + more + "; reinstall vllm and re-run ./install.sh")
+    return Result(PASS, "vllm files", "every .py file equals the wheel's RECORD plus the series")
+
+
+def check_flashinfer(ctx) -> Result:
+    pinned = _vllm_requirement("flashinfer-python")
+    found = _version("flashinfer-python")
+    if found is None:
+        return Result(WARN, "flashinfer", "not installed: DFlash2's selector and FlashInfer sampling fall back to slower paths")
+    err = _import_in_subprocess("flashinfer")
+    if err:
+        return Result(WARN, "flashinfer", f"{found} installed but not importable ({err}); slower fallbacks will be used")
+    if pinned and found != pinned:
+        return Result(WARN, "flashinfer", f"{found} installed, vLLM {VLLM_PIN} pins {pinned}")
+    return Result(PASS, "flashinfer", found)
+
+
+def check_triton(ctx) -> Result:
+    found = _version("triton")
+    if found is None:
+        return Result(FAIL, "triton", "not installed; vLLM's Triton attention and GDN kernels need it")
+    err = _import_in_subprocess("triton")
+    return Result(FAIL, "triton", f"{found}: {err}") if err else Result(PASS, "triton", found)
+
+
+def _vllm_requirement(dist: str) -> str | None:
+    try:
+        reqs = importlib.metadata.requires("vllm") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for req in reqs:
+        name, _, rest = req.partition("==")
+        if name.strip().lower() == dist and rest:
+            return rest.split(";")[0].strip()
+    return None
+
+
+def model_dir_problems(path: Path) -> list[str]:
+    """What is missing from a local Hugging Face model directory (empty list: complete)."""
+    problems = []
+    if not (path / "config.json").is_file():
+        problems.append("config.json missing")
+    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()):
+        problems.append("no tokenizer.json / tokenizer.model")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError) as exc:
+            return problems + [f"{index.name} unreadable ({exc})"]
+        missing = sorted(s for s in shards if not (path / s).is_file())
+        if missing:
+            problems.append(f"{len(missing)} of {len(shards)} shards missing (first: {missing[0]})")
+    elif not list(path.glob("*.safetensors")):
+        problems.append("no *.safetensors weights")
+    return problems
+
+
+def resolve_model_dir(model: str) -> Path | None:
+    """A local directory for MODEL: a path, or an already downloaded Hub snapshot."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if model.count("/") == 1:
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(model, local_files_only=True))
+        except Exception:  # noqa: BLE001 - not downloaded yet
+            return None
+    return None
+
+
+def check_model(ctx) -> Result | None:
+    model = ctx.get("model") or os.environ.get("MODEL")
+    if not model:
+        return None
+    if model == "tiny":
+        return Result(PASS, "model", "tiny (built on first start)")
+    path = resolve_model_dir(model)
+    if path is None:
+        return Result(FAIL, "model", f"{model}: not a directory and not in the Hugging Face cache; run ./install.sh --model {model}")
+    problems = model_dir_problems(path)
+    if problems:
+        return Result(FAIL, "model", f"{path}: " + "; ".join(problems))
+    return Result(PASS, "model", str(path))
+
+
+OFFLINE_CHECKS: list[Callable[[dict], Result | None]] = [
+    check_python,
+    check_venv,
+    check_vllm_version,
+    check_patches,
+    check_unexpected,
+    check_flashinfer,
+    check_triton,
+    check_model,
+]
+
+
+# --------------------------------------------------------------------------- live checks
+
+
+def check_live_models(ctx) -> Result:
+    import httpx
+
+    try:
+        r = httpx.get(f"{ctx['url']}/v1/models", headers=ctx["headers"], timeout=10)
+        r.raise_for_status()
+        ids = [m["id"] for m in r.json().get("data", [])]
+    except Exception as exc:  # noqa: BLE001
+        return Result(FAIL, "server", f"{ctx['url']}/v1/models: {exc}")
+    ctx["served_model"] = ids[0] if ids else None
+    return Result(PASS if ids else FAIL, "server", f"{ctx['url']} serves {', '.join(ids) or 'no model'}")
+
+
+def check_live_completion(ctx) -> Result:
+    import httpx
+
+    if not ctx.get("served_model"):
+        return Result(FAIL, "completion", "skipped: no model served")
+    body = {
+        "model": ctx["served_model"],
+        "messages": [{"role": "user", "content": "Say hello in one word."}],
+        "max_tokens": 16,
+        "temperature": 0,
+    }
+    try:
+        r = httpx.post(f"{ctx['url']}/v1/chat/completions", json=body, headers=ctx["headers"], timeout=120)
+        r.raise_for_status()
+        data = r.json()
+    except Exception as exc:  # noqa: BLE001
+        return Result(FAIL, "completion", str(exc))
+    usage = data.get("usage") or {}
+    n = usage.get("completion_tokens")
+    if not n:
+        return Result(FAIL, "completion", "no completion tokens in usage")
+    return Result(PASS, "completion", f"{n} tokens (usage.completion_tokens)")
+
+
+LIVE_CHECKS: list[Callable[[dict], Result | None]] = [check_live_models, check_live_completion]
+
+
+# --------------------------------------------------------------------------- runner
+
+
+def run_checks(checks, ctx, out=sys.stdout) -> list[Result]:
+    results = []
+    for check in checks:
+        try:
+            res = check(ctx)
+        except Exception as exc:  # noqa: BLE001 - a broken check is a failure, not a crash
+            res = Result(FAIL, check.__name__.removeprefix("check_"), f"check crashed: {type(exc).__name__}: {exc}")
+        if res is None:
+            continue
+        results.append(res)
+        print(f"{res.status} {res.name:<12} {res.detail}", file=out, flush=True)
+    return results
+
+
+def configure(parser) -> None:
+    parser.add_argument("--no-server", action="store_true", help="offline checks only")
+    parser.add_argument("--url", help="server base URL (default http://127.0.0.1:$PORT, PORT default 18020)")
+    parser.add_argument("--vllm-dir", help="vllm package directory to check (default: the one this Python imports)")
+    parser.add_argument("--model", help="model id or path to check (default: $MODEL)")
+
+
+def run(args) -> int:
+    ctx: dict = {"vllm_dir": args.vllm_dir, "model": args.model}
+    results = run_checks(OFFLINE_CHECKS, ctx)
+    if not args.no_server:
+        port = os.environ.get("PORT", "18020")
+        ctx["url"] = (args.url or f"http://127.0.0.1:{port}").rstrip("/")
+        key = os.environ.get("VLLM_API_KEY")
+        ctx["headers"] = {"Authorization": f"Bearer {key}"} if key else {}
+        results += run_checks(LIVE_CHECKS, ctx)
+    counts = {s: sum(r.status == s for r in results) for s in (PASS, WARN, FAIL)}
+    print(f"{counts[PASS]} passed, {counts[WARN]} warnings, {counts[FAIL]} failed")
+    return 1 if counts[FAIL] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="verify.sh", description=__doc__.splitlines()[0])
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
