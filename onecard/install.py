@@ -39,6 +39,8 @@ class Installer:
     model: str | None = None
     kvarn: bool = False
     verify: bool = True
+    extras: str = ""  # e.g. "test": installs onecard[test]
+    pristine: bool = False  # leave vLLM unpatched (the test environment: tests patch a view of it)
     summary: list[tuple[str, str, str]] = field(default_factory=list)  # step, outcome, detail
 
     @property
@@ -81,14 +83,16 @@ class Installer:
         have = self.installed()
         want = {"vllm": VLLM_PIN, "flashinfer-python": FLASHINFER_PIN}
         wrong = {n: v for n, v in want.items() if have.get(n) != v}
-        deps_ok = all(n in have for n in ("huggingface-hub", "unidiff", "safetensors", "onecard"))
+        deps_ok = all(n in have for n in ("huggingface-hub", "unidiff", "safetensors", "onecard")) and (
+            self.extras != "test" or "pytest" in have)
         if not wrong and deps_ok:
             self.note("packages", "already installed", f"vllm {VLLM_PIN}, flashinfer-python {FLASHINFER_PIN}")
             return
         source = ["--no-index", "--find-links", self.wheelhouse] if self.wheelhouse else []
         print(f"    installing vllm=={VLLM_PIN} and its companions (about 2 GB on a CUDA machine; pip's progress follows)", flush=True)
         self.sh("packages", [self.py, "-m", "pip", "install", "--disable-pip-version-check", *source,
-                             f"vllm=={VLLM_PIN}", f"flashinfer-python=={FLASHINFER_PIN}", "huggingface_hub", "-e", REPO],
+                             f"vllm=={VLLM_PIN}", f"flashinfer-python=={FLASHINFER_PIN}", "huggingface_hub",
+                             "-e", f"{REPO}[{self.extras}]" if self.extras else REPO],
                 "read pip's error above; offline machines: ./install.sh --wheelhouse DIR")
         self.note("packages", "installed", ", ".join(f"{n} {v}" for n, v in want.items()))
 
@@ -109,6 +113,9 @@ class Installer:
             self.note("torch companions", "ok", "nothing to remove")
 
     def step_patches(self) -> None:
+        if self.pristine:
+            self.note("patches", "skipped", "--pristine: vLLM left as the wheel installed it")
+            return
         out = subprocess.run([str(self.py), "-m", "onecard", "patches", "apply"], capture_output=True, text=True, cwd=REPO)
         if out.returncode != 0:
             raise StepFailed("patches", (out.stderr or out.stdout).strip().splitlines()[-1],
@@ -169,10 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=os.environ.get("INSTALL_MODEL"), help="download (huggingface_hub) and prepare this model id or path")
     parser.add_argument("--kvarn", action="store_true", help="also install the KVarN 4/2-bit KV cache (CTX=huge)")
     parser.add_argument("--no-verify", action="store_true", help="skip the final ./verify.sh --no-server")
+    parser.add_argument("--extras", default="", help=argparse.SUPPRESS)  # tests/run.sh: onecard[test]
+    parser.add_argument("--pristine", action="store_true", help=argparse.SUPPRESS)  # tests/run.sh
     args = parser.parse_args(argv)
     if args.wheelhouse and not args.wheelhouse.is_dir():
         parser.error(f"--wheelhouse {args.wheelhouse}: not a directory")
-    return Installer(Path(args.venv).expanduser().absolute(), args.wheelhouse, args.model, args.kvarn, not args.no_verify).run()
+    return Installer(Path(args.venv).expanduser().absolute(), args.wheelhouse, args.model, args.kvarn,
+                     not args.no_verify, args.extras, args.pristine).run()
 
 
 if __name__ == "__main__":
