@@ -98,8 +98,22 @@ class Client:
         return h
 
     def _http(self):
+        """One pooled httpx.Client per Client (thread-safe; building one loads the CA bundle,
+        tens of ms, which must not land inside a TTFT). Used as a context manager that does
+        not close the pool."""
+        import contextlib
         import httpx
-        return httpx.Client(timeout=httpx.Timeout(self.timeout, connect=10.0), headers=self._headers())
+        if getattr(self, "_pool", None) is None:
+            limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+            self._pool = httpx.Client(timeout=httpx.Timeout(self.timeout, connect=10.0),
+                                      headers=self._headers(), limits=limits,
+                                      verify=not self.base_url.startswith("http://"))
+        return contextlib.nullcontext(self._pool)
+
+    def close(self) -> None:
+        if getattr(self, "_pool", None) is not None:
+            self._pool.close()
+            self._pool = None
 
     def get_json(self, path: str) -> Any:
         with self._http() as c:

@@ -62,13 +62,13 @@ def parse(text: str, t: float | None = None) -> Snapshot:
     return snap
 
 
-def scrape(base_url: str, timeout: float = 5.0, api_key: str | None = None) -> Snapshot:
+def scrape(base_url: str, timeout: float = 5.0, api_key: str | None = None, http=None) -> Snapshot:
     import httpx
     url = base_url.rstrip("/")
     if url.endswith("/v1"):
         url = url[:-3]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.get(url + "/metrics", timeout=timeout, headers=headers)
+    r = (http or httpx).get(url + "/metrics", timeout=timeout, headers=headers)
     r.raise_for_status()
     return parse(r.text)
 
@@ -126,7 +126,10 @@ class Sampler:
 
     def _one(self) -> None:
         try:
-            self.samples.append(scrape(self.base_url, api_key=self.api_key))
+            if getattr(self, "_http", None) is None:
+                import httpx
+                self._http = httpx.Client(verify=not self.base_url.startswith("http://"))
+            self.samples.append(scrape(self.base_url, api_key=self.api_key, http=self._http))
         except Exception as exc:  # noqa: BLE001
             self.errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -149,6 +152,9 @@ class Sampler:
             self._thread.join(timeout=10)
         self._one()
         self.t_stop = time.perf_counter()
+        if getattr(self, "_http", None) is not None:
+            self._http.close()
+            self._http = None
         return self.summary()
 
     def summary(self) -> dict[str, Any]:

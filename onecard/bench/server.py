@@ -38,7 +38,7 @@ class ServerProcess:
                     return time.monotonic() - t0
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.25)
         raise TimeoutError(f"server not healthy at {url} after {timeout:.0f} s")
 
     def stop(self, grace: float = 20.0) -> None:

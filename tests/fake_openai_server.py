@@ -1,0 +1,186 @@
+"""A small OpenAI-compatible server for CPU tests (127.0.0.1, threaded, stdlib only).
+
+Streams completions in chunks of ``tokens_per_chunk`` tokens (as speculative decoding does:
+one chunk per verify step), ends with a usage chunk when ``stream_options.include_usage`` is
+set, and serves a vLLM-shaped /metrics text whose counters follow the traffic it served.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class FakeState:
+    def __init__(self, tokens_per_chunk: int = 3, delay: float = 0.002, send_usage: bool = True,
+                 die_after_chunks: int | None = None, engines: int = 1, num_spec: int = 3,
+                 phantom_requests_per_scrape: float = 0.0):
+        self.tokens_per_chunk = tokens_per_chunk
+        self.delay = delay
+        self.send_usage = send_usage
+        self.die_after_chunks = die_after_chunks
+        self.engines = engines
+        self.num_spec = num_spec
+        self.lock = threading.Lock()
+        self.requests = 0.0
+        self.gen_tokens = 0.0
+        self.prompt_tokens = 0.0
+        self.drafts = 0.0
+        self.accepted_per_pos = [0.0] * num_spec
+        self.running = 0
+        self.bodies: list[dict] = []
+        self.phantom = phantom_requests_per_scrape  # simulates another tenant's traffic
+
+    def metrics_text(self) -> str:
+        with self.lock:
+            self.requests += self.phantom
+            self.gen_tokens += 10 * self.phantom
+            lines = []
+            add = lines.append
+            add("# HELP vllm:num_requests_running Number of requests in model execution batches.")
+            add("# TYPE vllm:num_requests_running gauge")
+            for e in range(self.engines):
+                add(f'vllm:num_requests_running{{engine="{e}",model_name="fake"}} {self.running if e == 0 else 0}')
+            add("# TYPE vllm:num_requests_waiting gauge")
+            add('vllm:num_requests_waiting{engine="0",model_name="fake"} 0.0')
+            add("# TYPE vllm:kv_cache_usage_perc gauge")
+            add(f'vllm:kv_cache_usage_perc{{engine="0",model_name="fake"}} {min(1.0, 0.1 * self.running)}')
+            for name, val in (("vllm:num_preemptions", 0.0), ("vllm:generation_tokens", self.gen_tokens),
+                              ("vllm:prompt_tokens", self.prompt_tokens),
+                              ("vllm:spec_decode_num_drafts", self.drafts),
+                              ("vllm:spec_decode_num_draft_tokens", self.drafts * self.num_spec),
+                              ("vllm:spec_decode_num_accepted_tokens", sum(self.accepted_per_pos))):
+                add(f"# TYPE {name} counter")
+                add(f'{name}_total{{engine="0",model_name="fake"}} {val}')
+            add("# TYPE vllm:request_success counter")
+            add(f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="fake"}} {self.requests}')
+            add('vllm:request_success_total{engine="0",finished_reason="stop",model_name="fake"} 0.0')
+            add("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter")
+            for p, v in enumerate(self.accepted_per_pos):
+                add(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="fake",position="{p}"}} {v}')
+            return "\n".join(lines) + "\n"
+
+    def served(self, prompt_toks: int, gen: int, chunks: int) -> None:
+        with self.lock:
+            self.requests += 1
+            self.gen_tokens += gen
+            self.prompt_tokens += prompt_toks
+            self.drafts += chunks
+            # each verify step accepts tokens_per_chunk - 1 drafts, at the first positions
+            for p in range(min(self.num_spec, self.tokens_per_chunk - 1)):
+                self.accepted_per_pos[p] += chunks
+
+
+def make_handler(state: FakeState):
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):  # quiet
+            pass
+
+        def _json(self, obj, code=200):
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/metrics":
+                data = state.metrics_text().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            elif self.path == "/v1/models":
+                self._json({"data": [{"id": "fake", "max_model_len": 4096}]})
+            elif self.path == "/version":
+                self._json({"version": "0.27.1"})
+            elif self.path == "/health":
+                self._json({})
+            else:
+                self._json({"error": "not found"}, 404)
+
+        def do_POST(self):
+            n = int(self.headers.get("Content-Length", 0))
+            body = json.loads(self.rfile.read(n) or b"{}")
+            state.bodies.append(body)
+            prompt = body.get("prompt") or " ".join(m["content"] for m in body.get("messages", []))
+            ptoks = max(1, len(prompt.split()))
+            max_tokens = int(body.get("max_tokens", 16))
+            if not body.get("stream"):
+                if body.get("echo"):
+                    lps = [None] + [-1.0] * (ptoks - 1)
+                    self._json({"choices": [{"text": prompt, "logprobs": {"token_logprobs": lps}}],
+                                "usage": {"prompt_tokens": ptoks, "completion_tokens": 0}})
+                    state.served(ptoks, 0, 0)
+                else:
+                    self._json({"choices": [{"text": "x"}], "usage": {"prompt_tokens": ptoks,
+                                                                       "completion_tokens": 1}})
+                return
+            chat = self.path.endswith("/chat/completions")
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            with state.lock:
+                state.running += 1
+            sent, chunks = 0, 0
+            try:
+                time.sleep(state.delay * 2)  # "prefill"
+                while sent < max_tokens:
+                    k = 1 if chunks == 0 else min(state.tokens_per_chunk, max_tokens - sent)
+                    text = "tok " * k
+                    choice = ({"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text})
+                    if sent + k >= max_tokens:
+                        choice["finish_reason"] = "length"
+                    self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+                    self.wfile.flush()
+                    sent += k
+                    chunks += 1
+                    if state.die_after_chunks is not None and chunks >= state.die_after_chunks:
+                        self.close_connection = True
+                        return
+                    time.sleep(state.delay)
+                if state.send_usage and (body.get("stream_options") or {}).get("include_usage"):
+                    u = {"choices": [], "usage": {"prompt_tokens": ptoks, "completion_tokens": sent,
+                                                  "total_tokens": ptoks + sent}}
+                    self.wfile.write(f"data: {json.dumps(u)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+                state.served(ptoks, sent, chunks)
+            finally:
+                with state.lock:
+                    state.running -= 1
+
+    return H
+
+
+class FakeServer:
+    def __init__(self, port: int = 0, **kw):
+        self.state = FakeState(**kw)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), make_handler(self.state))
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+if __name__ == "__main__":  # `python fake_openai_server.py PORT`: for boot-per-arm tests
+    import os
+    import sys
+    srv = FakeServer(int(sys.argv[1]), delay=float(os.environ.get("FAKE_DELAY", "0.002")))
+    try:
+        srv.httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass

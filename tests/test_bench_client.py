@@ -1,0 +1,90 @@
+"""The client counts tokens from usage, never from streamed chunks; the /metrics parser."""
+import pytest
+
+from fake_openai_server import FakeServer
+from onecard.bench import metrics
+from onecard.bench.client import Client
+
+
+@pytest.fixture
+def server():
+    with FakeServer(tokens_per_chunk=4) as s:
+        yield s
+
+
+def test_tokens_come_from_usage_not_chunks(server):
+    r = Client(server.url, "fake").stream("a b c", 21)
+    assert r.ok, r.error
+    assert r.completion_tokens == 21
+    assert r.chunks == 6  # 1 first token + 5 verify steps of up to 4 tokens
+    assert r.chunks != r.completion_tokens
+    assert r.token_count_source == "usage.completion_tokens"
+    assert r.decode_tps == pytest.approx(20 / (r.t_last - r.t_first))
+    assert r.e2e_tps == pytest.approx(21 / r.e2e)
+    assert 0 < r.ttft < r.e2e
+    body = server.state.bodies[-1]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+
+
+def test_chat_endpoint(server):
+    r = Client(server.url + "/v1", "fake", endpoint="chat").stream("hello", 9)
+    assert r.ok and r.completion_tokens == 9 and r.chunks == 3
+    assert "messages" in server.state.bodies[-1]
+
+
+def test_missing_usage_is_an_error_not_a_chunk_count():
+    with FakeServer(tokens_per_chunk=3, send_usage=False) as s:
+        r = Client(s.url, "fake").stream("x", 10)
+    assert not r.ok
+    assert r.completion_tokens is None and r.decode_tps is None
+    assert "usage" in r.error
+
+
+def test_server_dying_mid_stream_is_reported():
+    with FakeServer(tokens_per_chunk=2, die_after_chunks=2) as s:
+        r = Client(s.url, "fake").stream("x", 50)
+    assert not r.ok and "[DONE]" in r.error
+
+
+def test_bad_endpoint_names_valid_ones():
+    with pytest.raises(ValueError, match="completions, chat"):
+        Client("http://127.0.0.1:1", "m", endpoint="responses")
+
+
+def test_unreachable_server_is_an_error():
+    r = Client("http://127.0.0.1:9", "m", timeout=2).stream("x", 4)
+    assert not r.ok and r.error
+
+
+def test_metrics_parse_vllm_names(server):
+    Client(server.url, "fake").stream("a b", 13)
+    snap = metrics.scrape(server.url)
+    assert snap.values["vllm:generation_tokens_total"] == 13
+    assert snap.values["vllm:request_success_total"] == 1  # summed over finished_reason
+    assert snap.per_pos == {0: 4.0, 1: 4.0, 2: 4.0}
+    assert snap.engines == {"0"}
+
+
+def test_gauge_time_weighted_mean_and_peak():
+    s = [metrics.Snapshot(0.0, {"g": 1.0}), metrics.Snapshot(1.0, {"g": 0.0})]
+    st = metrics.gauge_stats(s, "g", t_end=3.0)
+    assert st["peak"] == 1.0 and st["mean"] == pytest.approx(1 / 3) and st["duration_s"] == 3.0
+
+
+def test_spec_summary_per_position():
+    d = {"spec_drafts": 10.0, "spec_draft_tokens": 30.0, "spec_accepted": 15.0,
+         "spec_accepted_per_pos": [8.0, 5.0, 2.0]}
+    sp = metrics.spec_summary(d)
+    assert sp["acceptance_per_position"] == [0.8, 0.5, 0.2]
+    assert sp["tokens_per_step"] == pytest.approx(2.5)
+    assert sp["draft_acceptance_rate"] == pytest.approx(0.5)
+    assert metrics.spec_summary({"spec_drafts": 0}) is None
+
+
+def test_sampler_window_deltas(server):
+    samp = metrics.Sampler(server.url, interval=0.05).start()
+    Client(server.url, "fake").stream("a", 9)
+    m = samp.stop()
+    assert m["available"] and m["counters"]["generation_tokens"] == 9
+    assert m["counters"]["requests_finished"] == 1
+    assert m["gauges"]["kv_usage"]["samples"] >= 2

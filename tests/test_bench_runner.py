@@ -1,0 +1,135 @@
+"""Benchmarks end to end against the fake server: VALID results, partial results on a dying
+server, other tenants caught, config, report, compare CLI, boot-per-arm A/B."""
+import json
+import math
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from fake_openai_server import FakeServer
+from onecard.bench import config, prompts, report, runner
+from onecard.bench.cli import main as bench_main
+
+
+def _target(url, tmp_path, **kw):
+    return runner.Target(url=url, model="fake", out_dir=str(tmp_path), metrics_interval=0.05,
+                         log=lambda s: None, **kw)
+
+
+def test_ladder_counts_usage_tokens_and_is_valid(tmp_path):
+    with FakeServer(tokens_per_chunk=4) as s:
+        res = runner.ladder(_target(s.url, tmp_path), prompts.load("prose"), [1, 2], max_tokens=17, reps=1)
+    assert res["verdict"] == "VALID", res["verdict_reasons"]
+    lv = res["data"]["levels"]
+    assert [x["n"] for x in lv] == [1, 2]
+    rep = lv[1]["reps"][0]
+    assert rep["completion_tokens"] == 34 and rep["chunks"] == 10  # chunks never counted
+    assert rep["aggregate_tps"] == pytest.approx(34 / rep["wall_s"])
+    on_disk = json.loads(Path(res["path"]).read_text())
+    assert on_disk["verdict"] == "VALID" and on_disk["partial"] is False
+    assert on_disk["provenance"]["prompt_set"]["hash"] == prompts.load("prose").hash
+    assert on_disk["provenance"]["warmup"]["discarded"] == 1
+
+
+def test_dying_server_leaves_partial_invalid_result(tmp_path):
+    with FakeServer(tokens_per_chunk=2, die_after_chunks=3) as s:
+        res = runner.ladder(_target(s.url, tmp_path, warmup=0), prompts.load("prose"), [1], 20, 1)
+    on_disk = json.loads(Path(res["path"]).read_text())
+    assert on_disk["verdict"] == "INVALID" and on_disk["partial"] is True
+    assert "[DONE]" in on_disk["verdict_reasons"][0]
+
+
+def test_other_tenant_is_caught(tmp_path):
+    with FakeServer(tokens_per_chunk=2, phantom_requests_per_scrape=1) as s:
+        res = runner.ladder(_target(s.url, tmp_path), prompts.load("code"), [1], 9, 1)
+    assert res["verdict"] == "INVALID"
+    assert any("other client traffic" in r for r in res["verdict_reasons"])
+
+
+def test_perplexity_and_needle_and_turns(tmp_path):
+    with FakeServer(tokens_per_chunk=3) as s:
+        t = _target(s.url, tmp_path)
+        ppl = runner.perplexity(t, prompts.load("copy"))
+        nd = runner.needle(t, [100], [0.0, 1.0])
+        pt = runner.prefix_turns(t, 100, 2, 8)
+        dp = runner.depth(t, [50, 100], 6)
+    assert ppl["verdict"] == "VALID" and ppl["data"]["ppl"] == pytest.approx(math.e)
+    assert ppl["data"]["method"] == "echo+logprobs"
+    assert nd["verdict"] == "VALID" and nd["data"]["recall"] == 0.0  # the fake never recalls
+    assert [x["turn"] for x in pt["data"]["turns"]] == [1, 2]
+    assert pt["data"]["turns"][1]["prompt_tokens"] > pt["data"]["turns"][0]["prompt_tokens"]
+    assert dp["verdict"] == "VALID" and dp["provenance"]["prompt_set"]["salted"]
+
+
+def test_build_context_places_needle():
+    text = runner.build_context(300, needle="NEEDLE", depth=0.0)
+    assert text.startswith("NEEDLE") and len(text) >= 1200
+    assert runner.build_context(300, needle="NEEDLE", depth=1.0).endswith("NEEDLE")
+
+
+def test_max_overlap_and_tail_mode():
+    assert runner.max_overlap([(0, 2), (1, 3), (2.5, 4)]) == 2
+    assert runner.max_overlap([(0, 1), (1, 2)]) == 1
+
+
+def test_config_validation_messages(tmp_path):
+    with pytest.raises(config.ConfigError, match="kind must be one of"):
+        config.validate({"server": {"url": "u", "model": "m"}, "runs": [{"kind": "nope"}]})
+    with pytest.raises(config.ConfigError, match="unknown key"):
+        config.validate({"server": {"url": "u", "model": "m"}, "runs": [{"kind": "ladder", "x": 1}]})
+    with pytest.raises(config.ConfigError, match="url and model"):
+        config.validate({"server": {}, "runs": [{"kind": "ladder"}]})
+
+
+def test_yaml_config_runs_and_report(tmp_path):
+    with FakeServer(tokens_per_chunk=4) as s:
+        cfg = tmp_path / "run.yaml"
+        cfg.write_text(f"""
+server: {{url: "{s.url}", model: fake}}
+out_dir: "{tmp_path / 'res'}"
+metrics_interval: 0.05
+runs:
+  - {{kind: ladder, prompts: chat, n: [1, 2], max_tokens: 8, reps: 1}}
+  - {{kind: spec, prompts: [prose, code], max_tokens: 8}}
+""")
+        assert bench_main(["run", str(cfg)]) == 0
+    md = tmp_path / "report.md"
+    text = report.write_report([tmp_path / "res"], md)
+    assert "| C2 |" in text and "**VALID**" in text and "acceptance per position" in text
+    assert md.read_text() == text
+    files = sorted((tmp_path / "res").glob("ladder-*.json"))
+    assert bench_main(["compare", str(files[0]), str(files[0])]) == 0
+
+
+def test_compare_cli_refuses_different_prompts(tmp_path, capsys):
+    with FakeServer(tokens_per_chunk=2) as s:
+        t = _target(s.url, tmp_path)
+        a = runner.ladder(t, prompts.load("prose"), [1], 6, 1)
+        b = runner.ladder(t, prompts.load("code"), [1], 6, 1)
+    assert bench_main(["compare", a["path"], b["path"]]) == 1
+    assert "REFUSED" in capsys.readouterr().out
+
+
+def _free_port():
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        return so.getsockname()[1]
+
+
+def test_ab_boots_each_arm_and_reads_the_floor(tmp_path):
+    from onecard.bench.ab import run_ab
+    port = _free_port()
+    fake = Path(__file__).with_name("fake_openai_server.py")
+    cmd = f"exec {sys.executable} {fake} {port}"
+    t = runner.Target(url=f"http://127.0.0.1:{port}", model="fake", out_dir=str(tmp_path),
+                      metrics_interval=0.05, log=lambda s: None)
+    res = run_ab(t, cmd, "FAKE_DELAY", "0.002", "0.004", boots=2, max_tokens=12, boot_timeout=30)
+    v = res["data"]["verdict"]
+    assert v["status"] in ("RESOLVED", "UNRESOLVED"), v  # never CONFOUNDED: only the knob differs
+    assert v["boots"] == [2, 2] and v["floor"] is not None
+    assert len(res["data"]["per_boot"]) == 4
+    one = run_ab(t, cmd, "FAKE_DELAY", "0.002", "0.004", boots=1, max_tokens=8, boot_timeout=30)
+    assert one["data"]["verdict"]["status"] == "UNRESOLVED"
+    assert "boot floor unknown" in one["data"]["verdict"]["reasons"][0]
