@@ -32,7 +32,6 @@ so that the same text can ship inside vLLM as ``vllm/v1/attention/ops/onecard_wi
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -116,10 +115,10 @@ def _wide_verify_split_kernel(
     limit = tl.where(row_ok, ctx_len + qi + 1, 0)
 
     # this split's key range: per-sequence chunk, a multiple of TILE_N
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
+    chunk = ((seq_len + num_splits - 1) // num_splits + TILE_N - 1) // TILE_N * TILE_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
-    n_tiles = tl.cdiv(tl.maximum(hi - lo, 0), TILE_N)
+    n_tiles = (tl.maximum(hi - lo, 0) + TILE_N - 1) // TILE_N
 
     offs_n = tl.arange(0, TILE_N)
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
@@ -411,7 +410,7 @@ def wide_verify_attention(
         block_table.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, PAGE=page, TILE_N=tile_n, KV_MODE=mode, DIRECT=direct,
-        DOT_F32=os.environ.get("TRITON_INTERPRET", "0") == "1",
+        DOT_F32=q.device.type != "cuda",  # CPU tensors only run under TRITON_INTERPRET
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:

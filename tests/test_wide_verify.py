@@ -1,0 +1,159 @@
+"""Wide-verify attention kernel vs the float64 reference, under Triton's CPU interpreter.
+
+Tiny shapes (head_dim 32, pages of 16/48 tokens); data drawn fresh per test from a random seed
+printed on failure; outputs poisoned with NaN before every call.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import pytest
+
+# Triton decorates its own standard library (tl.zeros, tl.sum, ...) when it is imported, so the
+# interpreter must be on before the first `import triton` of this process. When another test
+# module already imported Triton without it, these tests run in a child pytest instead.
+_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ["TRITON_INTERPRET"] = "1"
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+pytest.importorskip("vllm.v1.attention.ops.int4_per_token_head")
+
+if _PREIMPORTED:
+    ref_mod = wv = None
+else:
+    from onecard.kernels import reference as ref_mod
+    from onecard.kernels import wide_verify as wv
+
+inproc = pytest.mark.skipif(_PREIMPORTED, reason="Triton was imported uninterpreted; see "
+                            "test_in_child_process")
+
+
+@pytest.mark.skipif(not _PREIMPORTED, reason="runs only when Triton was imported before")
+def test_in_child_process(pytestconfig):
+    import subprocess
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        cwd=str(pytestconfig.rootpath), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+TOL = 3e-2  # bf16 queries/outputs and bf16 P.V operands vs a float64 reference
+
+
+@pytest.fixture
+def gen():
+    seed = random.SystemRandom().randrange(2**31)
+    return torch.Generator().manual_seed(seed)  # seed shown on failure via initial_seed()
+
+
+def _run(case, **kw):
+    out = torch.full_like(case.q, float("nan"))
+    wv.wide_verify_attention(
+        case.q, case.key_cache, case.value_cache, out,
+        cu_seqlens_q=case.cu_seqlens_q, seq_lens=case.seq_lens, block_table=case.block_table,
+        max_query_len=case.max_query_len, softmax_scale=case.softmax_scale,
+        kv_mode=case.kv_dtype, k_scale_cache=case.k_scale_cache,
+        v_scale_cache=case.v_scale_cache, max_seq_len=case.max_seq_len, **kw)
+    return out
+
+
+def _check(case, out, seed):
+    assert not torch.isnan(out).any(), f"unwritten rows (seed {seed})"
+    want = case.reference()
+    err = (out.double() - want).abs()
+    scale = want.abs().amax().clamp_min(1.0)
+    assert err.max() <= TOL * scale, (
+        f"max err {err.max():.4g} (ref max {want.abs().max():.3g}) seed {seed}")
+
+
+CASES = {
+    # name: (q_lens, seq_lens, heads (q, kv), block_size, num_splits, tile_n)
+    "decode-q1-ragged": ([1, 1, 1], [5, 16, 33], (6, 2), 16, 1, 16),
+    "q8-block-boundary-splits3": ([8, 3], [48, 21], (6, 2), 16, 3, 16),
+    "q16-no-context-group6": ([16], [16], (12, 2), 16, 2, 16),
+    "q16-q8-ragged-splits4": ([16, 8], [64, 47], (6, 2), 16, 4, 16),
+    "q8-page48-tile32": ([8, 2], [97, 50], (6, 2), 48, 3, 32),
+}
+
+
+@inproc
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(kv_dtype, name, gen):
+    q_lens, seq_lens, (hq, hkv), bs, splits, tile = CASES[name]
+    case = ref_mod.make_verify_case(
+        q_lens=q_lens, seq_lens=seq_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=32,
+        block_size=bs, kv_dtype=kv_dtype, generator=gen)
+    _check(case, _run(case, num_splits=splits, tile_n=tile), gen.initial_seed())
+
+
+@inproc
+def test_more_splits_than_tiles_and_auto_splits(gen):
+    case = ref_mod.make_verify_case(
+        q_lens=[4, 2], seq_lens=[40, 9], num_q_heads=4, num_kv_heads=1, head_dim=32,
+        block_size=16, kv_dtype="int8", generator=gen)
+    _check(case, _run(case, num_splits=9, tile_n=16), gen.initial_seed())  # empty splits
+    _check(case, _run(case, tile_n=16), gen.initial_seed())  # heuristic choice
+
+
+@inproc
+def test_split_count_does_not_change_result(gen):
+    case = ref_mod.make_verify_case(
+        q_lens=[5], seq_lens=[80], num_q_heads=6, num_kv_heads=2, head_dim=32,
+        block_size=16, kv_dtype="bf16", generator=gen)
+    a = _run(case, num_splits=1, tile_n=16).float()
+    b = _run(case, num_splits=5, tile_n=16).float()
+    assert (a - b).abs().max() <= 2e-2 * a.abs().max()
+
+
+@inproc
+def test_quantizers_round_trip(gen):
+    x = torch.randn(3, 2, 32, generator=gen)
+    d8, s8 = ref_mod.quantize_int8(x)
+    assert (ref_mod.dequant_tokens(d8, s8, "int8", 32) - x.double()).abs().max() <= (
+        s8.double().max() * 0.51)
+    d4, s4 = ref_mod.quantize_int4(x)
+    back = ref_mod.dequant_tokens(d4, s4, "int4", 32)
+    rel = (back - x.double()).norm() / x.double().norm()
+    assert rel < 0.2, rel
+    assert torch.allclose(ref_mod.rht_inverse(ref_mod.rht_forward(x)), x.double(), atol=1e-6)
+
+
+@inproc
+def test_paged_views_match_vllm_scale_views(gen):
+    # the scale views alias the padding bytes right after each half's data
+    kv = torch.zeros(2, 3, 16, 2 * (32 + 4), dtype=torch.int8)
+    k, v, ks, vs = ref_mod.paged_views(kv, 32, "int8")
+    assert k.shape == (2, 16, 3, 36) and ks.shape == (2, 16, 3)
+    ks[1, 5, 2] = 1.5
+    raw = kv[1, 2, 5, 32:36].contiguous().view(torch.float32)
+    assert raw.item() == 1.5
+    vs[0, 7, 1] = -2.0
+    assert kv[0, 1, 7, 68:72].contiguous().view(torch.float32).item() == -2.0
+
+
+@inproc
+def test_choose_num_splits():
+    assert wv.choose_num_splits(200, 1, 4, 132) == 1
+    assert wv.choose_num_splits(131072, 1, 4, 132) == 64
+    assert wv.choose_num_splits(8192, 4, 4, 132) == 17
+    assert wv.choose_num_splits(1000, 1, 4, 82) == 4  # capped by min chunk
+
+
+@inproc
+def test_bad_input_messages(gen):
+    case = ref_mod.make_verify_case(
+        q_lens=[2], seq_lens=[20], num_q_heads=2, num_kv_heads=1, head_dim=32,
+        block_size=16, kv_dtype="bf16", generator=gen)
+    with pytest.raises(ValueError, match="valid: auto, bf16, fp16, int8, int4"):
+        _run(case.__class__(**{**case.__dict__, "kv_dtype": "fp8"}))
+    with pytest.raises(ValueError, match="valid: 1..16"):
+        _run(case.__class__(**{**case.__dict__, "max_query_len": 17}))
+    with pytest.raises(ValueError, match="k_scale_cache"):
+        _run(case.__class__(**{**case.__dict__, "kv_dtype": "int8"}))
