@@ -28,6 +28,10 @@ LINES = {
 }
 
 
+class _NoServer(Exception):
+    pass
+
+
 def parse_log(text: str) -> dict:
     out = {}
     for key, (pat, conv) in LINES.items():
@@ -78,19 +82,34 @@ def main(argv=None) -> int:
     ap.add_argument("--request-timeout", type=float, default=60)
     ap.add_argument("--prompt", default="The capital of France is")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--server-cmd", default=None, help="override (tests): the command to run instead of vllm")
+    ap.add_argument("--server-cmd", default=os.environ.get("PROBE_SERVER_CMD"),
+                    help="override (dry runs): the command to run instead of vllm (env PROBE_SERVER_CMD)")
+    ap.add_argument("--pidfile", default=None, help="write the server's pid (= its process group) here")
     ap.add_argument("extra", nargs="*")
     a = ap.parse_args(argv)
     if a.server_cmd:
-        cmd = a.server_cmd.split()
+        import shlex
+
+        cmd = shlex.split(a.server_cmd)
     else:
         cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", a.model, "--host", "127.0.0.1",
                "--port", str(a.port), "--served-model-name", "probe", *a.extra]
     res = {"cmd": cmd, "ok": False}
+    # a timeout around us sends TERM: turn it into SystemExit so the server is killed below
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.monotonic()
     with open(a.log, "w") as logf:
-        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         try:
+            p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+            if a.pidfile:
+                with open(a.pidfile, "w") as f:
+                    f.write(str(p.pid))
+        except OSError as e:
+            p = None
+            res["error"] = f"cannot start the server: {e}"
+        try:
+            if p is None:
+                raise _NoServer
             base = f"http://127.0.0.1:{a.port}"
             up = False
             while time.monotonic() - t0 < a.boot_timeout:
@@ -118,8 +137,11 @@ def main(argv=None) -> int:
                     res["error"] = f"completion failed: {e}"
             elif "error" not in res:
                 res["error"] = f"no /health within {a.boot_timeout} s"
+        except _NoServer:
+            pass
         finally:
-            kill_group(p)
+            if p is not None:
+                kill_group(p)
     try:
         res.update(parse_log(open(a.log, errors="replace").read()))
     except OSError:

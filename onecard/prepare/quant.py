@@ -126,6 +126,13 @@ def unpack(packed, bits: int, cols: int):
     return (u - (1 << (bits - 1))).to(torch.int8)
 
 
+def dequantize_q(q, scale):
+    """int8 codes (rows, cols) + group scales → float32 (no unpacking)."""
+    rows, cols = q.shape
+    groups = scale.shape[1]
+    return (q.float().reshape(rows, groups, cols // groups) * scale.float().unsqueeze(2)).reshape(rows, cols)
+
+
 def dequantize(packed, scale, bits: int, shape, dtype=None):
     """Packed int32 + group scales → float tensor of ``shape`` (float32 unless ``dtype``)."""
     import torch
@@ -145,9 +152,12 @@ class ErrorAccumulator:
     ref2: float = 0.0
 
     def add(self, w, deq) -> None:
-        d = w.double() - deq.double()
-        self.diff2 += float((d * d).sum())
-        self.ref2 += float((w.double() ** 2).sum())
+        import torch
+
+        wf = w.float()
+        d = wf - deq.float()
+        self.diff2 += float(torch.sum(d * d, dtype=torch.float64))
+        self.ref2 += float(torch.sum(wf * wf, dtype=torch.float64))
 
     @property
     def rel(self) -> float:

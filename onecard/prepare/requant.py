@@ -241,7 +241,8 @@ def updated_config(cfg: dict, target: str, bits: int, group: int, modules: list[
 # ---------------------------------------------------------------- main step
 
 def requantize(ckpt, target: str, bits: int = 8, group: int = quant.GROUP_SIZE,
-               max_rel_error: float | None = None, block_bytes: int = 64 << 20, log=print) -> dict:
+               max_rel_error: float | None = None, block_bytes: int = 64 << 20, log=print,
+               device: str = "cpu") -> dict:
     """Quantize every unquantized ``target`` tensor of ``ckpt``. Returns a report dict."""
     import torch
 
@@ -306,10 +307,12 @@ def requantize(ckpt, target: str, bits: int = 8, group: int = quant.GROUP_SIZE,
                     scale_dtype = st.torch_dtype(w.header[mod + ".weight_scale"]["dtype"])
                     for r0 in range(0, rows, step):
                         r1 = min(rows, r0 + step)
-                        block = r.rows(name, r0, r1)
+                        block = r.rows(name, r0, r1).to(device)
                         q, scale = quant.quantize_sym(block, bits, group, scale_dtype)
                         packed = quant.pack(q, bits)
-                        acc.add(block, quant.dequantize(packed, scale, bits, (r1 - r0, cols)))
+                        if r0 == 0 and not torch.equal(quant.unpack(packed, bits, cols), q):
+                            raise RequantError(f"{name}: packing round trip failed")  # cheap guard, 1st block
+                        acc.add(block, quant.dequantize_q(q, scale))
                         w.put_rows(mod + ".weight_packed", r0, packed)
                         w.put_rows(mod + ".weight_scale", r0, scale)
                         del block, q, scale, packed
@@ -391,6 +394,7 @@ def configure(parser: argparse.ArgumentParser, target: str | None = None) -> Non
     parser.add_argument("--max-rel-error", type=float, default=None,
                         help="refuse above this relative Frobenius error (default 0.01 for int8, 0.12 for int4)")
     parser.add_argument("--block-mb", type=int, default=64, help="row block size in MiB of float32")
+    parser.add_argument("--device", default="cpu", help="where to quantize the row blocks: cpu (default) or cuda")
     parser.add_argument("--report", help="write the JSON report here")
     parser.add_argument("--restore", action="store_true", help="put the pristine backup back and exit")
     parser.add_argument("--recover", action="store_true", help="finish/clean an interrupted run and exit")
@@ -415,7 +419,7 @@ def run(args) -> int:
         if args.target == "embed" and args.bits != 8:
             print("note: int4 embeddings are supported by vLLM's embedding method but untested here", file=sys.stderr)
         rep = requantize(args.checkpoint, args.target, args.bits, args.group_size, args.max_rel_error,
-                         block_bytes=args.block_mb << 20)
+                         block_bytes=args.block_mb << 20, device=args.device)
         if args.report:
             st.atomic_write_text(args.report, json.dumps(rep, indent=2))
         return 0
