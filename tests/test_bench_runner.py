@@ -133,3 +133,20 @@ def test_ab_boots_each_arm_and_reads_the_floor(tmp_path):
     one = run_ab(t, cmd, "FAKE_DELAY", "0.002", "0.004", boots=1, max_tokens=8, boot_timeout=30)
     assert one["data"]["verdict"]["status"] == "UNRESOLVED"
     assert "boot floor unknown" in one["data"]["verdict"]["reasons"][0]
+
+
+def test_suites_are_valid_configs():
+    for mode in ("single", "batch"):
+        cfg = config.suite(mode, "http://127.0.0.1:1", "m", "out", prefill=True, long=True)
+        kinds = {r["kind"] for r in cfg["runs"]}
+        assert "ladder" in kinds and "depth" in kinds
+    with pytest.raises(config.ConfigError, match="single, batch"):
+        config.suite("huge", "u", "m", "o")
+
+
+def test_run_benchmarks_sh_refuses_bad_mode():
+    import subprocess
+    sh = Path(__file__).resolve().parents[1] / "bench" / "run_benchmarks.sh"
+    r = subprocess.run(["bash", str(sh), "nope"], capture_output=True, text=True,
+                       env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHON": sys.executable})
+    assert r.returncode == 2 and "single" in r.stderr

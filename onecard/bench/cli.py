@@ -7,6 +7,7 @@
   onecard bench perplexity --prompts prose
   onecard bench spec --prompts prose,code,copy
   onecard bench run CONFIG.yaml                     (declarative: every run in the file)
+  onecard bench suite single|batch [--prefill] [--long]   (bench/run_benchmarks.sh; + report)
   onecard bench ab --knob ONECARD_X --a 0 --b 1 --boots 2 [--server-cmd "bash start_qwen.sh"]
   onecard bench compare A.json B.json [--knob NAME] (the contract's verdict on a comparison)
   onecard bench report RESULTS_DIR... --md report.md [--plot ladder.png]
@@ -18,8 +19,8 @@ import json
 import os
 import sys
 
-SUBS = ("ladder", "depth", "prefix-turns", "needle", "perplexity", "spec", "run", "ab", "compare",
-        "report")
+SUBS = ("ladder", "depth", "prefix-turns", "needle", "perplexity", "spec", "run", "suite", "ab",
+        "compare", "report")
 
 
 def _ints(s: str) -> list[int]:
@@ -85,6 +86,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("run", help="every run of a YAML/JSON config")
     p.add_argument("config")
     p.add_argument("--results", default=None, help="override out_dir of the config")
+    p = sub.add_parser("suite", help="the named suites (single-user / batch), then the report")
+    p.add_argument("mode", choices=("single", "batch"))
+    p.add_argument("--prefill", action="store_true", help="add the context-depth / TTFT slope axis")
+    p.add_argument("--long", action="store_true", help="add 64k-128k depth, long needle, 96k turns")
+    p.add_argument("--url", default=os.environ.get("ONECARD_BENCH_URL", "http://127.0.0.1:8000"))
+    p.add_argument("--model", default=None)
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--api-key-env", default="ONECARD_API_KEY")
+    p.add_argument("--results", default="bench-results")
     p = sub.add_parser("ab", help="boot-per-arm A/B on one env knob, with the boot floor")
     _server_args(p)
     p.add_argument("--knob", required=True)
@@ -107,16 +117,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="ladder plot PNG (needs matplotlib)")
 
 
-def _target(args):
+def _first_model(args) -> str:
     from .client import Client
+    key = os.environ.get(args.api_key_env) if args.api_key_env else None
+    try:
+        return Client(args.url, "?", api_key=key).get_json("/v1/models")["data"][0]["id"]
+    except Exception as exc:  # noqa: BLE001
+        raise SystemExit(f"onecard bench: cannot read /v1/models at {args.url} ({exc}); pass --model")
+
+
+def _target(args):
     from .runner import DEFAULT_SAMPLING, Target
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
-    model = args.model
-    if model is None:
-        try:
-            model = Client(args.url, "?", api_key=key).get_json("/v1/models")["data"][0]["id"]
-        except Exception as exc:  # noqa: BLE001
-            raise SystemExit(f"onecard bench: cannot read /v1/models at {args.url} ({exc}); pass --model")
+    model = args.model or _first_model(args)
     sampling = dict(DEFAULT_SAMPLING, temperature=args.temperature)
     if args.no_ignore_eos:
         sampling["ignore_eos"] = False
@@ -156,6 +169,20 @@ def run(args: argparse.Namespace) -> int:
             cfg = config.load(args.config)
             t = config.target_from(cfg, argv=list(sys.argv), out_dir=args.results)
             rcs = [_done(r) for r in config.execute(cfg, t)]
+            return max(rcs) if rcs else 0
+        if cmd == "suite":
+            from . import config
+            from .report import write_report
+            model = args.model or _first_model(args)
+            cfg = config.suite(args.mode, args.url, model, args.results, args.prefill, args.long,
+                               args.endpoint, args.api_key_env)
+            t = config.target_from(cfg, argv=list(sys.argv))
+            results = config.execute(cfg, t)
+            rcs = [_done(r) for r in results]
+            md = os.path.join(args.results, f"report-{args.mode}.md")
+            write_report([r["path"] for r in results if r.get("path")], md,
+                         os.path.join(args.results, f"ladder-{args.mode}.png"))
+            print(f"report: {md}")
             return max(rcs) if rcs else 0
         if cmd == "ab":
             from .ab import run_ab

@@ -121,3 +121,38 @@ def execute(cfg: dict, target: Target) -> list[dict]:
             res = runner.spec(target, [P.load(n) for n in names], int(r.get("max_tokens", 128)))
         results.append(res)
     return results
+
+
+def suite(mode: str, url: str, model: str, out_dir: str, prefill: bool = False, long: bool = False,
+          endpoint: str = "completions", api_key_env: str | None = "ONECARD_API_KEY") -> dict:
+    """The named suites of bench/run_benchmarks.sh, as a config (validated like a file)."""
+    if mode not in ("single", "batch"):
+        raise ConfigError(f"suite {mode!r} invalid; valid: single, batch")
+    runs: list[dict] = []
+    if mode == "single":
+        runs += [
+            {"kind": "ladder", "prompts": "prose", "n": [1, 2, 4, 8], "max_tokens": 256, "reps": 2},
+            {"kind": "ladder", "prompts": "code", "n": [1], "max_tokens": 256, "reps": 2},
+            {"kind": "spec", "prompts": ["prose", "code", "copy"], "max_tokens": 128},
+            {"kind": "perplexity", "prompts": "prose"},
+            {"kind": "prefix_turns", "context_tokens": 8000, "turns": 3, "max_tokens": 64},
+            {"kind": "needle", "contexts": [4000], "depths": [0.1, 0.5, 0.9]},
+        ]
+    else:
+        runs += [
+            {"kind": "ladder", "prompts": "chat", "n": [1, 2, 4, 8, 16, 32], "max_tokens": 256, "reps": 1},
+            {"kind": "ladder", "prompts": "prose", "n": [8, 16], "max_tokens": 256, "reps": 1, "shared": True},
+        ]
+    if prefill:
+        runs.append({"kind": "depth", "contexts": [1000, 4000, 16000, 32000], "max_tokens": 64})
+    if long:
+        runs += [
+            {"kind": "depth", "contexts": [65536, 131072], "max_tokens": 128},
+            {"kind": "needle", "contexts": [32000, 96000], "depths": [0.1, 0.5, 0.9]},
+            {"kind": "prefix_turns", "context_tokens": 96000, "turns": 2, "max_tokens": 64},
+        ]
+    cfg = {"server": {"url": url, "model": model, "endpoint": endpoint,
+                      **({"api_key_env": api_key_env} if api_key_env else {})},
+           "out_dir": out_dir, "label": mode, "runs": runs}
+    validate(cfg, f"suite {mode}")
+    return cfg
