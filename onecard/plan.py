@@ -65,11 +65,33 @@ class ServePlan:
 # ------------------------------------------------------------------ environment sources
 
 def read_dotenv(path: Path) -> dict[str, str]:
+    """``.env`` as a dict: python-dotenv when installed, else a small KEY=VALUE reader."""
     if not path.is_file():
         return {}
-    from dotenv import dotenv_values
-
+    try:
+        from dotenv import dotenv_values
+    except ImportError:
+        return _parse_dotenv(path.read_text())
     return {k: v for k, v in dotenv_values(path).items() if v is not None}
+
+
+def _parse_dotenv(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        line = line.removeprefix("export ").strip()
+        key, sep, val = line.partition("=")
+        if not sep or not key.strip().replace("_", "").isalnum():
+            raise PlanError(f".env line {n} is not KEY=VALUE; valid: KEY=VALUE, # comments, export KEY=VALUE")
+        val = val.strip()
+        if len(val) >= 2 and val[0] == val[-1] and val[0] in "'\"":
+            val = val[1:-1]
+        elif " #" in val:
+            val = val.split(" #", 1)[0].rstrip()
+        out[key.strip()] = val
+    return out
 
 
 def read_api_key(env: Mapping[str, str], dotenv: Mapping[str, str], root: Path) -> tuple[str | None, str]:

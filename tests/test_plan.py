@@ -193,3 +193,25 @@ def test_format_table_lists_every_value(root):
     for name in plan.values:
         assert name in t
     assert "predicted pool" in t
+
+
+def test_dotenv_fallback_parser():
+    text = "# c\nexport CTX=long\nPORT = '9000'\nEXTRA_ARGS=\"--seed 1\"\nHOST=localhost # here\n"
+    assert P._parse_dotenv(text) == {"CTX": "long", "PORT": "9000", "EXTRA_ARGS": "--seed 1", "HOST": "localhost"}
+    with pytest.raises(P.PlanError, match="KEY=VALUE"):
+        P._parse_dotenv("just words\n")
+
+
+def test_dotenv_without_library(root, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def fake(name, *a, **k):
+        if name == "dotenv":
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", fake)
+    (root / ".env").write_text("CTX=long\n")
+    assert mk({}, root).get("CTX") == "long"

@@ -25,7 +25,7 @@ from pathlib import Path
 RE_POOL = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 RE_CONC = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 RE_BLOCK = re.compile(r"Setting attention block size to (\d+) tokens")
-RE_FATAL = re.compile(r"(Traceback \(most recent call last\)|EngineCore failed|RuntimeError:|ValueError:|CUDA out of memory)")
+RE_ERRLINE = re.compile(r"(\w*(Error|Exception)\b.*:|CUDA out of memory)")
 
 
 def free_port() -> int:
@@ -113,9 +113,11 @@ def boot(case: dict, out: Path, root: Path, launcher: list[str]) -> dict:
     b = RE_BLOCK.findall(text)
     rec["block_size"] = int(b[-1]) if b else None
     if rec["pool_tokens"] is None:
-        f = RE_FATAL.search(text)
-        rec["error"] = ("no pool line; " + (text[f.start():f.start() + 300].replace("\n", " | ") if f else
-                                             f"rc={proc.returncode} after {rec['seconds']} s"))
+        errs = [ln.strip() for ln in text.splitlines() if RE_ERRLINE.search(ln)]
+        tail = [ln.strip() for ln in text.splitlines() if ln.strip()][-1:] or [""]
+        why = errs[-1] if errs else (f"timeout after {rec['seconds']} s: {tail[0]}" if proc.returncode in (None, -2, -15, -9)
+                                     else f"rc={proc.returncode}: {tail[0]}")
+        rec["error"] = "no pool line; " + why[:300]
     return rec
 
 
