@@ -150,3 +150,20 @@ def test_run_benchmarks_sh_refuses_bad_mode():
     r = subprocess.run(["bash", str(sh), "nope"], capture_output=True, text=True,
                        env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHON": sys.executable})
     assert r.returncode == 2 and "single" in r.stderr
+
+
+def test_onecard_bench_without_benchmark_names_valid_ones(capsys):
+    from onecard.cli import main
+    assert main(["bench"]) == 2
+    assert "ladder" in capsys.readouterr().err
+
+
+def test_unknown_prompt_set_names_valid_ones():
+    with pytest.raises(ValueError, match="prose"):
+        prompts.load("nonexistent")
+
+
+def test_shipped_prompt_sets_load():
+    for name in ("prose", "code", "copy", "chat"):
+        ps = prompts.load(name)
+        assert len(ps.prompts) >= 6 and len(ps.hash) == 64

@@ -136,5 +136,10 @@ timeout 60 python3 -m onecard bench report "$RES" --md "$JOB_OUT/report.md" --pl
   || say "report generation failed"
 [ -f "$JOB_OUT/report.md" ] && cat "$JOB_OUT/report.md"
 [ -f "$JOB_OUT/ladder.png" ] || say "(no ladder.png: matplotlib missing?)"
+if [ -f "$JOB_OUT/report.md" ]; then  # the key lines again, last, where gpu/run.sh's tail shows them
+  say "--- ladder ($NAME, prose, 64 tok): N | aggregate | per-stream | slowest | TTFT | kv% peak/mean | s | preempt | overlap | failed"
+  grep -E '^\| C[0-9]+ \|' "$JOB_OUT/report.md" | tee -a "$summary"
+  grep -E '^perplexity:|^\| (prose|code|copy) \|' "$JOB_OUT/report.md" | tee -a "$summary"
+fi
 say "== 50-bench-smoke done in $(elapsed)s: $([ $status = 0 ] && echo PASS || echo FAIL)"
 exit $status
