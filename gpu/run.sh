@@ -29,6 +29,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,pow
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUTROOT/gpu.txt"
 
 summary="$OUTROOT/summary.txt"; : > "$summary"
+pack() {
+  [ -n "${OUT:-}" ] || return 0
+  tar -czf "$OUT/results.tgz.tmp" -C "$OUTROOT" . && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
+  cp "$summary" "$OUT/summary.txt"
+}
 for job in "$repo"/gpu/jobs/*.sh; do
   name="$(basename "$job" .sh)"
   if [ $# -gt 0 ]; then
@@ -44,8 +49,7 @@ for job in "$repo"/gpu/jobs/*.sh; do
   pkill -f "vllm.entrypoints" 2>/dev/null; sleep 1; pkill -9 -f "vllm.entrypoints" 2>/dev/null
   printf '%-28s rc=%-4s %5ss\n' "$name" "$rc" "$dt" | tee -a "$summary"
   tail -n 25 "$JOB_OUT/log.txt" | sed "s/^/  [$name] /"
+  pack  # after every job, so a call cut off at its time limit still brings back what ran
 done
 say "summary"; cat "$OUTROOT/gpu.txt" "$summary"
-if [ -n "${OUT:-}" ]; then
-  tar -czf "$OUT/results.tgz" -C "$OUTROOT" . && cp "$summary" "$OUT/summary.txt"
-fi
+pack
