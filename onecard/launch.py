@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
                 geom = memory.ModelGeometry.from_model_dir(probe)
             except ValueError as e:
                 print(f"onecard launch: note: {e}; using the 27B geometry for the memory model", file=sys.stderr)
-        plan = make_plan(env, args.root, _python(), model_path, geom)
+        plan = make_plan(env, args.root, _python(), model_path, geom,
+                         check_paths=not (args.dry_run or args.json))
     except PlanError as e:
         print(f"onecard launch: {e}", file=sys.stderr)
         return 2

@@ -143,7 +143,7 @@ def parse_choice(text: str, knob: profiles.Knob) -> str:
 
 # ------------------------------------------------------------------ the plan
 
-def resolve(environ: Mapping[str, str], root: Path | str = ".") -> ServePlan:
+def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: bool = False) -> ServePlan:
     """Resolve every knob to a value with its source (no preflight, no argv yet)."""
     root = Path(root)
     dot = read_dotenv(root / ".env")
@@ -167,9 +167,9 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".") -> ServePlan:
             plan.set(name, v.strip(), src)
             if k.choices:
                 parse_choice(v.strip(), k)
-    unknown = sorted(n for n in environ if n.startswith("ONECARD_") and n not in ("ONECARD_ROOT",))
+    unknown = sorted(n for n in dot if n not in profiles.KNOBS and n.isupper() and not n.startswith(("HF_", "VLLM_", "CUDA_")))
     if unknown:
-        raise PlanError(f"unknown knob {unknown[0]}; valid: {', '.join(profiles.KNOBS)}")
+        plan.notes.append(f".env sets {', '.join(unknown)}, which is not a launcher knob (valid: {', '.join(profiles.KNOBS)})")
 
     ctx = profiles.CTX_PROFILES[plan.get("CTX")]
     spec = profiles.SPEC_PROFILES[plan.get("SPEC")]
@@ -239,6 +239,9 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".") -> ServePlan:
     model = plan.get("MODEL")
     if model == "tiny":
         plan.set("MODEL", "tiny", plan.values["MODEL"].source, "resolved at launch by ensure_tiny_model()")
+    elif check_paths and not (Path(model) / "config.json").is_file():
+        raise PlanError(f"MODEL={model} has no config.json; valid: a prepared checkpoint directory "
+                        f"(install.sh prepares models/qwen38-27b) or MODEL=tiny")
     if spec.name == "dflash2":
         draft = Path(plan.get("DRAFT"))
         if not (draft / "config.json").is_file():
@@ -327,12 +330,13 @@ def build_argv(plan: ServePlan, python: str = sys.executable, model_path: str | 
 
 
 def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", python: str = sys.executable,
-              model_path: str | None = None, geometry: memory.ModelGeometry | None = None) -> ServePlan:
+              model_path: str | None = None, geometry: memory.ModelGeometry | None = None,
+              check_paths: bool = False) -> ServePlan:
     """resolve -> preflight -> argv. The one entry point for launch, tests and jobs."""
     from onecard import preflight
 
     environ = dict(os.environ if environ is None else environ)
-    plan = resolve(environ, root)
+    plan = resolve(environ, root, check_paths and model_path is None)
     preflight.run_checks(plan, geometry or memory.QWEN38_27B)
     plan.argv = build_argv(plan, python, model_path)
     if plan.api_key:

@@ -57,6 +57,9 @@ def test_exec_passes_key_by_env(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(os, "execvpe", lambda f, a, e: calls.update(f=f, a=a, e=e))
     monkeypatch.setenv("HOST", "0.0.0.0")
     monkeypatch.setenv("VLLM_API_KEY", "k3y")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    monkeypatch.setenv("MODEL", str(tmp_path / "m"))
     rc = launch.run(SimpleNamespace(dry_run=False, json=False, root=str(tmp_path)))
     assert rc == 1 and calls["e"]["VLLM_API_KEY"] == "k3y"
     assert "k3y" not in " ".join(calls["a"]) and "k3y" not in capsys.readouterr().out

@@ -157,7 +157,6 @@ BAD = [
     ({"EXTRA_ARGS": "--api-key abc"}, "VLLM_API_KEY"),
     ({"EXTRA_ARGS": "--dtype float16"}, "float16"),
     ({"KV_MEM": "100M"}, "KV_MEM >="),
-    ({"ONECARD_FOO": "1"}, "unknown knob"),
 ]
 
 
@@ -215,3 +214,14 @@ def test_dotenv_without_library(root, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake)
     (root / ".env").write_text("CTX=long\n")
     assert mk({}, root).get("CTX") == "long"
+
+
+def test_unknown_dotenv_key_is_noted(root):
+    (root / ".env").write_text("CTXX=long\n")
+    assert any("CTXX" in n for n in mk({}, root).notes)
+
+
+def test_missing_model_checked_only_when_launching(root):
+    with pytest.raises(P.PlanError, match="no config.json"):
+        P.make_plan({"MODEL": str(root / "nope")}, root, python="python3", check_paths=True)
+    mk({"MODEL": str(root / "nope")}, root)  # dry-run: fine
