@@ -88,3 +88,26 @@ def test_sampler_window_deltas(server):
     assert m["available"] and m["counters"]["generation_tokens"] == 9
     assert m["counters"]["requests_finished"] == 1
     assert m["gauges"]["kv_usage"]["samples"] >= 2
+
+
+def test_parse_text_written_by_prometheus_client():
+    """Names as vLLM 0.27.1 registers them; exposition as prometheus_client writes it."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    reg = CollectorRegistry()
+    lab = ["model_name", "engine"]
+    Gauge("vllm:kv_cache_usage_perc", "kv", lab, registry=reg).labels("m", "0").set(0.25)
+    Counter("vllm:generation_tokens", "gen", lab, registry=reg).labels("m", "0").inc(40)
+    Counter("vllm:num_preemptions", "pre", lab, registry=reg).labels("m", "0").inc(2)
+    Counter("vllm:spec_decode_num_drafts", "d", lab, registry=reg).labels("m", "0").inc(10)
+    pp = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "p", lab + ["position"], registry=reg)
+    pp.labels("m", "0", "0").inc(7)
+    pp.labels("m", "0", "1").inc(3)
+    Histogram("vllm:time_to_first_token_seconds", "t", lab, registry=reg).labels("m", "0").observe(0.1)
+    snap = metrics.parse(generate_latest(reg).decode())
+    assert snap.values["vllm:kv_cache_usage_perc"] == 0.25
+    assert snap.values["vllm:generation_tokens_total"] == 40
+    assert snap.values["vllm:num_preemptions_total"] == 2
+    assert snap.per_pos == {0: 7.0, 1: 3.0}
+    empty = metrics.parse("")
+    d = metrics.counter_deltas(empty, snap)
+    assert d["preemptions"] == 2 and d["spec_accepted_per_pos"] == [7.0, 3.0]
