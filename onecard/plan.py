@@ -347,7 +347,9 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
 def format_table(plan: ServePlan) -> str:
     rows = [("knob", "value", "source", "reason")]
     for name, val in plan.values.items():
-        shown = " ".join(val.value) if isinstance(val.value, list) else str(val.value)
+        shown = " ".join(map(str, val.value)) if isinstance(val.value, list) else str(val.value)
+        if name == "KV_MEM" and isinstance(val.value, int):
+            shown += f" ({val.value / 1024**3:.2f} GiB)"
         rows.append((name, shown, val.source, val.reason))
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     out = [f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]}".rstrip() for r in rows]

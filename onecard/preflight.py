@@ -80,6 +80,10 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B) 
                  f"vLLM refuses max_num_seqs > Mamba cache blocks ({pred.num_blocks}) with FULL graphs")
     plan.prediction = pred.as_dict()
     resident_full = int(pred.max_concurrency)
+    resident_short = pred.num_blocks // (pred.state_slots_per_seq + 1)
+    if int(plan.get("MAX_SEQS")) > resident_short:
+        plan.notes.append(f"MAX_SEQS={plan.get('MAX_SEQS')} > {resident_short}: even short requests beyond "
+                          f"{resident_short} wait for GDN state blocks (the pool has {pred.num_blocks} blocks)")
     plan.notes.append(
         f"each resident sequence holds {pred.state_slots_per_seq} GDN state blocks ({pred.gdn_groups} groups x "
         f"{(2 if prefix else 1)}+{k}); MAX_SEQS={plan.get('MAX_SEQS')} admits, the pool decides residency "

@@ -78,3 +78,9 @@ def test_geometry_from_model(tmp_path):
                              linear_num_value_heads=6)
     plan = mk({"MAX_LEN": "4096", "KV_MEM": "64M"}, tmp_path, geometry=g)
     assert plan.prediction["group_size"] == 3
+
+
+def test_short_residency_note(tmp_path):
+    plan = mk({"CTX": "fast", "MAX_SEQS": "64"}, tmp_path)
+    assert any("wait for GDN state blocks" in n for n in plan.notes)
+    assert "GiB" in P.format_table(plan)
