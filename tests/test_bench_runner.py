@@ -167,3 +167,15 @@ def test_shipped_prompt_sets_load():
     for name in ("prose", "code", "copy", "chat"):
         ps = prompts.load(name)
         assert len(ps.prompts) >= 6 and len(ps.hash) == 64
+
+
+def test_plots_when_matplotlib_is_there(tmp_path):
+    pytest.importorskip("matplotlib")
+    with FakeServer(tokens_per_chunk=2) as s:
+        t = _target(s.url, tmp_path / "res")
+        runner.ladder(t, prompts.load("prose"), [1, 2], 6, 1)
+        runner.depth(t, [50, 200], 6)
+    text = report.write_report([tmp_path / "res"], tmp_path / "r.md", tmp_path / "ladder.png")
+    assert (tmp_path / "ladder.png").stat().st_size > 1000
+    assert (tmp_path / "ladder-depth.png").stat().st_size > 1000
+    assert "![ladder](ladder.png)" in text and "![depth](ladder-depth.png)" in text

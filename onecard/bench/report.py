@@ -156,6 +156,41 @@ def plot_ladders(results: list[dict], path: str | Path) -> Path | None:
     return path
 
 
+def plot_depth(results: list[dict], path: str | Path) -> Path | None:
+    """TTFT and decode tok/s against context depth for every depth result."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001
+        return None
+    runs = [r for r in results if r.get("kind") == "depth" and (r.get("data") or {}).get("points")]
+    if not runs:
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for r in runs:
+        pts = [p for p in r["data"]["points"] if p.get("ok")]
+        xs = [p.get("prompt_tokens") or p["context"] for p in pts]
+        name = r.get("label") or "run"
+        a1.plot(xs, [p.get("ttft") or 0 for p in pts], marker="o", label=name)
+        a2.plot(xs, [p.get("decode_tps") or 0 for p in pts], marker="o", label=name)
+    a1.set_xlabel("prompt tokens")
+    a1.set_ylabel("TTFT s (salted, no cache)")
+    a2.set_xlabel("prompt tokens")
+    a2.set_ylabel("decode tok/s")
+    for a in (a1, a2):
+        a.set_xscale("log", base=2)
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=8)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
 def write_report(result_paths: list[str | Path], out_md: str | Path, plot: str | Path | None = None) -> str:
     results = load_results(result_paths)
     text = markdown(results)
@@ -163,5 +198,9 @@ def write_report(result_paths: list[str | Path], out_md: str | Path, plot: str |
         p = plot_ladders(results, plot)
         if p is not None:
             text += f"\n![ladder]({Path(p).name})\n"
+        plot = Path(plot)
+        p = plot_depth(results, plot.with_name(plot.stem + "-depth" + plot.suffix))
+        if p is not None:
+            text += f"\n![depth]({Path(p).name})\n"
     atomic_write_text(out_md, text)
     return text

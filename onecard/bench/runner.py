@@ -12,6 +12,7 @@ Kinds:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import threading
@@ -349,12 +350,13 @@ def needle(t: Target, contexts: list[int], depths: list[float], max_tokens: int 
     ps = {"id": "needle-haystack", "hash": P.prompts_hash([x[3] for x in cases]), "n": len(cases),
           "salted": True}
     warm = _warmup(t, c, "Say hello.")
+    t = dataclasses.replace(t, sampling={**t.sampling, "ignore_eos": False})  # answers may stop
     rf, result = _open(t, "needle", ps, max_tokens, warm)
     rows = result["data"]["cases"] = []
     sampler = Sampler(t.url, t.metrics_interval, t.api_key).start()
     try:
         for n, d, w, prompt in cases:
-            r = c.stream(P.salt(prompt), max_tokens, {**t.sampling, "ignore_eos": False}, keep_text=True)
+            r = c.stream(P.salt(prompt), max_tokens, t.sampling, keep_text=True)
             _account(result, [r])
             hit = w.lower() in r.text.lower()
             rows.append({"context": n, "depth": d, "prompt_tokens": r.prompt_tokens, "found": hit,
@@ -402,6 +404,8 @@ def prompt_logprobs(c: Client, text: str) -> tuple[list[float], str]:
 def perplexity(t: Target, pset: P.PromptSet) -> dict:
     c = t.client()
     warm = _warmup(t, c, pset.prompts[0], max_tokens=4)
+    t = dataclasses.replace(t, sampling={"echo": True, "logprobs": 0, "temperature": 0.0,
+                                         "fallback": "prompt_logprobs=0"})
     rf, result = _open(t, "perplexity", pset.record(), 0, warm, token_source="server_logprobs")
     rows = result["data"]["prompts"] = []
     total_lp, total_n, method = 0.0, 0, None
