@@ -34,76 +34,52 @@ PLAIN_ADDED_TOKENS = [
 ]
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
-CHAT_TEMPLATE = r"""{%- set enable_thinking = enable_thinking if enable_thinking is defined else true -%}
-{%- if tools %}
-<|im_start|>system
-{% if messages[0].role == 'system' %}{{ messages[0].content }}
-
-{% endif %}# Tools
-
-You may call one or more of these functions:
-<tools>
-{%- for tool in tools %}
-{{ (tool.function if tool.function is defined else tool) | tojson }}
-{%- endfor %}
-</tools>
-
-To call a function reply with:
-<tool_call>
-<function=NAME>
-<parameter=ARGUMENT>
-VALUE
-</parameter>
-</function>
-</tool_call><|im_end|>
-{% elif messages[0].role == 'system' %}
-<|im_start|>system
-{{ messages[0].content }}<|im_end|>
-{% endif -%}
-{%- for message in messages %}
-{%- if message.role == 'system' %}
-{%- if not loop.first %}<|im_start|>system
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- elif message.role == 'user' %}<|im_start|>user
-{{ message.content }}<|im_end|>
-{% elif message.role == 'assistant' %}<|im_start|>assistant
-{% if message.reasoning_content %}<think>
-{{ message.reasoning_content | trim }}
-</think>
-
-{% endif %}{{ message.content if message.content else '' }}
-{%- if message.tool_calls %}
-{%- for call in message.tool_calls %}
-{%- set fn = call.function if call.function is defined else call %}
-<tool_call>
-<function={{ fn.name }}>
-{%- set args = fn.arguments if fn.arguments is mapping else (fn.arguments | fromjson if fromjson is defined else {}) %}
-{%- for key, value in args.items() %}
-<parameter={{ key }}>
-{{ value if value is string else value | tojson }}
-</parameter>
-{%- endfor %}
-</function>
-</tool_call>
-{%- endfor %}
-{%- endif %}<|im_end|>
-{% elif message.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user
-{% endif %}<tool_response>
-{{ message.content }}
-</tool_response>
-{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
-{% endif %}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if not enable_thinking %}<think>
-
-</think>
-
-{% endif %}
-{%- endif %}"""
+CHAT_TEMPLATE = (
+    "{%- set enable_thinking = enable_thinking if enable_thinking is defined else true -%}\n"
+    "{%- if tools -%}\n"
+    "{{- '<|im_start|>system\\n' -}}\n"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content + '\\n\\n' }}{% endif -%}\n"
+    "{{- '# Tools\\n\\nYou may call one or more of these functions:\\n<tools>' -}}\n"
+    "{%- for tool in tools %}{{ '\\n' + ((tool.function if tool.function is defined else tool) | tojson) }}{% endfor -%}\n"
+    "{{- '\\n</tools>\\n\\nTo call a function reply with:\\n<tool_call>\\n<function=NAME>\\n"
+    "<parameter=ARGUMENT>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call><|im_end|>\\n' -}}\n"
+    "{%- elif messages[0].role == 'system' -%}\n"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' -}}\n"
+    "{%- endif -%}\n"
+    "{%- for message in messages -%}\n"
+    "{%- if message.role == 'system' -%}\n"
+    "{%- if not loop.first %}{{ '<|im_start|>system\\n' + message.content + '<|im_end|>\\n' }}{% endif -%}\n"
+    "{%- elif message.role == 'user' -%}\n"
+    "{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' -}}\n"
+    "{%- elif message.role == 'assistant' -%}\n"
+    "{{- '<|im_start|>assistant\\n' -}}\n"
+    "{%- if message.reasoning_content -%}\n"
+    "{{- '<think>\\n' + (message.reasoning_content | trim) + '\\n</think>\\n\\n' -}}\n"
+    "{%- endif -%}\n"
+    "{{- message.content if message.content else '' -}}\n"
+    "{%- for call in (message.tool_calls or []) -%}\n"
+    "{%- set fn = call.function if call.function is defined else call -%}\n"
+    "{%- if loop.first and message.content %}{{ '\\n' }}{% endif -%}\n"
+    "{{- '<tool_call>\\n<function=' + fn.name + '>\\n' -}}\n"
+    "{%- if fn.arguments is mapping -%}\n"
+    "{%- for key, value in fn.arguments.items() -%}\n"
+    "{{- '<parameter=' + key + '>\\n' + (value if value is string else (value | tojson)) + '\\n</parameter>\\n' -}}\n"
+    "{%- endfor -%}\n"
+    "{%- elif fn.arguments %}{{ fn.arguments + '\\n' }}{% endif -%}\n"
+    "{{- '</function>\\n</tool_call>' + ('' if loop.last else '\\n') -}}\n"
+    "{%- endfor -%}\n"
+    "{{- '<|im_end|>\\n' -}}\n"
+    "{%- elif message.role == 'tool' -%}\n"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif -%}\n"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' -}}\n"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif -%}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "{{- '<|im_start|>assistant\\n' -}}\n"
+    "{%- if not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif -%}\n"
+    "{%- endif -%}\n"
+)
 
 
 @dataclass(frozen=True)
