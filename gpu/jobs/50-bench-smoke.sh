@@ -32,6 +32,21 @@ stop_server() {
 }
 trap stop_server EXIT
 
+# HTTP GET without curl (may be missing on the GPU host): get URL [OUTFILE]; rc 0 on HTTP 200
+get() {
+  python3 - "$@" <<'PYEOF' 2>/dev/null
+import sys, urllib.request
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=3) as r:
+        body = r.read()
+        if len(sys.argv) > 2:
+            open(sys.argv[2], "wb").write(body)
+        sys.exit(0 if r.status == 200 else 1)
+except Exception:
+    sys.exit(1)
+PYEOF
+}
+
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 URL="http://127.0.0.1:$PORT"
 
@@ -50,7 +65,7 @@ boot() {
       say "server $name exited during boot; last log lines:"; tail -25 "$log" | tee -a "$summary"
       SPID=""; return 1
     fi
-    if curl -sf "$URL/health" >/dev/null 2>&1; then say "[$(elapsed)s] $name healthy after ${t}s"; return 0; fi
+    if get "$URL/health"; then say "[$(elapsed)s] $name healthy after ${t}s"; return 0; fi
     sleep 1; t=$((t + 1))
   done
   say "server $name not healthy after ${wait_s}s; last log lines:"; tail -25 "$log" | tee -a "$summary"
@@ -63,7 +78,6 @@ bench() {  # bench LIMIT_S SUBCOMMAND ARGS...
 }
 
 say "== 50-bench-smoke $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-command -v curl >/dev/null || { say "curl missing"; exit 1; }
 
 SMOL="$MODELS/smollm2-135m"
 if [ -f "$SMOL/config.json" ]; then
@@ -82,7 +96,7 @@ if boot "$NAME" "$MODEL" bench 120 "${EXTRA[@]}"; then
   say "--- informative: depth 256/1024, prefix turns 1000"
   bench 30 depth --model bench --contexts 256,1024 --out 32 --label "$NAME" || say "(depth not VALID)"
   bench 30 prefix-turns --model bench --context 1000 --turns 3 --out 16 --label "$NAME" || say "(prefix-turns not VALID)"
-  curl -s "$URL/metrics" > "$JOB_OUT/metrics-$NAME.txt" 2>/dev/null
+  get "$URL/metrics" "$JOB_OUT/metrics-$NAME.txt" || say "(could not save /metrics)"
   stop_server
 else
   status=1
@@ -123,7 +137,7 @@ if [ "$(elapsed)" -lt 120 ]; then
        --speculative-config '{"method":"mtp","num_speculative_tokens":2}'; then
     say "--- informative: spec acceptance per position (tiny + MTP k=2)"
     bench 40 spec --model bench --prompts prose,code,copy --out 32 --label tiny-mtp || say "(spec not VALID)"
-    curl -s "$URL/metrics" | grep -E '^vllm:spec_decode' > "$JOB_OUT/metrics-tiny-mtp-spec.txt" 2>/dev/null
+    get "$URL/metrics" "$JOB_OUT/metrics-tiny-mtp.txt" && grep -E '^vllm:spec_decode' "$JOB_OUT/metrics-tiny-mtp.txt" | tee -a "$summary"
     stop_server
   else
     say "(tiny + MTP boot skipped or failed: see server-tiny-mtp.log)"
