@@ -39,6 +39,7 @@ def test_clean_result_is_valid():
     ({"metrics__counters": {"requests_finished": 6, "generation_tokens": 1024}}, "other client traffic"),
     ({"metrics__counters": {"requests_finished": 4, "generation_tokens": 2000}}, "other client traffic"),
     ({"metrics__engines": ["0", "1"]}, "replica"),
+    ({"metrics__running_peak": 3, "traffic__concurrency": 2}, "at once"),
     ({"traffic__failed": 1}, "failed"),
     ({"partial": True}, "partial"),
     ({"kind": "prefill"}, "salted"),

@@ -80,6 +80,10 @@ def check_result(result: dict) -> tuple[list[str], list[str]]:
         if toks is not None and gen is not None and gen > toks:
             problems.append(f"other client traffic: server generated {gen:g} tokens during the run, "
                             f"we received {toks}")
+        conc, running = traffic.get("concurrency"), m.get("running_peak")
+        if conc is not None and running is not None and running > conc:
+            problems.append(f"other client traffic: server ran {running:g} requests at once, "
+                            f"we sent at most {conc}")
         engines = m.get("engines") or []
         if len(engines) > 1:
             problems.append(f"more than one replica/engine serving: {engines}")

@@ -73,7 +73,8 @@ def _open(t: Target, kind: str, pset: dict | None, max_tokens: Any, warm: dict,
                             token_count_source=token_source, warmup=warm, server=server,
                             max_tokens=max_tokens)
     result = {"kind": kind, "label": t.label, "provenance": prov, "server_config": t.server_config,
-              "traffic": {"requests": 0, "completion_tokens": 0, "failed": 0, "first_error": None},
+              "traffic": {"requests": 0, "completion_tokens": 0, "failed": 0, "first_error": None,
+                          "concurrency": 1},
               "data": {}, **(extra or {})}
     return ResultFile(t.out_dir, kind, result, label=t.label), result
 
@@ -173,6 +174,7 @@ def ladder(t: Target, pset: P.PromptSet, ns: list[int], max_tokens: int = 256, r
     rf, result = _open(t, "ladder", pset.record(), max_tokens, warm,
                        extra={"shared_prompt": shared})
     levels = result["data"]["levels"] = []
+    result["traffic"]["concurrency"] = max(ns)
     try:
         for n in ns:
             reps_out = []
@@ -232,9 +234,12 @@ def _merge_metrics(acc: dict | None, m: dict) -> dict:
     """Run-level metrics for the contract: counters summed over windows, engines unioned."""
     if not m.get("available"):
         return acc if acc else m
+    peak = ((m.get("gauges") or {}).get("running") or {}).get("peak")
     if not acc or not acc.get("available"):
         return {"available": True, "counters": dict(m.get("counters") or {}),
-                "engines": list(m.get("engines") or [])}
+                "engines": list(m.get("engines") or []), "running_peak": peak}
+    if peak is not None:
+        acc["running_peak"] = max(peak, acc.get("running_peak") or 0)
     c = acc["counters"]
     for k, v in (m.get("counters") or {}).items():
         if isinstance(v, (int, float)):
@@ -364,7 +369,7 @@ def needle(t: Target, contexts: list[int], depths: list[float], max_tokens: int 
             rf.save()
             t.log(f"needle ctx {n} depth {d:.2f}: {'FOUND' if hit else 'missed'} ({r.text.strip()[:40]!r})")
         result["data"]["recall"] = sum(x["found"] for x in rows) / len(rows) if rows else None
-        result["metrics"] = sampler.stop()
+        result["metrics"] = _merge_metrics(None, sampler.stop())
     except Exception as exc:  # noqa: BLE001
         sampler.stop()
         rf.abort(f"aborted: {type(exc).__name__}: {exc}")
@@ -424,7 +429,7 @@ def perplexity(t: Target, pset: P.PromptSet) -> dict:
         result["data"]["tokens"] = total_n
         result["data"]["ppl"] = math.exp(-total_lp / total_n) if total_n else None
         t.log(f"perplexity {pset.id}: {_fmt(result['data']['ppl'], 3)} over {total_n} tokens ({method})")
-        result["metrics"] = sampler.stop()
+        result["metrics"] = _merge_metrics(None, sampler.stop())
     except Exception as exc:  # noqa: BLE001
         sampler.stop()
         result["traffic"]["failed"] += 1
