@@ -36,11 +36,11 @@ def _rht_signs(d: int, device) -> torch.Tensor:
     return _get_rht_signs(d, 0, torch.device("cpu")).to(device=device, dtype=torch.float64)
 
 
-def rht_forward(x: torch.Tensor) -> torch.Tensor:
-    """H . (signs * x) along the last dim, unnormalized (vLLM ``single_rht``), in float64."""
+def rht_forward(x: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """H . (signs * x) along the last dim, unnormalized (vLLM ``single_rht``)."""
     d = x.shape[-1]
-    x = x.double() * _rht_signs(d, x.device)
-    return x @ _hadamard(d, device=x.device)
+    x = x.to(dtype) * _rht_signs(d, x.device).to(dtype)
+    return x @ _hadamard(d, dtype=dtype, device=x.device)
 
 
 def rht_inverse(y: torch.Tensor) -> torch.Tensor:
@@ -135,7 +135,7 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., D] -> packed uint8 [..., D/2] (rotated, asymmetric) and float32 scale with zp bits."""
-    r = rht_forward(x.float()).float()
+    r = rht_forward(x.float(), torch.float32)
     lo, hi = r.amin(-1), r.amax(-1)
     scale = ((hi - lo) / 15.0).clamp_min(1e-6)
     z = -lo / scale

@@ -67,6 +67,7 @@ def _wide_verify_split_kernel(
     part_l_ptr,
     qk_scale,  # softmax scale * log2(e)
     num_splits,
+    page,  # KV page (block) size in tokens
     stride_q_t: tl.int64,
     stride_q_h: tl.int64,
     stride_o_t: tl.int64,
@@ -89,7 +90,6 @@ def _wide_verify_split_kernel(
     GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr,
     TILE_N: tl.constexpr,
     KV_MODE: tl.constexpr,
     DIRECT: tl.constexpr,
@@ -139,8 +139,8 @@ def _wide_verify_split_kernel(
         for t in range(0, n_tiles):
             pos = lo + t * TILE_N + offs_n
             kv_ok = pos < hi
-            blk = tl.load(bt_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
-            slot = pos % PAGE
+            blk = tl.load(bt_row + pos // page, mask=kv_ok, other=0).to(tl.int64)
+            slot = pos % page
             kt = tl.load(
                 k_ptr + blk[None, :] * stride_k_blk + slot[None, :] * stride_k_slot
                 + kvh * stride_k_head + offs_h[:, None],
@@ -201,8 +201,8 @@ def _wide_verify_split_kernel(
         for t in range(0, n_tiles):
             pos = lo + t * TILE_N + offs_n
             kv_ok = pos < hi
-            blk = tl.load(bt_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
-            slot = pos % PAGE
+            blk = tl.load(bt_row + pos // page, mask=kv_ok, other=0).to(tl.int64)
+            slot = pos % page
             kt = tl.load(
                 k_ptr + blk[None, :] * stride_k_blk + slot[None, :] * stride_k_slot
                 + kvh * stride_k_head + offs_d[:, None],
@@ -401,7 +401,7 @@ def wide_verify_attention(
         q_in, key_cache, value_cache, k_scale_cache, v_scale_cache,
         block_table, seq_lens, cu_seqlens_q,
         target, part_o, part_m, part_l,
-        scale * _LOG2E, num_splits,
+        scale * _LOG2E, num_splits, page,
         q_in.stride(0), q_in.stride(1), target.stride(0), target.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -409,7 +409,7 @@ def wide_verify_attention(
         vs_strides[0], vs_strides[1], vs_strides[2],
         block_table.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
-        HEAD_DIM=head_dim, PAGE=page, TILE_N=tile_n, KV_MODE=mode, DIRECT=direct,
+        HEAD_DIM=head_dim, TILE_N=tile_n, KV_MODE=mode, DIRECT=direct,
         DOT_F32=q.device.type != "cuda",  # CPU tensors only run under TRITON_INTERPRET
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -419,7 +419,7 @@ def wide_verify_attention(
             target.stride(0), target.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim,
             SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4,
+            num_warps=8 if num_splits * head_dim > 4096 else 4,
         )
     if mode == 4:
         from vllm.v1.attention.ops.int4_per_token_head import single_rht

@@ -1,0 +1,497 @@
+#!/usr/bin/env python3
+"""Wide-verify attention on the GPU: correctness at real shapes, then ours vs stock vLLM.
+
+  python3 bench/kernel_verify.py --out DIR            # GPU: checks + sweep + table (~3 min)
+  TRITON_INTERPRET=1 python3 bench/kernel_verify.py --smoke --out DIR   # CPU plumbing check
+
+1. Correctness (gates the exit status): ``onecard.kernels.wide_verify`` vs the float64
+   reference at 24 q / 4 kv heads, head_dim 256, ragged q_len 1..16, page sizes 16 and 544, for
+   bf16 / int8 / int4; the same inputs through stock ``unified_attention`` (sanity of the
+   inputs); and caches written by vLLM's own reshape-and-cache kernels (proves our reading of
+   the int8 / int4 formats).
+2. A small launch-config sweep (tile, warps, stages) at 32k, printed.
+3. The table: q per seq 8 / 16, contexts 8k / 32k / 72k / 128k, bf16 / int8 / int4, batch 1 / 4.
+   Median time (triton.testing.do_bench), KV GB/s (K+V+scales read once), % of a
+   device-to-device copy's bandwidth (read+write bytes / time) measured in the same run, and the
+   speedup over stock. Inputs rotate over several cache copies so L2 does not flatter.
+Benchmarks print figures; nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 24, 4, 256
+KV_DTYPES = ("bf16", "int8", "int4")
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------
+
+
+def bench_ms(fn, device) -> float:
+    """Median milliseconds of ``fn()``."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+    ts = []
+    fn()
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ts)
+
+
+def copy_bandwidth_gbps(device, nbytes: int) -> dict:
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src.random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), device)
+    gbps = 2 * nbytes / (ms * 1e-3) / 1e9
+    del src, dst
+    return {"bytes": nbytes, "ms": ms, "gbps_read_plus_write": gbps}
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------------
+
+
+def timing_case(*, q_len, ctx, batch, kv_dtype, block_size, device, gen):
+    """A batch whose every sequence has ``ctx`` keys (incl. the verify block) and ``q_len``
+    queries; random cache content (timing does not depend on the values), shuffled pages."""
+    import torch
+
+    from onecard.kernels.reference import VerifyCase, paged_views
+
+    blocks = math.ceil(ctx / block_size)
+    nb = blocks * batch + 1
+    padded, cdt = {"bf16": (HEAD_DIM, torch.bfloat16), "int8": (HEAD_DIM + 4, torch.int8),
+                   "int4": (HEAD_DIM // 2 + 4, torch.uint8)}[kv_dtype]
+    kv = torch.empty(nb, NUM_KV_HEADS, block_size, 2 * padded, dtype=cdt, device=device)
+    if kv_dtype == "bf16":
+        kv.normal_(generator=gen)
+    else:
+        kv.view(torch.uint8).random_(0, 256, generator=gen)
+    k, v, ks, vs = paged_views(kv, HEAD_DIM, kv_dtype)
+    if ks is not None:
+        for s in (ks, vs):
+            val = torch.empty(s.shape, device=device).uniform_(0.01, 0.05, generator=gen)
+            if kv_dtype == "int4":
+                bits = (val.view(torch.int32) & -16) | torch.randint(
+                    0, 16, s.shape, device=device, dtype=torch.int32, generator=gen)
+                val = bits.view(torch.float32)
+            s.copy_(val)
+    perm = torch.randperm(nb, device=device, generator=gen).to(torch.int32)
+    bt = perm[: blocks * batch].view(batch, blocks).contiguous()
+    q = torch.randn(q_len * batch, NUM_Q_HEADS, HEAD_DIM, device=device,
+                    generator=gen).to(torch.bfloat16)
+    cu = torch.arange(0, batch + 1, device=device, dtype=torch.int32) * q_len
+    return VerifyCase(q=q, key_cache=k, value_cache=v, k_scale_cache=ks, v_scale_cache=vs,
+                      cu_seqlens_q=cu,
+                      seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=device),
+                      block_table=bt, softmax_scale=HEAD_DIM ** -0.5, kv_dtype=kv_dtype,
+                      max_query_len=q_len, max_seq_len=ctx, kv_cache=kv)
+
+
+def run_ours(case, out, **kw):
+    from onecard.kernels.wide_verify import wide_verify_attention
+
+    return wide_verify_attention(
+        case.q, case.key_cache, case.value_cache, out, cu_seqlens_q=case.cu_seqlens_q,
+        seq_lens=case.seq_lens, block_table=case.block_table, max_query_len=case.max_query_len,
+        softmax_scale=case.softmax_scale, kv_mode=case.kv_dtype, k_scale_cache=case.k_scale_cache,
+        v_scale_cache=case.v_scale_cache, max_seq_len=case.max_seq_len, **kw)
+
+
+def run_stock(case, out):
+    """The stock TRITON_ATTN call (vLLM 0.27.1 ``unified_attention``) on the same inputs."""
+    import torch
+
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    mode = {"bf16": KVQuantMode.NONE, "int8": KVQuantMode.INT8_PER_TOKEN_HEAD,
+            "int4": KVQuantMode.INT4_PER_TOKEN_HEAD}[case.kv_dtype]
+    n = case.seq_lens.shape[0]
+    if mode == KVQuantMode.NONE:
+        one = torch.ones(1, dtype=torch.float32, device=case.q.device)
+        kd = vd = one.expand(n, NUM_KV_HEADS)
+    else:
+        kd = vd = None
+    unified_attention(
+        q=case.q, k=case.key_cache, v=case.value_cache, out=out,
+        cu_seqlens_q=case.cu_seqlens_q, max_seqlen_q=case.max_query_len,
+        seqused_k=case.seq_lens, max_seqlen_k=case.max_seq_len,
+        softmax_scale=case.softmax_scale, causal=True, window_size=(-1, -1),
+        block_table=case.block_table, softcap=0.0, q_descale=None, k_descale=kd, v_descale=vd,
+        kv_quant_mode=mode, k_scale_cache=case.k_scale_cache, v_scale_cache=case.v_scale_cache)
+    return out
+
+
+def rel_err(out, ref) -> float:
+    return float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0))
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. correctness
+# ------------------------------------------------------------------------------------------------
+
+
+def correctness(device, gen, smoke: bool, have_stock: bool) -> list[dict]:
+    import torch
+
+    from onecard.kernels.reference import make_verify_case, paged_views, reference_verify_attention
+
+    rows = []
+    cpu_gen = torch.Generator().manual_seed(int(gen.initial_seed()))  # cases are built on CPU
+    if smoke:
+        shapes = [dict(q_lens=[3, 1], seq_lens=[40, 17], block_size=16, heads=(6, 2), d=32)]
+    else:
+        shapes = [
+            dict(q_lens=[16, 9, 1, 16], seq_lens=[1000, 4099, 37, 8192], block_size=16,
+                 heads=(NUM_Q_HEADS, NUM_KV_HEADS), d=HEAD_DIM),
+            dict(q_lens=[8, 16], seq_lens=[5000, 1088], block_size=544,
+                 heads=(NUM_Q_HEADS, NUM_KV_HEADS), d=HEAD_DIM),
+        ]
+    for kv in KV_DTYPES:
+        for sh in shapes:
+            c = make_verify_case(q_lens=sh["q_lens"], seq_lens=sh["seq_lens"],
+                                 num_q_heads=sh["heads"][0], num_kv_heads=sh["heads"][1],
+                                 head_dim=sh["d"], block_size=sh["block_size"], kv_dtype=kv,
+                                 device=device, generator=cpu_gen)
+            ref = c.reference()
+            row = {"kv": kv, "q_lens": sh["q_lens"], "seq_lens": sh["seq_lens"],
+                   "block_size": sh["block_size"]}
+            for splits in (None, 1, 7):
+                out = torch.full_like(c.q, float("nan"))
+                try:
+                    run_ours(c, out, num_splits=splits)
+                    e = rel_err(out, ref)
+                    row[f"ours_splits_{splits or 'auto'}"] = e
+                    row.setdefault("nan", False)
+                    row["nan"] = row["nan"] or bool(torch.isnan(out).any())
+                except Exception as exc:  # noqa: BLE001
+                    row[f"ours_splits_{splits or 'auto'}"] = f"ERROR {exc!r}"[:300]
+                    traceback.print_exc()
+            if have_stock:
+                out = torch.full_like(c.q, float("nan"))
+                try:
+                    run_stock(c, out)
+                    row["stock"] = rel_err(out, ref)
+                except Exception as exc:  # noqa: BLE001
+                    row["stock"] = f"ERROR {exc!r}"[:300]
+            rows.append(row)
+            log("correctness", json.dumps(row))
+        # caches written by vLLM's own write path (GPU only): our kernel vs reference on them
+        if have_stock and kv != "bf16":
+            rows.append(vllm_written_check(kv, device, gen))
+    return rows
+
+
+def vllm_written_check(kv, device, gen) -> dict:
+    import torch
+
+    from onecard.kernels.reference import (
+        VerifyCase, paged_views, quantize_int4, quantize_int8)
+    from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
+        triton_reshape_and_cache_flash_per_token_head_quant)
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    row = {"kv": kv, "check": "vllm-written cache"}
+    try:
+        bs, seq_len, q_len = 16, 300, 12
+        nb = math.ceil(seq_len / bs) + 2
+        padded, cdt = (HEAD_DIM + 4, torch.int8) if kv == "int8" else (HEAD_DIM // 2 + 4,
+                                                                       torch.uint8)
+        cache = torch.zeros(nb, NUM_KV_HEADS, bs, 2 * padded, dtype=cdt, device=device)
+        k_c, v_c, ks, vs = paged_views(cache, HEAD_DIM, kv)
+        key = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, device=device,
+                          generator=gen).to(torch.bfloat16)
+        val = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, device=device,
+                          generator=gen).to(torch.bfloat16)
+        blocks = torch.randperm(nb, device=device, generator=gen)[: math.ceil(seq_len / bs)]
+        pos = torch.arange(seq_len, device=device)
+        slots = (blocks[pos // bs] * bs + pos % bs).long()
+        mode = KVQuantMode.INT8_PER_TOKEN_HEAD if kv == "int8" else KVQuantMode.INT4_PER_TOKEN_HEAD
+        triton_reshape_and_cache_flash_per_token_head_quant(key, val, k_c, v_c, ks, vs, slots, mode)
+        quant = quantize_int8 if kv == "int8" else quantize_int4
+        mine_d, mine_s = quant(key)
+        theirs_d = k_c[blocks[pos // bs], pos % bs][..., : mine_d.shape[-1]]
+        row["torch_quantizer_bytes_equal_frac"] = float((mine_d == theirs_d).float().mean())
+        c = VerifyCase(
+            q=torch.randn(q_len, NUM_Q_HEADS, HEAD_DIM, device=device,
+                          generator=gen).to(torch.bfloat16),
+            key_cache=k_c, value_cache=v_c, k_scale_cache=ks, v_scale_cache=vs,
+            cu_seqlens_q=torch.tensor([0, q_len], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
+            block_table=blocks.to(torch.int32)[None].contiguous(),
+            softmax_scale=HEAD_DIM ** -0.5, kv_dtype=kv, max_query_len=q_len,
+            max_seq_len=seq_len, kv_cache=cache)
+        ref = c.reference()
+        out = torch.full_like(c.q, float("nan"))
+        run_ours(c, out)
+        row["ours"] = rel_err(out, ref)
+        # and the reference's dequantization vs the original bf16 data (format reading)
+        from onecard.kernels.reference import dequant_tokens
+        deq = dequant_tokens(k_c[blocks[pos // bs], pos % bs], ks[blocks[pos // bs], pos % bs],
+                             kv, HEAD_DIM)
+        row["dequant_rel_err_vs_bf16"] = float((deq - key.double()).norm() / key.double().norm())
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        row["error"] = repr(exc)[:300]
+    log("correctness", json.dumps(row))
+    return row
+
+
+def correctness_ok(rows) -> bool:
+    ok = True
+    for r in rows:
+        for key, val in r.items():
+            if key.startswith("ours"):
+                if not isinstance(val, float) or not val <= 3e-2:
+                    ok = False
+        if r.get("nan") or "error" in r:
+            ok = False
+        if "dequant_rel_err_vs_bf16" in r and not r["dequant_rel_err_vs_bf16"] < (
+                0.02 if r["kv"] == "int8" else 0.2):
+            ok = False
+    return ok
+
+
+# ------------------------------------------------------------------------------------------------
+# 2./3. timing
+# ------------------------------------------------------------------------------------------------
+
+
+def time_config(q_len, ctx, batch, kv, *, device, gen, block_size, l2_bytes, have_stock,
+                ours_kw=None, with_stock=True) -> dict:
+    import torch
+
+    first = timing_case(q_len=q_len, ctx=ctx, batch=batch, kv_dtype=kv, block_size=block_size,
+                        device=device, gen=gen)
+    kv_bytes = first.kv_bytes
+    n_copies = max(1, min(6, math.ceil(4 * l2_bytes / max(1, kv_bytes))))
+    cases = [first] + [timing_case(q_len=q_len, ctx=ctx, batch=batch, kv_dtype=kv,
+                                   block_size=block_size, device=device, gen=gen)
+                       for _ in range(n_copies - 1)]
+    outs = [torch.empty_like(c.q) for c in cases]
+    row = {"q_len": q_len, "ctx": ctx, "batch": batch, "kv": kv, "kv_bytes": kv_bytes,
+           "copies": n_copies, "block_size": block_size, "ours_kw": ours_kw or {}}
+    it = [0]
+
+    def ours():
+        i = it[0] = (it[0] + 1) % n_copies
+        run_ours(cases[i], outs[i], **(ours_kw or {}))
+
+    def stock():
+        i = it[0] = (it[0] + 1) % n_copies
+        run_stock(cases[i], outs[i])
+
+    try:
+        row["ours_ms"] = bench_ms(ours, device)
+    except Exception as exc:  # noqa: BLE001
+        row["ours_error"] = repr(exc)[:300]
+    if have_stock and with_stock:
+        try:
+            row["stock_ms"] = bench_ms(stock, device)
+        except Exception as exc:  # noqa: BLE001
+            row["stock_error"] = repr(exc)[:300]
+    from onecard.kernels.wide_verify import _sm_count, choose_num_splits
+    row["splits"] = (ours_kw or {}).get("num_splits") or choose_num_splits(
+        ctx, batch, NUM_KV_HEADS, _sm_count(device))
+    del cases, outs
+    return row
+
+
+def fmt_table(rows, copy_gbps) -> str:
+    head = (f"{'q':>3} {'ctx':>7} {'kv':>5} {'B':>2} {'spl':>3} {'ours us':>9} {'stock us':>9} "
+            f"{'x stock':>7} {'ours GB/s':>9} {'%copy':>6} {'stock GB/s':>10}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        o, s = r.get("ours_ms"), r.get("stock_ms")
+        gb = r["kv_bytes"] / 1e9
+        o_gbps = gb / (o * 1e-3) if o else None
+        s_gbps = gb / (s * 1e-3) if s else None
+        lines.append(
+            f"{r['q_len']:>3} {r['ctx']:>7} {r['kv']:>5} {r['batch']:>2} {r.get('splits', '-'):>3} "
+            f"{(o * 1e3 if o else float('nan')):>9.1f} {(s * 1e3 if s else float('nan')):>9.1f} "
+            f"{(s / o if o and s else float('nan')):>7.2f} "
+            f"{(o_gbps or float('nan')):>9.0f} "
+            f"{(100 * o_gbps / copy_gbps if o_gbps and copy_gbps else float('nan')):>6.1f} "
+            f"{(s_gbps or float('nan')):>10.0f}"
+            + (f"  ours_error={r['ours_error'][:60]}" if "ours_error" in r else "")
+            + (f"  stock_error={r['stock_error'][:60]}" if "stock_error" in r else ""))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="directory for kernel_verify.json")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny CPU run under TRITON_INTERPRET=1 (plumbing only, no stock)")
+    ap.add_argument("--budget-s", type=float, default=200.0,
+                    help="stop starting new table rows after this many seconds (default 200)")
+    ap.add_argument("--block-size", type=int, default=64,
+                    help="KV page size for the timing table (multiple of 16; default 64)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweep")
+    args = ap.parse_args(argv)
+    if args.block_size % 16:
+        ap.error(f"--block-size {args.block_size} is not valid; valid: a multiple of 16")
+
+    t_start = time.time()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        log("no CUDA device: run with TRITON_INTERPRET=1 --smoke for a CPU plumbing check")
+        return 2
+    import triton
+
+    have_stock = device.type == "cuda"
+    gen = torch.Generator(device=device)
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen.manual_seed(seed)
+    info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "triton": triton.__version__, "seed": seed}
+    try:
+        import vllm
+        info["vllm"] = vllm.__version__
+        info["vllm_path"] = str(Path(vllm.__file__).parent)
+    except Exception as exc:  # noqa: BLE001
+        info["vllm"] = f"unavailable: {exc!r}"[:200]
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["sms"] = props.multi_processor_count
+        info["l2_bytes"] = getattr(props, "L2_cache_size", 50 * 2**20)
+    log("== env", json.dumps(info))
+
+    result = {"info": info, "correctness": [], "sweep": [], "table": [], "copy": None}
+    try:
+        from onecard.bench import provenance
+        result["provenance"] = provenance.build(token_count_source="n/a (kernel benchmark)",
+                                                warmup={"do_bench": "warmup=10ms rep=40ms"})
+    except Exception as exc:  # noqa: BLE001
+        result["provenance"] = {"error": repr(exc)[:200]}
+
+    def save():
+        from onecard.bench.results import atomic_write_json
+        atomic_write_json(out_dir / "kernel_verify.json", result)
+
+    # 1. correctness
+    log("== 1. correctness vs float64 reference")
+    result["correctness"] = correctness(device, gen, args.smoke, have_stock)
+    ok = correctness_ok(result["correctness"])
+    result["correctness_ok"] = ok
+    log(f"correctness: {'OK' if ok else 'FAILED'}")
+    save()
+
+    # copy bandwidth
+    copy_bytes = 2 * 2**30 if device.type == "cuda" else 2**20
+    result["copy"] = copy_bandwidth_gbps(device, copy_bytes)
+    copy_gbps = result["copy"]["gbps_read_plus_write"]
+    log(f"== device-to-device copy: {copy_gbps:.0f} GB/s (read+write) over {copy_bytes >> 20} MiB")
+    l2 = info.get("l2_bytes", 2**20)
+
+    if args.smoke:
+        grid = [(4, 64, 1, kv) for kv in KV_DTYPES]
+        sweep = [{"tile_n": 16, "num_warps": 4, "num_stages": 1}]
+        sweep_at = (4, 64, 1)
+    else:
+        # q=16 first: if the budget runs out, the q=8 rows go
+        grid = [(q, ctx, b, kv) for q in (16, 8) for kv in KV_DTYPES
+                for ctx in (8192, 32768, 73728, 131072) for b in (1, 4)]
+        sweep = [{"tile_n": 32, "num_warps": 8, "num_stages": 2},
+                 {"tile_n": 32, "num_warps": 4, "num_stages": 2},
+                 {"tile_n": 64, "num_warps": 8, "num_stages": 2},
+                 {"tile_n": 16, "num_warps": 4, "num_stages": 3}]
+        sweep_at = (16, 32768, 1)
+
+    # 2. sweep
+    if not args.no_sweep:
+        log("== 2. launch-config sweep (ours only)")
+        for kv in ("bf16", "int4"):
+            for j, kw in enumerate(sweep):
+                for waves in ((1.0, 2.0, 4.0) if j == 0 else (2.0,)):
+                    from onecard.kernels.wide_verify import _sm_count, choose_num_splits
+                    q, ctx, b = sweep_at
+                    ns = choose_num_splits(ctx, b, NUM_KV_HEADS, _sm_count(device), waves=waves)
+                    r = time_config(q, ctx, b, kv, device=device, gen=gen,
+                                    block_size=args.block_size, l2_bytes=l2, have_stock=False,
+                                    ours_kw={**kw, "num_splits": ns}, with_stock=False)
+                    r["waves"] = waves
+                    result["sweep"].append(r)
+                    log("sweep", kv, kw, f"waves={waves} splits={ns}",
+                        f"{r['ours_ms'] * 1e3:.1f} us" if "ours_ms" in r else r.get("ours_error"))
+                    if "ours_error" in r:
+                        break  # other wave counts of a failing config fail the same way
+        save()
+
+    # 3. table
+    log("== 3. table")
+    skipped = 0
+    for q, ctx, b, kv in grid:
+        if time.time() - t_start > args.budget_s:
+            skipped += 1
+            continue
+        r = time_config(q, ctx, b, kv, device=device, gen=gen, block_size=args.block_size,
+                        l2_bytes=l2, have_stock=have_stock)
+        result["table"].append(r)
+        log("row", json.dumps({k: v for k, v in r.items() if k != "ours_kw"}))
+        save()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result["skipped_rows_over_budget"] = skipped
+    result["elapsed_s"] = time.time() - t_start
+    save()
+
+    # summary
+    log("")
+    log(f"== wide-verify attention ({info['device']}, {NUM_Q_HEADS}q/{NUM_KV_HEADS}kv heads, "
+        f"head_dim {HEAD_DIM}, page {args.block_size}; copy {copy_gbps:.0f} GB/s)")
+    if result["sweep"]:
+        best = min((r for r in result["sweep"] if "ours_ms" in r), key=lambda r: r["ours_ms"],
+                   default=None)
+        if best:
+            log(f"sweep best at q={sweep_at[0]} ctx={sweep_at[1]}: {best['kv']} "
+                f"{best['ours_kw']} waves={best['waves']} -> {best['ours_ms'] * 1e3:.1f} us")
+    long_rows = [r for r in result["table"] if r["ctx"] >= 32768 and "ours_ms" in r
+                 and "stock_ms" in r]
+    if long_rows:
+        sp = [r["stock_ms"] / r["ours_ms"] for r in long_rows]
+        bw = [r["kv_bytes"] / (r["ours_ms"] * 1e-3) / 1e9 / copy_gbps * 100 for r in long_rows]
+        log(f"ctx >= 32k: speedup over stock min {min(sp):.2f}x median {statistics.median(sp):.2f}x;"
+            f" %copy-bandwidth min {min(bw):.0f}% median {statistics.median(bw):.0f}%"
+            f" (goal >= 2x, >= 70%)")
+    if skipped:
+        log(f"{skipped} table rows skipped (over --budget-s {args.budget_s:.0f})")
+    log(f"correctness: {'OK' if ok else 'FAILED'}; results: {out_dir / 'kernel_verify.json'}")
+    log(fmt_table(result["table"], copy_gbps))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
