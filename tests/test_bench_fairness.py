@@ -79,7 +79,8 @@ def test_comparison_refusals(over, needle):
 def test_confounded_when_more_than_the_knob_differs():
     a, b = _result(), _result()
     b["provenance"]["env_knobs"] = {"VLLM_X": "2"}
-    assert fairness.compare(a, b, knob="VLLM_X").status == "OK"
+    v = fairness.compare(a, b, knob="VLLM_X")
+    assert v.status == "UNRESOLVED" and "boot" in v.reasons[0]  # one boot per arm
     b["provenance"]["git"] = {"commit": "c2"}
     v = fairness.compare(a, b, knob="VLLM_X")
     assert v.status == "CONFOUNDED" and "git.commit" in v.reasons[0]

@@ -118,8 +118,11 @@ def _free_port():
         return so.getsockname()[1]
 
 
-def test_ab_boots_each_arm_and_reads_the_floor(tmp_path):
+def test_ab_boots_each_arm_and_reads_the_floor(tmp_path, monkeypatch):
+    from onecard.bench import provenance
     from onecard.bench.ab import run_ab
+    # a commit landing between boots would (rightly) make the A/B CONFOUNDED: pin it here
+    monkeypatch.setattr(provenance, "git_info", lambda *a: {"commit": "fixed", "dirty": False})
     port = _free_port()
     fake = Path(__file__).with_name("fake_openai_server.py")
     cmd = f"exec {sys.executable} {fake} {port}"

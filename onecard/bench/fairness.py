@@ -162,6 +162,10 @@ def compare(a: dict, b: dict, knob: str | None = None) -> Verdict:
     if extra:
         return Verdict("CONFOUNDED", [f"configs differ beyond the declared knob {knob!r}: "
                                       f"{', '.join(extra)}"], details)
+    if diff:
+        return Verdict("UNRESOLVED", [f"{knob} differs between two single runs: a toggle that needs "
+                                      "a restart is only readable against the boot-to-boot floor "
+                                      "(>= 2 boots per arm: `onecard bench ab`)"], details)
     return Verdict("OK", [], details)
 
 
