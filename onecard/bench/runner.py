@@ -171,7 +171,9 @@ def ladder(t: Target, pset: P.PromptSet, ns: list[int], max_tokens: int = 256, r
         raise ValueError(f"--n must be positive integers, got {ns}")
     c = t.client()
     warm = _warmup(t, c, pset.prompts[0])
-    rf, result = _open(t, "ladder", pset.record(), max_tokens, warm,
+    # Unshared ladders salt every request: TTFT is then a full prefill on every level and rep,
+    # never a prefix-cache hit left over from the previous level.
+    rf, result = _open(t, "ladder", pset.record(salted=not shared), max_tokens, warm,
                        extra={"shared_prompt": shared})
     levels = result["data"]["levels"] = []
     result["traffic"]["concurrency"] = max(ns)
@@ -179,7 +181,7 @@ def ladder(t: Target, pset: P.PromptSet, ns: list[int], max_tokens: int = 256, r
         for n in ns:
             reps_out = []
             for rep in range(reps):
-                plist = [pset.prompts[0]] * n if shared else pset.cycle(n)
+                plist = [pset.prompts[0]] * n if shared else [P.salt(p) for p in pset.cycle(n)]
                 sampler = Sampler(t.url, t.metrics_interval, t.api_key).start()
                 rs = run_concurrent(c, plist, max_tokens, t.sampling)
                 m = sampler.stop()
