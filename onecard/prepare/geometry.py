@@ -208,6 +208,7 @@ def build(out_dir, geometry: str = "27b", *, tokenizer: Path | None = None, root
     live_vocab = min(tok.get_vocab_size(with_added_tokens=True), spec.padded_vocab)
     config = tiny.make_config(spec, ids)
     config.pop("onecard_tiny", None)
+    config["dtype"] = "bfloat16"
     config["text_config"]["vocab_size"] = spec.padded_vocab
     config["quantization_config"] = quantization_config()
     config["onecard_geometry"] = {"geometry": geometry, "spec": dataclasses.asdict(spec), "live_vocab": live_vocab,

@@ -256,6 +256,10 @@ def requantize(ckpt, target: str, bits: int = 8, group: int = quant.GROUP_SIZE,
     recover(ckpt, log)
     t0 = time.time()
     cfg = json.loads((ckpt / CONFIG).read_text())
+    tied = cfg.get("tie_word_embeddings") or (cfg.get("text_config") or {}).get("tie_word_embeddings")
+    if tied and target in ("embed", "lm_head"):
+        raise RequantError(f"{ckpt}: tie_word_embeddings is set; quantizing a tied {target} is not supported "
+                           "(valid: checkpoints with a separate lm_head, as Qwen3.8-27B)")
     smap = shard_map(ckpt)
     headers = {s: st.read_header(ckpt / s)[0] for s in sorted(set(smap.values()))}
     todo = [n for n, s in smap.items() if select(n, headers[s][n], target)]

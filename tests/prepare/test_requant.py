@@ -162,3 +162,13 @@ def test_crash_between_renames_is_rolled_forward(tmp_path):
 def test_cli_bad_input(tmp_path, capsys):
     assert requant.main([str(tmp_path)], target="lm_head") == 2
     assert "valid:" in capsys.readouterr().err
+
+
+def test_tied_embeddings_refused(tmp_path):
+    d = tmp_path / "ck"
+    make_ckpt(d, 1)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(requant.RequantError, match="tie_word_embeddings"):
+        requant.requantize(d, "embed", log=lambda s: None)
