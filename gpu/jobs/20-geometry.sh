@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# timeout: 420
+# timeout: 480
 # 20-geometry: build the Qwen3.8-27B-geometry random W4A16 checkpoint ON the GPU into
 # $MODELS/qwen38-27b-geom (kept for later jobs), print its size and build time, then boot it
 # with the patched vLLM (text-only, eager) and send one greedy completion to prove it loads.
@@ -20,7 +20,7 @@ trap cleanup EXIT
 echo "== build (GPU random weights, streamed shards)"
 t0=$(date +%s)
 # GEOM_EXTRA / PROBE_EXTRA: only for dry runs of this script on a CPU box (scale-down, fake server)
-timeout 240 python3 -m onecard prepare geometry --out "$M" --report "$JOB_OUT/build.json" ${GEOM_EXTRA:-}
+timeout 200 python3 -m onecard prepare geometry --out "$M" --report "$JOB_OUT/build.json" ${GEOM_EXTRA:-}
 rc_build=$?
 t_build=$(( $(date +%s) - t0 ))
 if [ $rc_build -ne 0 ]; then
@@ -36,8 +36,8 @@ df -h "$MODELS" | tail -1
 rc_serve=1
 if [ $rc_build -eq 0 ]; then
   echo "== serve (patched vLLM, --language-model-only, eager, 4k context)"
-  timeout 330 python3 gpu/lib/serve_probe.py --model "$M" --out "$JOB_OUT/serve.json" \
-      --log "$JOB_OUT/serve.log" --pidfile "$JOB_OUT/server.pid" --port 8321 --boot-timeout 280 --max-tokens 16 ${PROBE_EXTRA:-} -- \
+  timeout 250 python3 gpu/lib/serve_probe.py --model "$M" --out "$JOB_OUT/serve.json" \
+      --log "$JOB_OUT/serve.log" --pidfile "$JOB_OUT/server.pid" --port 8321 --boot-timeout 220 --max-tokens 16 ${PROBE_EXTRA:-} -- \
       --max-model-len 4096 --enforce-eager --language-model-only --max-num-seqs 4 \
       --gpu-memory-utilization 0.5 --additional-config '{"gdn_prefill_backend":"triton"}'
   rc_serve=$?
