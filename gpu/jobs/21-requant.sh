@@ -23,7 +23,7 @@ ok=1
 for step in lm_head embed mtp; do
   echo "== quant_$step (int8, row blocks on cuda)"
   t0=$(date +%s)
-  timeout 170 python3 scripts/quant_$step.py "$R" --device "${RQ_DEVICE:-cuda}" --report "$JOB_OUT/rq-$step.json"
+  timeout 110 python3 scripts/quant_$step.py "$R" --device "${RQ_DEVICE:-cuda}" --report "$JOB_OUT/rq-$step.json"
   rc=$?; echo "quant_$step rc=$rc wall $(( $(date +%s) - t0 ))s"
   [ $rc -eq 0 ] || ok=0
 done
@@ -42,17 +42,17 @@ COMMON=(--max-model-len 4096 --enforce-eager --language-model-only --max-num-seq
 for which in base rq; do
   model="$M"; [ $which = rq ] && model="$R"
   echo "-- boot $which: $model"
-  timeout 230 python3 gpu/lib/serve_probe.py --model "$model" --out "$JOB_OUT/serve-$which.json" \
+  timeout 180 python3 gpu/lib/serve_probe.py --model "$model" --out "$JOB_OUT/serve-$which.json" \
       --log "$JOB_OUT/serve-$which.log" --pidfile "$JOB_OUT/server-$which.pid" --port 8322 \
-      --boot-timeout 200 --max-tokens 16 -- "${COMMON[@]}"
+      --boot-timeout 160 --max-tokens 16 -- "${COMMON[@]}"
   rc=$?; echo "boot $which rc=$rc"
   [ $rc -eq 0 ] || { ok=0; tail -n 30 "$JOB_OUT/serve-$which.log"; }
 done
-if [ $SECONDS -lt 380 ]; then
+if [ $SECONDS -lt 300 ]; then
   echo "-- boot rq with SPEC=mtp (1 draft token), util 0.5"
-  timeout 200 python3 gpu/lib/serve_probe.py --model "$R" --out "$JOB_OUT/serve-rq-mtp.json" \
+  timeout 170 python3 gpu/lib/serve_probe.py --model "$R" --out "$JOB_OUT/serve-rq-mtp.json" \
       --log "$JOB_OUT/serve-rq-mtp.log" --pidfile "$JOB_OUT/server-mtp.pid" --port 8323 \
-      --boot-timeout 180 --max-tokens 16 -- --max-model-len 4096 --enforce-eager --language-model-only \
+      --boot-timeout 150 --max-tokens 16 -- --max-model-len 4096 --enforce-eager --language-model-only \
       --max-num-seqs 4 --gpu-memory-utilization 0.5 --additional-config '{"gdn_prefill_backend":"triton"}' \
       --speculative-config '{"method":"mtp","num_speculative_tokens":1}' \
     || tail -n 30 "$JOB_OUT/serve-rq-mtp.log"
