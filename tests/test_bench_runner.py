@@ -182,3 +182,10 @@ def test_plots_when_matplotlib_is_there(tmp_path):
     assert (tmp_path / "ladder.png").stat().st_size > 1000
     assert (tmp_path / "ladder-depth.png").stat().st_size > 1000
     assert "![ladder](ladder.png)" in text and "![depth](ladder-depth.png)" in text
+
+
+def test_contexts_beyond_max_model_len_are_skipped(tmp_path):
+    with FakeServer(tokens_per_chunk=2) as s:  # the fake reports max_model_len 4096
+        res = runner.depth(_target(s.url, tmp_path), [100, 8000], 6)
+    assert [p["context"] for p in res["data"]["points"]] == [100]
+    assert res["data"]["skipped"][0]["context"] == 8000 and res["verdict"] == "VALID"

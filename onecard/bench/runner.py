@@ -272,6 +272,17 @@ def build_context(approx_tokens: int, needle: str | None = None, depth: float = 
     return "\n\n".join(out)
 
 
+def _fits(result: dict, n: int, max_tokens: int, t: Target) -> bool:
+    """Skip (and record) a context the server cannot hold: est. tokens x 1.1 + output > max_model_len."""
+    mml = (result["provenance"].get("server") or {}).get("max_model_len")
+    if mml and n * 1.1 + max_tokens > mml:
+        result["data"].setdefault("skipped", []).append(
+            {"context": n, "reason": f"exceeds max_model_len {mml}"})
+        t.log(f"skipping context {n}: exceeds max_model_len {mml}")
+        return False
+    return True
+
+
 # -- depth (decode at context depth + prefill/TTFT slope) -----------------------------------
 def depth(t: Target, contexts: list[int], max_tokens: int = 128) -> dict:
     c = t.client()
@@ -283,6 +294,8 @@ def depth(t: Target, contexts: list[int], max_tokens: int = 128) -> dict:
     rows = result["data"]["points"] = []
     try:
         for n, prompt in zip(contexts, pset_prompts):
+            if not _fits(result, n, max_tokens, t):
+                continue
             sampler = Sampler(t.url, t.metrics_interval, t.api_key).start()
             r = c.stream(P.salt(prompt), max_tokens, t.sampling, keep_text=False)
             m = sampler.stop()
@@ -363,6 +376,8 @@ def needle(t: Target, contexts: list[int], depths: list[float], max_tokens: int 
     sampler = Sampler(t.url, t.metrics_interval, t.api_key).start()
     try:
         for n, d, w, prompt in cases:
+            if not _fits(result, n, max_tokens, t):
+                continue
             r = c.stream(P.salt(prompt), max_tokens, t.sampling, keep_text=True)
             _account(result, [r])
             hit = w.lower() in r.text.lower()
