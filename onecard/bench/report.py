@@ -86,6 +86,9 @@ def render(r: dict) -> list[str]:
         lines += _table(["context", "prompt tok", "TTFT s", "prefill tok/s", "decode tok/s", "ok"],
                         [[p["context"], p.get("prompt_tokens"), _f(p.get("ttft"), 3), p.get("prefill_tps"),
                           p.get("decode_tps"), p.get("ok")] for p in d.get("points", [])])
+        for sk in d.get("skipped", []):
+            lines += [f"- skipped context {sk['context']}: {sk['reason']}"]
+        lines += [""] if d.get("skipped") else []
     elif k == "prefix_turns":
         lines += _table(["turn", "prompt tok", "TTFT s", "cached tok", "cache hits", "decode tok/s"],
                         [[t["turn"], t.get("prompt_tokens"), _f(t.get("ttft"), 3), t.get("cached_tokens"),
