@@ -337,12 +337,14 @@ def wide_verify_attention(
     tile_n: int = 32,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    max_partial_bytes: int = 64 << 20,
 ) -> torch.Tensor:
     """Causal verify attention over vLLM's paged cache; writes ``out`` [T, Hq, D] and returns it.
 
     q: [T, Hq, D] (bf16/fp16), T = cu_seqlens_q[-1]; every sequence has 1..16 query tokens and
     ``max_query_len`` bounds them. ``num_splits`` None picks from ``max_seq_len`` (or the cache
-    capacity of the block table when None) and the SM count.
+    capacity of the block table when None) and the SM count, capped so that the float32 partial
+    results stay under ``max_partial_bytes``.
     """
     mode = _kv_mode_id(kv_mode)
     if not 1 <= max_query_len <= MAX_QUERY_LEN:
@@ -372,6 +374,8 @@ def wide_verify_attention(
         max_seq_len = block_table.shape[1] * page
     if num_splits is None:
         num_splits = choose_num_splits(max_seq_len, num_seqs, num_kv_heads, _sm_count(q.device))
+        per_split = max(1, num_tokens * num_q_heads * (head_dim + 2) * 4)
+        num_splits = min(num_splits, max(1, max_partial_bytes // per_split))
     num_splits = max(1, int(num_splits))
     if num_warps is None:
         num_warps = 8 if block_q * group_pad * head_dim >= 64 * 256 else 4

@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""Regenerate the new-file part of patches/NNNN-wide-verify-triton-attn.patch.
+
+The patch ships onecard/kernels/wide_verify.py as vllm/v1/attention/ops/onecard_wide_verify.py
+(tests/test_wide_verify_patch.py checks the two are identical). After editing the kernel run:
+
+  python3 scripts/make_wide_verify_patch.py patches/NNNN-wide-verify-triton-attn.patch
+
+It rewrites only the hunk that creates the kernel file; the header and the triton_attn.py hunks
+stay as they are. The file is replaced atomically.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+KERNEL = REPO / "onecard" / "kernels" / "wide_verify.py"
+TARGET = "vllm/v1/attention/ops/onecard_wide_verify.py"
+
+
+def new_file_diff(text: str) -> str:
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        raise SystemExit(f"{KERNEL} must end with a newline")
+    out = ["--- /dev/null\n", f"+++ b/{TARGET}\n", f"@@ -0,0 +1,{len(lines)} @@\n"]
+    out += ["+" + line for line in lines]
+    return "".join(out)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__.strip().splitlines()[0], file=sys.stderr)
+        print("usage: make_wide_verify_patch.py PATCH_FILE", file=sys.stderr)
+        return 2
+    path = Path(argv[0])
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    marker = "--- /dev/null\n+++ b/" + TARGET
+    keep = text.split(marker)[0] if marker in text else text
+    if keep and not keep.endswith("\n"):
+        keep += "\n"
+    body = keep + new_file_diff(KERNEL.read_text(encoding="utf-8"))
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(body)
+    os.replace(tmp, path)
+    print(f"wrote {path} ({len(body)} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
