@@ -17,9 +17,7 @@ import math
 import statistics
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from . import fairness, prompts as P, provenance
