@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Regenerate the new-file part of patches/NNNN-wide-verify-triton-attn.patch.
+"""Regenerate the new-file part of the wide-verify patch (0070-wide-verify-triton-attn.patch).
 
 The patch ships onecard/kernels/wide_verify.py as vllm/v1/attention/ops/onecard_wide_verify.py
 (tests/test_wide_verify_patch.py checks the two are identical). After editing the kernel run:
 
-  python3 scripts/make_wide_verify_patch.py patches/NNNN-wide-verify-triton-attn.patch
+  python3 scripts/make_wide_verify_patch.py patches/0070-wide-verify-triton-attn.patch
 
 It rewrites only the hunk that creates the kernel file; the header and the triton_attn.py hunks
 stay as they are. The file is replaced atomically.

@@ -15,7 +15,10 @@ import pytest
 from onecard import patching
 
 REPO = Path(__file__).resolve().parent.parent
-PATCH = REPO / "patches" / "0070-wide-verify-triton-attn.patch"
+_NAME = "0070-wide-verify-triton-attn.patch"
+# patches/pending/ holds it until the lead lists it in patches/series and moves it to patches/
+PATCH = next((p for p in (REPO / "patches" / _NAME, REPO / "patches" / "pending" / _NAME)
+              if p.is_file()), REPO / "patches" / _NAME)
 KERNEL = REPO / "onecard" / "kernels" / "wide_verify.py"
 TARGET = "vllm/v1/attention/ops/onecard_wide_verify.py"
 
