@@ -88,14 +88,14 @@ else
   [ -n "$MODEL" ] && [ -d "$MODEL" ] || { say "no model: $SMOL missing and the tiny build failed"; tail -20 "$JOB_OUT/tiny-build.log"; exit 1; }
 fi
 
-if boot "$NAME" "$MODEL" bench 120 "${EXTRA[@]}"; then
+if boot "$NAME" "$MODEL" bench 100 "${EXTRA[@]}"; then
   say "--- ladder C1/C2/C4 (64 tokens, 1 rep)"
-  bench 60 ladder --model bench --n 1,2,4 --out 64 --reps 1 --prompts prose --label "$NAME-prose" || status=1
+  bench 50 ladder --model bench --n 1,2,4 --out 64 --reps 1 --prompts prose --label "$NAME-prose" || status=1
   say "--- perplexity (prose)"
-  bench 40 perplexity --model bench --prompts prose --label "$NAME" || status=1
+  bench 30 perplexity --model bench --prompts prose --label "$NAME" || status=1
   say "--- informative: depth 256/1024, prefix turns 1000"
-  bench 30 depth --model bench --contexts 256,1024 --out 32 --label "$NAME" || say "(depth not VALID)"
-  bench 30 prefix-turns --model bench --context 1000 --turns 3 --out 16 --label "$NAME" || say "(prefix-turns not VALID)"
+  bench 25 depth --model bench --contexts 256,1024 --out 32 --label "$NAME" || say "(depth not VALID)"
+  bench 25 prefix-turns --model bench --context 1000 --turns 3 --out 16 --label "$NAME" || say "(prefix-turns not VALID)"
   get "$URL/metrics" "$JOB_OUT/metrics-$NAME.txt" || say "(could not save /metrics)"
   stop_server
 else
