@@ -28,11 +28,14 @@ GPU_MEM = os.environ.get("ONECARD_GPU_MEM", "0.30")
 EAGER = os.environ.get("ONECARD_GPU_EAGER", "") not in ("", "0")
 
 COMMON = ["--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0",
-          "--gpu-memory-utilization", GPU_MEM, "--disable-log-stats"]
+          "--gpu-memory-utilization", GPU_MEM]
 GRAPHS = ["-cc", json.dumps({"cudagraph_capture_sizes": [1, 2, 4, 8]})]
 TINY = ["--language-model-only",
         "--additional-config", json.dumps({"gdn_prefill_backend": "triton"}),
-        "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"]
+        "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
+        # a random model must not pad forced-JSON tool calls with whitespace until max_tokens
+        "--structured-outputs-config",
+        json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
 MTP = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
 INT8 = ["--kv-cache-dtype", "int8_per_token_head", "--attention-backend", "TRITON_ATTN"]
 
@@ -158,6 +161,7 @@ class Pool:
         self.cache: dict = {}
         self.record: dict = {"boots": {}, "eager": EAGER}
         self._models: dict[str, Path] = {}
+        self.failed: dict[str, str] = {}
 
     def model(self, key: str) -> Path:
         if key not in self._models:
@@ -176,9 +180,17 @@ class Pool:
         if self.current is not None and self.current.name == name:
             return self.current
         self.close()
+        if name in self.failed:   # one failed boot per config, not one per test
+            pytest.fail(f"server {name} failed to boot earlier: {self.failed[name][:300]}")
         key, served, args = CONFIGS[name]
-        server = Server(name, self.model(key), served, args)
-        server.start()
+        try:
+            server = Server(name, self.model(key), served, args)
+            server.start()
+        except Exception as e:
+            self.failed[name] = str(e)
+            self.record["boots"][name] = {"error": str(e)[-2000:]}
+            self.save()
+            raise
         self.current = server
         self.record["boots"][name] = {"boot_s": round(server.boot_s or 0, 1), "argv": server.argv}
         self.save()

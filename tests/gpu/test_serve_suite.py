@@ -92,8 +92,10 @@ TOOLS = [{
     "function": {
         "name": "get_weather",
         "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                       "required": ["city"]},
+        # enum: forced decoding of a random model then ends quickly
+        "parameters": {"type": "object",
+                       "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                       "required": ["city"], "additionalProperties": False},
     },
 }]
 
@@ -108,7 +110,7 @@ def test_off_tool_call(servers):
     assert r["choices"][0]["message"]["role"] == "assistant"
     # required: structured output forces a call; it must come back as a parsed tool call.
     r = s.post("/v1/chat/completions", {"model": s.served, "messages": messages, "tools": TOOLS,
-                                        "tool_choice": "required", "max_tokens": 96,
+                                        "tool_choice": "required", "max_tokens": 256,
                                         "temperature": 0.0})
     calls = r["choices"][0]["message"].get("tool_calls") or []
     servers.record["tool_call"] = calls
