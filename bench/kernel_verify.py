@@ -427,6 +427,7 @@ def main(argv=None) -> int:
         sweep = [{"tile_n": 32, "num_warps": 8, "num_stages": 2},
                  {"tile_n": 32, "num_warps": 4, "num_stages": 2},
                  {"tile_n": 64, "num_warps": 8, "num_stages": 2},
+                 {"tile_n": 32, "num_warps": 16, "num_stages": 2},
                  {"tile_n": 16, "num_warps": 4, "num_stages": 3}]
         sweep_at = (16, 32768, 1)
 
