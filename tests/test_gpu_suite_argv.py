@@ -41,3 +41,40 @@ def test_every_config_parses(monkeypatch, tmp_path):
     assert str(seen["int8"][1].attention_backend).endswith("TRITON_ATTN")
     assert seen["off"][1].compilation_config.cudagraph_capture_sizes == [1, 2, 4, 8]
     assert seen["smol"][1].enforce_eager
+
+
+HEALTH_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == '/health' else 404); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_server_boot_and_stop_plumbing(monkeypatch, tmp_path):
+    """Boot detection, pid record, process-group stop, and fast failure of a dead server."""
+    import os
+    import sys
+
+    pytest.importorskip("httpx")
+    monkeypatch.setenv("JOB_OUT", str(tmp_path))
+    gc = _gpu_conftest()
+    s = gc.Server("fake", tmp_path, "fake", [])
+    s.argv = [sys.executable, "-c", HEALTH_SERVER, str(s.port)]
+    s.start()
+    try:
+        assert s.boot_s is not None and s.boot_s < 30
+        pid = s.proc.pid
+        assert (tmp_path / "server.pids").read_text().split() == [str(pid)]
+    finally:
+        s.stop()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+    dead = gc.Server("dead", tmp_path, "dead", [])
+    dead.argv = [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]
+    with pytest.raises(RuntimeError, match="exited rc=3 during boot"):
+        dead.start()
+    assert "boom" in dead.tail()

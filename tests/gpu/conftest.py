@@ -91,6 +91,7 @@ class Server:
 
         while True:
             if self.proc.poll() is not None:
+                self.stop()
                 raise RuntimeError(f"server {self.name} exited rc={self.proc.returncode} during "
                                    f"boot; log tail:\n{self.tail()}")
             if time.monotonic() - t0 > BOOT_TIMEOUT:
