@@ -156,7 +156,7 @@ def _wide_verify_split_kernel(
             k_hi = ((kt >> 4) & 0xF).to(tl.float32).to(q_e.dtype)
             s = _dot(q_e, k_lo, DOT_F32) + _dot(q_o, k_hi, DOT_F32)
             s = (s - q_sum[:, None] * k_zp[None, :]) * (qk_scale * k_sc[None, :])
-            s = tl.where(pos[None, :] < limit[:, None], s, float("-inf"))
+            s = tl.where((pos[None, :] < limit[:, None]) & kv_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_use[:, None])
@@ -217,7 +217,7 @@ def _wide_verify_split_kernel(
                 s = s * (qk_scale * k_sc[None, :])
             else:
                 s = _dot(q, kt.to(q.dtype), DOT_F32) * qk_scale
-            s = tl.where(pos[None, :] < limit[:, None], s, float("-inf"))
+            s = tl.where((pos[None, :] < limit[:, None]) & kv_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_use[:, None])
