@@ -91,8 +91,9 @@ class Server:
 
         while True:
             if self.proc.poll() is not None:
+                rc = self.proc.returncode
                 self.stop()
-                raise RuntimeError(f"server {self.name} exited rc={self.proc.returncode} during "
+                raise RuntimeError(f"server {self.name} exited rc={rc} during "
                                    f"boot; log tail:\n{self.tail()}")
             if time.monotonic() - t0 > BOOT_TIMEOUT:
                 self.stop()
