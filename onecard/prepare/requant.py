@@ -263,7 +263,7 @@ def requantize(ckpt, target: str, bits: int = 8, group: int = quant.GROUP_SIZE,
     smap = shard_map(ckpt)
     headers = {s: st.read_header(ckpt / s)[0] for s in sorted(set(smap.values()))}
     todo = [n for n, s in smap.items() if select(n, headers[s][n], target)]
-    report = {"target": target, "bits": bits, "group_size": group, "tensors": {}, "bytes_before": 0,
+    report = {"target": target, "bits": bits, "group_size": group, "device": device, "tensors": {}, "bytes_before": 0,
               "bytes_after": 0, "files": []}
     if not todo:
         already = [n for n in smap if n.endswith(".weight_packed") and
