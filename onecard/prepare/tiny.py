@@ -451,7 +451,7 @@ def build_tiny_model(out_dir: Path, spec: TinySpec = DEFAULT_SPEC, *, force: boo
         config = make_config(spec, ids)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         gen = {"bos_token_id": None, "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-               "pad_token_id": ids["<|endoftext|>"], "do_sample": False}
+               "pad_token_id": ids["<|endoftext|>"]}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
         weights = make_weights(spec)
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
