@@ -78,3 +78,93 @@ def test_server_boot_and_stop_plumbing(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="exited rc=3 during boot"):
         dead.start()
     assert "boom" in dead.tail()
+
+
+FAKE_VLLM = r'''
+import hashlib, json, sys, http.server
+
+def ids_for(prompt, n):
+    h = hashlib.sha256(prompt.encode()).digest()
+    return [(h[i % 32] * 7 + i * 13) % 4000 + 1 for i in range(n)]
+
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def _send(self, code, body, ctype="application/json"):
+        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        self.send_response(code); self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+    def do_GET(self):
+        if self.path == "/health": return self._send(200, {})
+        if self.path == "/metrics":
+            return self._send(200, 'vllm:spec_decode_num_draft_tokens_total{engine="0"} 12.0\n', "text/plain")
+        self._send(404, {})
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = req.get("max_tokens", 16)
+        usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+        if self.path == "/v1/completions":
+            ids = ids_for(req["prompt"], n)
+            choice = {"index": 0, "text": "x", "token_ids": ids, "finish_reason": "length"}
+            if req.get("logprobs"):
+                choice["logprobs"] = {"top_logprobs": [{f"token_id:{i}": -0.1, "token_id:0": -2.0} for i in ids]}
+            return self._send(200, {"choices": [choice], "usage": usage})
+        if self.path == "/v1/chat/completions":
+            if req.get("stream"):
+                self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
+                for k in range(4):
+                    c = {"choices": [{"index": 0, "delta": {"content": f"t{k} "}, "finish_reason": "length" if k == 3 else None}]}
+                    self.wfile.write(f"data: {json.dumps(c)}\n\n".encode())
+                self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n"); return
+            msg = {"role": "assistant", "content": "Paris is the capital." if "France" in json.dumps(req) else "hi"}
+            if req.get("tool_choice") == "required":
+                msg = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                       "function": {"name": req["tools"][0]["function"]["name"], "arguments": '{"city": "Paris"}'}}]}
+            return self._send(200, {"choices": [{"index": 0, "message": msg, "finish_reason": "stop"}], "usage": usage})
+        self._send(404, {})
+
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+'''
+
+
+def test_suite_logic_against_fake_server(monkeypatch, tmp_path):
+    """Run every GPU-suite test function against a fake vLLM-shaped server (response keys)."""
+    import json
+    import sys
+
+    pytest.importorskip("httpx")
+    monkeypatch.setenv("JOB_OUT", str(tmp_path))
+    gc = _gpu_conftest()
+    spec = importlib.util.spec_from_file_location("_suite", REPO / "tests/gpu/test_serve_suite.py")
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(FAKE_VLLM)
+
+    class FakePool(gc.Pool):
+        def model(self, key):
+            return tmp_path
+
+        def use(self, name):
+            if self.current is not None and self.current.name == name:
+                return self.current
+            self.close()
+            server = gc.Server(name, tmp_path, gc.CONFIGS[name][1], [])
+            server.argv = [sys.executable, str(script), str(server.port)]
+            server.start()
+            self.current = server
+            return server
+
+    pool = FakePool()
+    try:
+        names = [n for n in dir(suite) if n.startswith("test_")]
+        order = sorted(names, key=lambda n: suite.__dict__[n].__code__.co_firstlineno)
+        for name in order:
+            getattr(suite, name)(pool)
+    finally:
+        pool.close()
+        pool.save()
+    record = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert record["smol_answer"].startswith("Paris")
+    assert all(r["first_divergence"] is None for r in record["mtp_vs_off"].values())
+    assert record["tool_call"][0]["function"]["name"] == "get_weather"

@@ -20,18 +20,27 @@ PROMPTS = [
 MAX_TOKENS = 48
 
 
-def greedy(server, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]]:
+def greedy(server, prompts=PROMPTS, max_tokens=MAX_TOKENS, gaps: list | None = None) -> list[list[int]]:
+    """Greedy token ids per prompt; with ``gaps`` (a list), also the top-1 minus top-2 logprob
+    at every position, appended per prompt (to tell numerical near-ties from real bugs)."""
     out = []
     for p in prompts:
-        r = server.post("/v1/completions", {
-            "model": server.served, "prompt": p, "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
-        })
+        payload = {"model": server.served, "prompt": p, "max_tokens": max_tokens,
+                   "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+        if gaps is not None:
+            payload.update(logprobs=2, return_tokens_as_token_ids=True)
+        r = server.post("/v1/completions", payload)
         choice = r["choices"][0]
         ids = choice.get("token_ids")
         assert ids, f"no token_ids in response: {json.dumps(r)[:300]}"
         assert r["usage"]["completion_tokens"] == max_tokens
         out.append(list(ids))
+        if gaps is not None:
+            per_pos = []
+            for top in (choice.get("logprobs") or {}).get("top_logprobs") or []:
+                vals = sorted((v for v in (top or {}).values() if v is not None), reverse=True)
+                per_pos.append(vals[0] - vals[1] if len(vals) >= 2 else None)
+            gaps.append(per_pos)
     return out
 
 
@@ -48,11 +57,15 @@ def test_off_boots_and_greedy_is_deterministic(servers):
     s = servers.use("off")
     first = greedy(s)
     second = greedy(s)
+    gaps: list = []
+    third = greedy(s, gaps=gaps)      # asking for logprobs must not change the tokens
     servers.cache["off"] = first
+    servers.cache["off_gaps"] = gaps
     servers.record["off_greedy"] = first
     servers.save()
-    for i, (a, b) in enumerate(zip(first, second)):
+    for i, (a, b, c) in enumerate(zip(first, second, third)):
         assert a == b, f"prompt {i}: greedy differs at token {first_divergence(a, b)}"
+        assert a == c, f"prompt {i}: greedy with logprobs differs at token {first_divergence(a, c)}"
     # Random weights, but scaled so greedy output is varied, not one token repeated.
     assert all(len(set(ids)) > 4 for ids in first), first
 
@@ -122,18 +135,36 @@ def test_off_tool_call(servers):
 
 # ------------------------------------------------------------------------------ SPEC=mtp
 
+# A divergence where SPEC=off's own top-1 / top-2 logprobs are closer than this is a bf16 near-tie
+# (verify and plain decode run different kernels), reported; anything wider fails the test.
+# ONECARD_GPU_STRICT_SPEC=1 demands exact equality.
+NEAR_TIE = 0.05
+
+
 def test_mtp_greedy_equals_off(servers):
+    import os
+
     if "off" not in servers.cache:
         pytest.skip("SPEC=off outputs missing (its test failed)")
     s = servers.use("mtp")
     got = greedy(s)
     again = greedy(s)
+    ref, gaps = servers.cache["off"], servers.cache.get("off_gaps") or []
+    report = {}
+    for i, (a, b) in enumerate(zip(ref, got)):
+        d = first_divergence(a, b)
+        gap = gaps[i][d] if d is not None and i < len(gaps) and d < len(gaps[i]) else None
+        report[i] = {"first_divergence": d, "off_top2_gap": gap}
     servers.record["mtp_greedy"] = got
+    servers.record["mtp_vs_off"] = report
     servers.save()
+    print(f"[gpu-suite] SPEC=mtp vs SPEC=off first divergence per prompt: {report}")
     assert got == again, "SPEC=mtp greedy output not deterministic"
-    diffs = {i: first_divergence(a, b) for i, (a, b) in enumerate(zip(servers.cache["off"], got))}
-    bad = {i: d for i, d in diffs.items() if d is not None}
-    assert not bad, f"SPEC=mtp != SPEC=off: first divergence per prompt {bad}"
+    if os.environ.get("ONECARD_GPU_STRICT_SPEC", "") not in ("", "0"):
+        assert got == ref, f"SPEC=mtp != SPEC=off: {report}"
+    bad = {i: r for i, r in report.items() if r["first_divergence"] is not None
+           and (r["off_top2_gap"] is None or r["off_top2_gap"] >= NEAR_TIE)}
+    assert not bad, f"SPEC=mtp != SPEC=off beyond bf16 near-ties: {bad}"
 
 
 def test_mtp_metrics_show_drafts(servers):
@@ -157,11 +188,13 @@ def test_int8_kv_vs_bf16(servers):
     s = servers.use("int8")
     got = greedy(s)
     assert got == greedy(s), "int8 KV greedy output not deterministic"
-    ref = servers.cache.get("off")
+    ref, gaps = servers.cache.get("off"), servers.cache.get("off_gaps") or []
     report = {}
     if ref:
         for i, (a, b) in enumerate(zip(ref, got)):
-            report[i] = first_divergence(a, b)
+            d = first_divergence(a, b)
+            gap = gaps[i][d] if d is not None and i < len(gaps) and d < len(gaps[i]) else None
+            report[i] = {"first_divergence": d, "off_top2_gap": gap}
     servers.record["int8_first_divergence"] = report
     servers.record["int8_greedy"] = got
     servers.save()
