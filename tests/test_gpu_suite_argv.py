@@ -40,7 +40,8 @@ def test_every_config_parses(monkeypatch, tmp_path):
     assert seen["int8"][1].kv_cache_dtype == "int8_per_token_head"
     assert str(seen["int8"][1].attention_backend).endswith("TRITON_ATTN")
     assert seen["off"][1].compilation_config.cudagraph_capture_sizes == [1, 2, 4, 8]
-    assert seen["smol"][1].enforce_eager
+    assert seen["smol"][1].enforce_eager and seen["int8"][1].enforce_eager
+    assert not seen["off"][1].enforce_eager and not seen["mtp"][1].enforce_eager
 
 
 HEALTH_SERVER = """
