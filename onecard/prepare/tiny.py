@@ -455,6 +455,7 @@ def build_tiny_model(out_dir: Path, spec: TinySpec = DEFAULT_SPEC, *, force: boo
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
         weights = make_weights(spec)
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / STAMP).write_text(build_fingerprint(spec) + "\n")
         (tmp / "README.md").write_text(
             "# onecard tiny Qwen3.5 test model (random weights)\n\n"
             f"Built by onecard.prepare.tiny with spec {json.dumps(asdict(spec))}.\n"
@@ -488,10 +489,23 @@ def tiny_model_dir(root: Path | None = None, spec: TinySpec = DEFAULT_SPEC) -> P
     return models_root(root) / name
 
 
+STAMP = "onecard-build.txt"
+
+
+def build_fingerprint(spec: TinySpec) -> str:
+    """Identifies what a build contains: this builder's source and the spec."""
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update(json.dumps(asdict(spec), sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
 def ensure_tiny_model(root: Path | None = None, spec: TinySpec = DEFAULT_SPEC) -> Path:
-    """Path of the tiny model under the models root, building it once if missing."""
+    """Path of the tiny model under the models root, building it when missing or built by
+    another version of this builder (the stamp file records which)."""
     path = tiny_model_dir(root, spec)
-    if (path / "model.safetensors").is_file() and (path / "config.json").is_file():
+    stamp = path / STAMP
+    if (path / "model.safetensors").is_file() and stamp.is_file() \
+            and stamp.read_text().strip() == build_fingerprint(spec):
         return path
     return build_tiny_model(path, spec, force=path.exists())
 

@@ -232,3 +232,17 @@ def test_cli_and_script(tmp_path, capsys):
     assert main(["prepare", "tiny", "--out", str(tmp_path / "d"), "--head-dim", "40"]) == 2
     assert "head_dim 40 invalid" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_ensure_rebuilds_a_stale_build(tmp_path, monkeypatch):
+    """A cached tiny model built by another version of the builder is rebuilt, not reused
+    (seen on the H200: a model cached before a builder change was served by later jobs)."""
+    from onecard.prepare import tiny
+
+    path = tiny.ensure_tiny_model(tmp_path)
+    assert (path / tiny.STAMP).read_text().strip() == tiny.build_fingerprint(tiny.DEFAULT_SPEC)
+    assert tiny.ensure_tiny_model(tmp_path) == path  # current: reused
+    (path / tiny.STAMP).write_text("0000000000000000\n")
+    (path / "config.json").write_text("{}")
+    tiny.ensure_tiny_model(tmp_path)
+    assert (path / "config.json").read_text() != "{}"
