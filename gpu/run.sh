@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
 # Drive one GPU session from a copied wheelhouse: install, patch, run gpu/jobs/*, pack results.
-# Usage: bash gpu/run.sh [JOB-PREFIX ...]     (contract and layout: gpu/README.md)
+# Usage: bash gpu/run.sh [--detach] [JOB-PREFIX ...]   (contract and layout: gpu/README.md)
+#   With prefixes, the matching jobs run in the order the prefixes are given.
+#   --detach: run in its own session (survives the calling command's time limit); follow it with
+#   `bash gpu/wait.sh SECONDS`, which waits, prints progress and packs the results into $OUT.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-ACC=${ACC:-/var/tmp/acc}; SITE=/var/tmp/site; STOCK=/var/tmp/stock; OUTROOT=/var/tmp/out
+ACC=${ACC:-/var/tmp/acc}; SITE=${SITE:-/var/tmp/site}; STOCK=${STOCK:-/var/tmp/stock}
+OUTROOT=${OUTROOT:-/var/tmp/out}; JOBS_DIR=${JOBS_DIR:-$repo/gpu/jobs}
+if [ "${1:-}" = "--detach" ]; then
+  shift
+  mkdir -p "$OUTROOT"; rm -f "$OUTROOT/DONE"
+  setsid nohup bash "$repo/gpu/run.sh" "$@" > "$OUTROOT/driver.log" 2>&1 < /dev/null &
+  echo "gpu/run.sh detached (pid $!); log: $OUTROOT/driver.log; follow with: bash gpu/wait.sh 540"
+  exit 0
+fi
 export MODELS=${MODELS:-/var/tmp/models}
 mkdir -p "$OUTROOT" "$MODELS"
 say() { echo "[gpu/run $(date +%T)] $*"; }
@@ -25,7 +36,8 @@ python3 -m onecard patches revert --vllm-dir "$STOCK/vllm" >/dev/null || { say "
 python3 -m onecard patches apply --vllm-dir "$SITE/vllm" || { say "patch series does not apply"; exit 2; }
 python3 -m onecard patches status --vllm-dir "$SITE/vllm"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,power.limit --format=csv,noheader \
-  | tee "$OUTROOT/gpu.txt"
+  > "$OUTROOT/gpu.txt" 2>&1 || echo "nvidia-smi: not available" > "$OUTROOT/gpu.txt"
+cat "$OUTROOT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUTROOT/gpu.txt"
 
 summary="$OUTROOT/summary.txt"; : > "$summary"
@@ -34,12 +46,16 @@ pack() {
   tar -czf "$OUT/results.tgz.tmp" -C "$OUTROOT" . && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
   cp "$summary" "$OUT/summary.txt"
 }
-for job in "$repo"/gpu/jobs/*.sh; do
+jobs=()
+if [ $# -eq 0 ]; then
+  jobs=("$JOBS_DIR"/*.sh)
+else
+  for p in "$@"; do
+    for job in "$JOBS_DIR"/"$p"*.sh; do [ -f "$job" ] && jobs+=("$job"); done
+  done
+fi
+for job in "${jobs[@]}"; do
   name="$(basename "$job" .sh)"
-  if [ $# -gt 0 ]; then
-    hit=0; for p in "$@"; do [[ "$name" == "$p"* ]] && hit=1; done
-    [ $hit = 1 ] || continue
-  fi
   limit=$(sed -n 's/^# timeout: *\([0-9]*\).*/\1/p' "$job" | head -1); limit=${limit:-300}
   export JOB_OUT="$OUTROOT/$name"; mkdir -p "$JOB_OUT"
   say "job $name (timeout ${limit}s)"
@@ -53,3 +69,4 @@ for job in "$repo"/gpu/jobs/*.sh; do
 done
 say "summary"; cat "$OUTROOT/gpu.txt" "$summary"
 pack
+touch "$OUTROOT/DONE"

@@ -1,0 +1,72 @@
+"""gpu/run.sh and gpu/wait.sh on the CPU: a fake site with only the files the series touches,
+fake jobs; checks ordering, timeouts, failures not stopping the run, packing into $OUT, detach."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from onecard import patching
+from tests.conftest import REPO, copy_subset
+
+
+@pytest.fixture
+def env(vllm_dir, tmp_path):
+    touched = {p for patch in patching.read_series(patching.DEFAULT_SERIES) for p in patch.paths}
+    site = tmp_path / "site"
+    copy_subset(vllm_dir, touched, site)
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    (jobs / "10-ok.sh").write_text('# timeout: 30\necho "ok job, out=$JOB_OUT"; echo data > "$JOB_OUT/r.txt"\n')
+    (jobs / "20-fail.sh").write_text("# timeout: 30\necho failing; exit 3\n")
+    (jobs / "30-slow.sh").write_text("# timeout: 1\nsleep 30\n")
+    out = tmp_path / "OUT"
+    out.mkdir()
+    bindir = Path(sys.executable).parent
+    return {
+        **os.environ,
+        "SITE": str(site), "STOCK": str(tmp_path / "stock"), "OUTROOT": str(tmp_path / "outroot"),
+        "JOBS_DIR": str(jobs), "OUT": str(out), "MODELS": str(tmp_path / "models"),
+        "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}",
+    }
+
+
+def run(args, env, timeout=120):
+    return subprocess.run(["bash", str(REPO / "gpu" / "run.sh"), *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_runs_jobs_in_the_given_order_and_packs(env):
+    out = run(["30", "10"], env)
+    assert out.returncode == 0, out.stderr
+    summary = (Path(env["OUT"]) / "summary.txt").read_text().splitlines()
+    assert [l.split()[0] for l in summary] == ["30-slow", "10-ok"]
+    assert "rc=124" in summary[0] and "rc=0" in summary[1]
+    with tarfile.open(Path(env["OUT"]) / "results.tgz") as tar:
+        names = tar.getnames()
+    assert "./10-ok/r.txt" in names and "./10-ok/log.txt" in names
+    # the site is patched, the stock copy pristine
+    assert patching.status(Path(env["SITE"]) / "vllm").all_applied
+    assert all(s == patching.NOT_APPLIED for _, s, _ in patching.status(Path(env["STOCK"]) / "vllm").states)
+
+
+def test_a_failing_job_does_not_stop_the_run(env):
+    out = run([], env)
+    summary = (Path(env["OUT"]) / "summary.txt").read_text()
+    assert "20-fail" in summary and "rc=3" in summary and "30-slow" in summary
+
+
+def test_detach_then_wait(env):
+    out = run(["--detach", "10"], env, timeout=30)
+    assert out.returncode == 0 and "detached" in out.stdout
+    deadline = time.monotonic() + 90
+    while not (Path(env["OUTROOT"]) / "DONE").exists() and time.monotonic() < deadline:
+        time.sleep(1)
+    waited = subprocess.run(["bash", str(REPO / "gpu" / "wait.sh"), "5"], env=env, capture_output=True, text=True)
+    assert "driver finished" in waited.stdout
+    assert (Path(env["OUT"]) / "results.tgz").is_file()
