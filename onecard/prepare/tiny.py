@@ -21,11 +21,11 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+from onecard.prepare.atomic import building_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added tokens that stay visible in decoded text (as in Qwen's tokenizer).
@@ -444,8 +444,7 @@ def build_tiny_model(out_dir: Path, spec: TinySpec = DEFAULT_SPEC, *, force: boo
         if not force:
             raise FileExistsError(f"tiny model: {out_dir} exists (use force=True / --force)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with building_dir(out_dir) as tmp:
         tok = build_tokenizer(spec.vocab)
         ids = _write_tokenizer_files(tok, tmp)
         config = make_config(spec, ids)
@@ -460,16 +459,6 @@ def build_tiny_model(out_dir: Path, spec: TinySpec = DEFAULT_SPEC, *, force: boo
             "# onecard tiny Qwen3.5 test model (random weights)\n\n"
             f"Built by onecard.prepare.tiny with spec {json.dumps(asdict(spec))}.\n"
             "Serve text-only: `--language-model-only`. Not a language model: output is noise.\n")
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
