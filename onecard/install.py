@@ -42,6 +42,7 @@ class Installer:
     extras: str = ""  # e.g. "test": installs onecard[test]
     pristine: bool = False  # leave vLLM unpatched (the test environment: tests patch a view of it)
     summary: list[tuple[str, str, str]] = field(default_factory=list)  # step, outcome, detail
+    model_dir: Path | None = None  # where step_model left the prepared checkpoint
 
     @property
     def py(self) -> Path:
@@ -88,7 +89,13 @@ class Installer:
         if not wrong and deps_ok:
             self.note("packages", "already installed", f"vllm {VLLM_PIN}, flashinfer-python {FLASHINFER_PIN}")
             return
-        source = ["--no-index", "--find-links", self.wheelhouse] if self.wheelhouse else []
+        # Offline: no index, and no isolated build env for the editable onecard (its build backend,
+        # setuptools, then comes from the venv instead of the index).
+        source = ["--no-index", "--find-links", self.wheelhouse, "--no-build-isolation"] if self.wheelhouse else []
+        if self.wheelhouse:  # the editable build needs setuptools >= 68, which a new venv may lack
+            self.sh("packages", [self.py, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                 "--no-index", "--find-links", self.wheelhouse, "setuptools>=68"],
+                    f"add a setuptools>=68 wheel to {self.wheelhouse} (pip download -d DIR setuptools)")
         print(f"    installing vllm=={VLLM_PIN} and its companions (about 2 GB on a CUDA machine; pip's progress follows)", flush=True)
         self.sh("packages", [self.py, "-m", "pip", "install", "--disable-pip-version-check", *source,
                              f"vllm=={VLLM_PIN}", f"flashinfer-python=={FLASHINFER_PIN}", "huggingface_hub",
@@ -138,8 +145,12 @@ class Installer:
             self.note("model", "skipped", "add --model ID|PATH to download and prepare one")
             return
         self.sh("model", [self.py, "-m", "onecard", "prepare", "model", self.model],
-                "check the id/path and your disk space; HF_HUB_OFFLINE=1 uses only the local cache")
-        self.note("model", "prepared", self.model)
+                "read the error line above; re-running resumes (download, requantization and draft vocab "
+                "are each skipped once done); HF_HUB_OFFLINE=1 uses only the local Hugging Face cache")
+        from onecard.prepare.model import default_dest  # stdlib-only at import: fine under the system Python
+
+        self.model_dir = default_dest(self.model)
+        self.note("model", "prepared", f"{self.model} -> {self.model_dir}")
 
     def step_verify(self) -> None:
         if not self.verify:
@@ -147,7 +158,7 @@ class Installer:
             return
         env = {"VENV": str(self.venv)}
         if self.model:
-            env["MODEL"] = self.model
+            env["MODEL"] = str(self.model_dir or self.model)
         self.sh("verify", ["bash", REPO / "verify.sh", "--no-server"], "fix the FAIL lines above, then ./verify.sh --no-server", env=env)
         self.note("verify", "passed")
 

@@ -1,0 +1,70 @@
+"""onecard.install: steps decide from what is there; offline (--wheelhouse) argv; failures name the fix."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from onecard import install
+
+
+class Recorder(install.Installer):
+    """An Installer whose commands are recorded instead of run."""
+
+    def __init__(self, *a, have=None, fail=None, **k):
+        super().__init__(*a, **k)
+        self.calls, self._have, self._fail = [], have or {}, fail
+
+    def sh(self, step, cmd, fix, env=None):
+        self.calls.append([str(c) for c in cmd])
+        if self._fail and self._fail in " ".join(map(str, cmd)):
+            raise install.StepFailed(step, "exited 1", fix)
+
+    def installed(self):
+        return dict(self._have)
+
+
+PINNED = {"vllm": install.VLLM_PIN, "flashinfer-python": install.FLASHINFER_PIN, "huggingface-hub": "1",
+          "unidiff": "1", "safetensors": "1", "onecard": "0.1.0"}
+
+
+def test_packages_already_installed_runs_nothing(tmp_path):
+    inst = Recorder(tmp_path / "venv", have=PINNED)
+    inst.step_packages()
+    assert inst.calls == [] and inst.summary[-1][1] == "already installed"
+
+
+def test_offline_install_uses_only_the_wheelhouse(tmp_path):
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    inst = Recorder(tmp_path / "venv", wheelhouse=wh, have={})
+    inst.step_packages()
+    setuptools_call, main_call = inst.calls
+    assert "--no-index" in setuptools_call and "setuptools>=68" in setuptools_call
+    assert "--no-index" in main_call and "--no-build-isolation" in main_call and str(wh) in main_call
+    assert f"vllm=={install.VLLM_PIN}" in main_call
+
+
+def test_failure_names_step_and_fix(tmp_path, capsys):
+    inst = Recorder(tmp_path / "venv", have={}, fail="pip install")
+    inst.py.parent.mkdir(parents=True)
+    inst.py.write_text("")  # venv "exists"
+    rc = inst.run()
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "stopped at step 'packages'" in err and "fix:" in err
+
+
+def test_kvarn_requested_but_absent_is_a_clear_failure(tmp_path, monkeypatch):
+    monkeypatch.setattr(install, "REPO", tmp_path)  # no kvarn/install.sh there
+    inst = Recorder(tmp_path / "venv", kvarn=True)
+    with pytest.raises(install.StepFailed, match="not part of this release"):
+        inst.step_kvarn()
+
+
+def test_help_runs_on_the_system_python():
+    out = subprocess.run([sys.executable, "-m", "onecard.install", "--help"], capture_output=True, text=True,
+                         cwd=Path(install.__file__).parent.parent)
+    assert out.returncode == 0 and "--wheelhouse" in out.stdout
