@@ -176,7 +176,13 @@ class Installer:
         print("\nonecard install summary")
         for step, outcome, detail in self.summary:
             print(f"  {step:<{width}}  {outcome}")
-        print(f"venv: {self.venv}   next: CTX=long ./start_qwen.sh   (./start_qwen.sh --dry-run shows the plan)")
+        model = ""
+        if self.model_dir:
+            from onecard.prepare.model import launcher_default_model
+
+            if self.model_dir != (REPO / launcher_default_model()).absolute():
+                model = f"MODEL={self.model_dir} "  # not where the launcher looks by default
+        print(f"venv: {self.venv}   next: {model}CTX=long ./start_qwen.sh   (./start_qwen.sh --dry-run shows the plan)")
         return 0
 
 

@@ -163,6 +163,14 @@ def resolve_model_dir(model: str) -> Path | None:
     if path.is_dir():
         return path
     if model.count("/") == 1:
+        try:  # prepared by `onecard prepare model ID` (install.sh --model ID): models/<name>
+            from onecard.prepare.model import default_dest
+
+            dest = default_dest(model)
+            if (dest / "config.json").is_file():
+                return dest
+        except Exception:  # noqa: BLE001 - not a valid id: fall through
+            pass
         try:
             from huggingface_hub import snapshot_download
 
@@ -187,6 +195,62 @@ def check_model(ctx) -> Result | None:
     return Result(PASS, "model", str(path))
 
 
+def _model_path(ctx) -> tuple[Path | None, str]:
+    """The local directory of MODEL when it has a config (None: no MODEL, tiny, or not there),
+    and the `onecard prepare model ...` command that prepares it."""
+    model = ctx.get("model") or os.environ.get("MODEL")
+    if not model or model == "tiny":
+        return None, ""
+    path = resolve_model_dir(model)
+    if path is None or not (path / "config.json").is_file():
+        return None, ""
+    return path, f"onecard prepare model {model if not Path(model).expanduser().is_dir() else path}"
+
+
+def check_model_requant(ctx) -> Result | None:
+    """Which requantization steps the checkpoint carries (its quantization_config), and no
+    half-finished journal (onecard.prepare.requant)."""
+    path, fix = _model_path(ctx)
+    if path is None:
+        return None
+    from onecard.prepare import model as prep
+
+    s = prep.status(path)
+    if s["journal"]:
+        return Result(FAIL, "requant", f"{path}: half-finished requantization (.onecard/journal.json); run `{fix}` to finish it")
+    if s["problems"]:
+        more = f" (+{len(s['problems']) - 3} more)" if len(s["problems"]) > 3 else ""
+        return Result(FAIL, "requant", "; ".join(s["problems"][:3]) + more + f"; `onecard prepare requant {path} --check`")
+    steps = ", ".join(f"{t} {v}" for t, v in s["steps"].items())
+    raw = [t for t, v in s["steps"].items() if v != "absent" and not v.startswith("int")]
+    if raw:
+        return Result(WARN, "requant", f"{steps}: {', '.join(raw)} not requantized (their bytes go to the KV pool once "
+                                       f"they are: `{fix}`)")
+    if s["stray_tmp"]:
+        return Result(WARN, "requant", f"{steps}; {len(s['stray_tmp'])} half-written temp file(s) of an interrupted run "
+                                       f"(`{fix}` removes them)")
+    return Result(PASS, "requant", steps)
+
+
+def check_draft_vocab(ctx) -> Result | None:
+    """The MTP drafter's reduced vocabulary (draft_vocab.json) is there and matches the tokenizer."""
+    path, fix = _model_path(ctx)
+    if path is None or not (path / "tokenizer.json").is_file():
+        return None
+    from onecard.prepare import model as prep
+
+    dv = prep.status(path)["draft_vocab"]
+    if dv is None:
+        return Result(WARN, "draft vocab", f"no {prep.DRAFT_VOCAB_FILE} in {path}; `{fix}` builds it")
+    if dv.get("error"):
+        return Result(WARN, "draft vocab", f"{prep.DRAFT_VOCAB_FILE} unreadable ({dv['error']}); `{fix}` rebuilds it")
+    if dv.get("stale"):
+        return Result(WARN, "draft vocab", f"{prep.DRAFT_VOCAB_FILE} was built for another tokenizer; `{fix}` rebuilds it")
+    cov = dv.get("coverage_heldout")
+    return Result(PASS, "draft vocab", f"{dv['size']} of {dv['vocab_size']} ids"
+                                       + (f", held-out coverage {cov:.4f}" if cov is not None else ""))
+
+
 OFFLINE_CHECKS: list[Callable[[dict], Result | None]] = [
     check_python,
     check_venv,
@@ -196,6 +260,8 @@ OFFLINE_CHECKS: list[Callable[[dict], Result | None]] = [
     check_flashinfer,
     check_triton,
     check_model,
+    check_model_requant,
+    check_draft_vocab,
 ]
 
 

