@@ -200,9 +200,15 @@ def download(repo_id: str, revision: str | None = None) -> Path:
         path = huggingface_hub.snapshot_download(repo_id, revision=revision, ignore_patterns=HUB_IGNORE)
     except Exception as e:  # noqa: BLE001 - every failure becomes one line naming what is valid
         name = type(e).__name__
-        if _offline() or name == "LocalEntryNotFoundError":
+        if _offline():
             raise PrepareError(f"{repo_id} is not in the Hugging Face cache and HF_HUB_OFFLINE=1 forbids downloading; "
                                "valid: unset HF_HUB_OFFLINE, or a local checkpoint directory") from None
+        if name == "LocalEntryNotFoundError":  # the Hub could not be reached and the cache has no copy
+            cause = e.__cause__ or e.__context__
+            why = f"{type(cause).__name__}: {cause}" if cause else "no connection"
+            raise PrepareError(f"{repo_id}: the Hugging Face Hub could not be reached ({why.splitlines()[0]}) and the "
+                               "cache has no copy; valid: network access to the Hub (or HF_ENDPOINT), a cached copy, "
+                               "or a local checkpoint directory") from None
         if name in ("RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"):
             raise PrepareError(f"{repo_id}{'@' + revision if revision else ''}: {name} on the Hugging Face Hub; "
                                "valid: an existing model id you can access (gated: `hf auth login`), "
@@ -496,6 +502,9 @@ def run(args) -> int:
         print(f"error: {e.filename or ''}: {e.strerror or e}; valid: a writable destination with free disk "
               "(the requantized shards need their new size once)", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing half-done is left in use; re-run the same command to resume", file=sys.stderr)
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:

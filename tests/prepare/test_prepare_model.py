@@ -134,6 +134,12 @@ def test_offline_hub_id_not_cached_is_one_line(tmp_path):
     err = out.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "HF_HUB_OFFLINE=1" in err[0] and "valid:" in err[0], out.stderr
     assert not (tmp_path / "models").exists()  # nothing created before the download succeeded
+    # online but the Hub cannot be reached: one line too, not the offline message
+    env = {**env, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    out = subprocess.run([sys.executable, "-m", "onecard", "prepare", "model", "Owner/Nothing"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(err) == 1 and "could not be reached" in err[0] and "valid:" in err[0], out.stderr
 
 
 def test_default_dest_is_the_launcher_default(monkeypatch):
