@@ -338,7 +338,7 @@ def _want(choice: str, target: str) -> int | None:
     return None if choice == "keep" else int(choice[3:])
 
 
-def requant_steps(d: Path, wants: dict[str, int | None], state: dict, log=print) -> dict:
+def requant_steps(d: Path, wants: dict[str, int | None], state: dict, log=print, device: str = "cpu") -> dict:
     cfg = json.loads((d / requant.CONFIG).read_text())
     now = status(d)["steps"]
     for target in requant.TARGETS:
@@ -364,7 +364,7 @@ def requant_steps(d: Path, wants: dict[str, int | None], state: dict, log=print)
             log(f"{target}: skipped (tie_word_embeddings: a tied {target} stays {have})")
             continue
         log(f"{target}: requantizing to int{bits}")
-        rep = requant.requantize(d, target, bits, log=lambda s: log("  " + s.strip()))
+        rep = requant.requantize(d, target, bits, log=lambda s: log("  " + s.strip()), device=device)
         if rep.get("noop"):
             continue
         errs = [t["rel_error"] for t in rep["tensors"].values()]
@@ -424,7 +424,7 @@ def check(d: Path, wants: dict[str, int | None], want_draft: bool) -> tuple[list
 
 def prepare(model: str, dest: Path | None = None, *, lm_head: str = "int8", embed: str = "int8", mtp: str = "int8",
             build_draft_vocab: bool = True, draft_size: int | None = None, draft_corpus: list[Path] | None = None,
-            revision: str | None = None, log=print) -> dict:
+            revision: str | None = None, device: str = "cpu", log=print) -> dict:
     """The whole preparation; returns the final status. Raises PrepareError (one line)."""
     from onecard.prepare import draft_vocab
 
@@ -448,7 +448,7 @@ def prepare(model: str, dest: Path | None = None, *, lm_head: str = "int8", embe
     if not (d / requant.CONFIG).is_file():
         raise PrepareError(f"{d}: no config.json; valid: a Hugging Face checkpoint directory")
     requant.recover(d, log=lambda s: log(s))  # finish an interrupted requantization first
-    state = requant_steps(d, wants, state, log)
+    state = requant_steps(d, wants, state, log, device)
     if build_draft_vocab:
         state = draft_vocab_step(d, state, draft_size or draft_vocab.DEFAULT_SIZE, draft_corpus, log)
     else:
@@ -480,6 +480,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lm-head", default="int8", choices=CHOICES["lm_head"], help="lm_head (default int8)")
     parser.add_argument("--embed", default="int8", choices=CHOICES["embed"], help="embed_tokens (default int8)")
     parser.add_argument("--mtp", default="int8", choices=CHOICES["mtp"], help="MTP linears (default int8)")
+    parser.add_argument("--device", default="cpu", help="where the requantization runs its row blocks: cpu (default) or cuda")
     parser.add_argument("--draft-vocab", action=argparse.BooleanOptionalAction, default=True,
                         help=f"build {DRAFT_VOCAB_FILE} for the MTP drafter (default on)")
     parser.add_argument("--draft-vocab-size", type=int, default=None, help="ids in the draft vocabulary (default 40960)")
@@ -493,7 +494,7 @@ def run(args) -> int:
     try:
         prepare(args.model, args.dest, lm_head=args.lm_head, embed=args.embed, mtp=args.mtp,
                 build_draft_vocab=args.draft_vocab, draft_size=args.draft_vocab_size, draft_corpus=args.draft_corpus,
-                revision=args.revision)
+                revision=args.revision, device=args.device)
         return 0
     except (PrepareError, requant.RequantError, quant.QuantError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
