@@ -219,18 +219,20 @@ def download(repo_id: str, revision: str | None = None) -> Path:
     return Path(path)
 
 
-def fetch(model: str, dest: Path, revision: str | None = None, log=print):
+def fetch(model: str, dest: Path, revision: str | None = None, log=print, locks: list | None = None) -> dict:
     """Bring ``model`` (Hub id or local directory) into ``dest``; no-op once done.
 
-    Returns ``(state, lock)``: ``dest`` stays locked while ``lock`` is open. Nothing is created
-    under ``dest`` before the download succeeded.
+    ``dest`` is locked from the moment files land (the open lock file is appended to ``locks``;
+    the caller closes it). Nothing is created under ``dest`` before the download succeeded.
     """
+    locks = [] if locks is None else locks
     kind, src = classify(model)
     source = model if kind == "hub" else str(src)
     state = read_state(dest)
     if state.get("fetched") and state.get("source") == source:
         log(f"fetch: already done ({source}{' @ ' + state['revision'][:12] if state.get('revision') else ''})")
-        return state, _lock(dest)
+        locks.append(_lock(dest))
+        return state
     if state.get("source") not in (None, source):
         raise PrepareError(f"{dest} holds {state['source']} (its .onecard/{STATE_FILE}); "
                            f"valid: another --dest for {model}, or delete {dest}")
@@ -248,14 +250,14 @@ def fetch(model: str, dest: Path, revision: str | None = None, log=print):
         revision = snap.name
     if not (snap / "config.json").is_file():
         raise PrepareError(f"{model}: no config.json in {snap}; valid: a Hugging Face model checkpoint")
-    lock = _lock(dest)
+    locks.append(_lock(dest))
     state = {"source": source, "kind": kind, "revision": revision, "fetched": False, "steps": {}}
     write_state(dest, state)  # claims dest for this source before the first file lands
     state["materialized"] = materialize(snap, dest, log)
     state["fetched"] = True
     state["fetched_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_state(dest, state)
-    return state, lock
+    return state
 
 
 def _lock(d: Path):
@@ -432,39 +434,43 @@ def prepare(model: str, dest: Path | None = None, *, lm_head: str = "int8", embe
     kind, src = classify(model)
     d = Path(dest).expanduser().absolute() if dest else default_dest(model)
     t0 = time.monotonic()
-    if kind == "local" and src.resolve() == d.resolve():
-        links = [f.name for f in d.iterdir() if f.is_symlink()]
-        if links:  # e.g. a Hugging Face cache snapshot: renaming over its links would alter the cache
-            raise PrepareError(f"{d}: {len(links)} file(s) are symbolic links (first: {links[0]}), so it cannot be "
-                               "prepared in place; valid: --dest DIR (links or copies the files first), or the Hub id")
-        lock = _lock(d)
-        state = read_state(d)
-        state.setdefault("source", str(d))
-        state.setdefault("kind", "local")
-        log(f"model: {d} (prepared in place)")
-    else:
-        log(f"model: {model} -> {d}")
-        state, lock = fetch(model, d, revision, log)
-    if not (d / requant.CONFIG).is_file():
-        raise PrepareError(f"{d}: no config.json; valid: a Hugging Face checkpoint directory")
-    requant.recover(d, log=lambda s: log(s))  # finish an interrupted requantization first
-    state = requant_steps(d, wants, state, log, device)
-    if build_draft_vocab:
-        state = draft_vocab_step(d, state, draft_size or draft_vocab.DEFAULT_SIZE, draft_corpus, log)
-    else:
-        log("draft vocab: skipped (--no-draft-vocab)")
-    problems, s = check(d, wants, build_draft_vocab)
-    if problems:
-        raise PrepareError(f"{d} is not complete: {'; '.join(problems)}; valid: re-run (interrupted steps resume); "
-                           f"if files are missing, delete {d} and prepare it again")
-    steps = ", ".join(f"{t} {v}" for t, v in s["steps"].items())
-    dv = s["draft_vocab"]
-    log(f"check: complete - {steps}; draft vocab {dv['size'] if dv else 'none'}; "
-        f"{time.monotonic() - t0:.1f} s, peak RSS {requant.peak_rss_mb():.0f} MB")
-    default = (Path(__file__).resolve().parents[2] / launcher_default_model()).absolute()
-    log("next: ./start_qwen.sh" if d == default else f"next: MODEL={d} ./start_qwen.sh")
-    lock.close()
-    return s
+    locks: list = []  # open lock files: one prepare per directory at a time
+    try:
+        if kind == "local" and src.resolve() == d.resolve():
+            links = [f.name for f in d.iterdir() if f.is_symlink()]
+            if links:  # e.g. a Hugging Face cache snapshot: renaming over its links would alter the cache
+                raise PrepareError(f"{d}: {len(links)} file(s) are symbolic links (first: {links[0]}), so it cannot be "
+                                   "prepared in place; valid: --dest DIR (links or copies the files first), or the Hub id")
+            locks.append(_lock(d))
+            state = read_state(d)
+            state.setdefault("source", str(d))
+            state.setdefault("kind", "local")
+            log(f"model: {d} (prepared in place)")
+        else:
+            log(f"model: {model} -> {d}")
+            state = fetch(model, d, revision, log, locks)
+        if not (d / requant.CONFIG).is_file():
+            raise PrepareError(f"{d}: no config.json; valid: a Hugging Face checkpoint directory")
+        requant.recover(d, log=lambda s: log(s))  # finish an interrupted requantization first
+        state = requant_steps(d, wants, state, log, device)
+        if build_draft_vocab:
+            state = draft_vocab_step(d, state, draft_size or draft_vocab.DEFAULT_SIZE, draft_corpus, log)
+        else:
+            log("draft vocab: skipped (--no-draft-vocab)")
+        problems, s = check(d, wants, build_draft_vocab)
+        if problems:
+            raise PrepareError(f"{d} is not complete: {'; '.join(problems)}; valid: re-run (interrupted steps resume); "
+                               f"if files are missing, delete {d} and prepare it again")
+        steps = ", ".join(f"{t} {v}" for t, v in s["steps"].items())
+        dv = s["draft_vocab"]
+        log(f"check: complete - {steps}; draft vocab {dv['size'] if dv else 'none'}; "
+            f"{time.monotonic() - t0:.1f} s, peak RSS {requant.peak_rss_mb():.0f} MB")
+        default = (Path(__file__).resolve().parents[2] / launcher_default_model()).absolute()
+        log("next: ./start_qwen.sh" if d == default else f"next: MODEL={d} ./start_qwen.sh")
+        return s
+    finally:
+        for f in locks:
+            f.close()
 
 
 # --------------------------------------------------------------------------- CLI

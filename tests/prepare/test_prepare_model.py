@@ -100,6 +100,11 @@ def test_options_keep_int4_no_draft_then_defaults(tmp_path, tok_json, corpus, ca
     assert "lm_head: already int4, int8 requested - left as int4" in out and "--restore" in out
     assert prep.status(d)["steps"] == {"lm_head": "int4", "embed": "int8", "mtp": "int8"}
     assert verify.check_model_requant(ctx).status == verify.PASS
+    # one prepare per directory at a time
+    held = prep._lock(d)
+    with pytest.raises(prep.PrepareError, match="another `onecard prepare model` is working"):
+        prep.prepare(str(d), log=lambda s: None)
+    held.close()
     # bad choices: one line naming what is valid
     with pytest.raises(prep.PrepareError, match="valid: int8, keep"):
         prep.prepare(str(d), embed="int4")
