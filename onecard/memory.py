@@ -141,17 +141,19 @@ KV_DTYPES: dict[str, KVDtype] = {
     "fp8": KVDtype("fp8", 1, 1, 0, "fp8 e4m3, per-tensor scale"),
     "int8_per_token_head": KVDtype("int8_per_token_head", 1, 1, 8, "int8 + fp32 K/V scale per token-head"),
     "int4_per_token_head": KVDtype("int4_per_token_head", 1, 2, 8, "uint8 2xint4 (RHT, asym zp) + fp32 K/V scale per token-head"),
-    # KVarN (issue: kvarn installer): 4-bit K, 2-bit V, fp16 scale+zero each. Estimate until
-    # the kvarn patch defines its spec; used only for the huge profile.
-    "kvarn": KVDtype("kvarn", 1, 1, 0, "KVarN 4-bit K / 2-bit V (estimate)"),
+    # KVarN (issue 9): 4-bit K, 2-bit V in tiles of 128 tokens with fp16 scales, zero points
+    # and normalizers; bytes per token come from onecard.kvarn.format (attn_bytes_per_token).
+    # The fp16 stage (sink tile + 2-tile ring per sequence) is outside this per-token figure.
+    "kvarn": KVDtype("kvarn", 1, 1, 0, "KVarN k4v2_g128 (onecard.kvarn.format)"),
 }
 
 
 def attn_bytes_per_token(geom: ModelGeometry, kv: str) -> int:
     """Bytes one token occupies in ONE attention layer."""
-    if kv == "kvarn":
-        h = geom.head_dim
-        return geom.num_kv_heads * (h // 2 + h // 4 + 8)
+    if kv == "kvarn" or kv.startswith("kvarn_"):
+        from onecard.kvarn import format as kvarn_format
+
+        return kvarn_format.bytes_per_token_layer(geom.num_kv_heads, geom.head_dim, kv if kv != "kvarn" else None)
     if kv not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv!r}; valid: {', '.join(KV_DTYPES)}")
     return KV_DTYPES[kv].bytes_per_token_layer(geom.num_kv_heads, geom.head_dim)
@@ -168,7 +170,12 @@ def gdn_state_bytes(geom: ModelGeometry, num_spec: int = 0, ssm_state_bytes: int
 def attention_block_size(geom: ModelGeometry, kv: str, num_spec: int = 0, ssm_state_bytes: int | None = None) -> int:
     """Tokens per attention block after vLLM raises it so one page holds a GDN state."""
     per_tok = attn_bytes_per_token(geom, kv)
-    return KERNEL_BLOCK_ALIGN * cdiv(gdn_state_bytes(geom, num_spec, ssm_state_bytes), KERNEL_BLOCK_ALIGN * per_tok)
+    align = KERNEL_BLOCK_ALIGN
+    if kv == "kvarn" or kv.startswith("kvarn_"):
+        from onecard.kvarn import format as kvarn_format
+
+        align = kvarn_format.get_preset(kv if kv != "kvarn" else None).tile  # a page = whole tiles
+    return align * cdiv(gdn_state_bytes(geom, num_spec, ssm_state_bytes), align * per_tok)
 
 
 @dataclass

@@ -1,0 +1,427 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Triton kernels of the KVarN cache (format: onecard.kvarn.format; reference beside them in
+onecard.kvarn.reference).
+
+(a) ``kvarn_pack_tiles``: one full tile of the fp16 stage (rotated rows, ring half
+    ``tile % 2``) -> normalize, quantize, pack into its paged block; tile 0 is also copied to the
+    stage's sink rows. Program = (job, kv head).
+(b) ``kvarn_attention``: split-KV causal decode / verify attention (q_len 1..16, GQA) over the
+    packed tiles plus the fp16 sink tile and tail, structured like onecard.kernels.wide_verify:
+    program (sequence, kv head, split) reads its share of the packed tiles [1, packed) once for
+    all q_len x group query rows; program split == num_splits reads the fp16 rows (sink tile
+    and ring tail); a second kernel merges all parts by log-sum-exp. The query is rotated once
+    (q . k = (q Hn) . (k Hn)); packed K/V are dequantized in registers in sub-tiles of SUB_N
+    tokens; the output is un-rotated once.
+
+Self-contained (torch, triton and the sibling ``format`` module) so kvarn/install.sh can copy
+this package into vLLM. Triton kept basic (3.6 on the GPU host).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .format import EPS, Preset, get_preset
+
+MAX_QUERY_LEN = 16
+_LOG2E = 1.4426950408889634
+_SM_COUNT: dict[int, int] = {}
+_H: dict = {}
+
+
+def _hadamard(d: int, device) -> torch.Tensor:
+    key = (d, str(device))
+    if key not in _H:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < d:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        _H[key] = (h / math.sqrt(d)).to(dtype=torch.float32, device=device)
+    return _H[key]
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    # Triton's CPU interpreter mis-multiplies 16-bit operands; CPU tensors set DOT_F32.
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+# ------------------------------------------------------------------------------------------------
+# (a) pack one full tile
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _kvarn_pack_kernel(
+    stage_k_ptr, stage_v_ptr, cache_u8_ptr, cache_f16_ptr,
+    slot_ptr, tile_ptr, block_ptr,
+    stride_s_slot: tl.int64, stride_s_row: tl.int64, stride_s_head: tl.int64,
+    stride_c_blk: tl.int64, stride_c_head: tl.int64,
+    eps,
+    HEAD_DIM: tl.constexpr, TILE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    OFF_KC: tl.constexpr, OFF_VC: tl.constexpr, OFF_KSC: tl.constexpr, OFF_KMN: tl.constexpr,
+    OFF_KN: tl.constexpr, OFF_VSC: tl.constexpr, OFF_VMN: tl.constexpr, OFF_VG: tl.constexpr,
+):
+    job = tl.program_id(0)
+    kvh = tl.program_id(1)
+    slot = tl.load(slot_ptr + job).to(tl.int64)
+    tile = tl.load(tile_ptr + job)
+    blk = tl.load(block_ptr + job).to(tl.int64)
+    offs_t = tl.arange(0, TILE)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = TILE + (tile % 2) * TILE + offs_t
+    src = slot * stride_s_slot + rows[:, None] * stride_s_row + kvh * stride_s_head + offs_d[None, :]
+    k16 = tl.load(stage_k_ptr + src)
+    v16 = tl.load(stage_v_ptr + src)
+    if tile == 0:  # the first tile stays readable in fp16 (sink rows)
+        sink = slot * stride_s_slot + offs_t[:, None] * stride_s_row + kvh * stride_s_head + offs_d[None, :]
+        tl.store(stage_k_ptr + sink, k16)
+        tl.store(stage_v_ptr + sink, v16)
+    base = blk * stride_c_blk + kvh * stride_c_head  # bytes
+    base16 = base // 2
+    KMAX: tl.constexpr = (1 << K_BITS) - 1
+    VMAX: tl.constexpr = (1 << V_BITS) - 1
+    # K: per-token RMS normalizer, per-channel asymmetric rounding over the tile
+    r = k16.to(tl.float32)
+    kn = tl.maximum(tl.sqrt(tl.sum(r * r, axis=1) / HEAD_DIM), eps).to(tl.float16)
+    u = r / kn.to(tl.float32)[:, None]
+    lo = tl.min(u, axis=0)
+    hi = tl.max(u, axis=0)
+    kmn = lo.to(tl.float16)
+    ksc = tl.maximum((hi - lo) / KMAX, eps).to(tl.float16)
+    kc = tl.floor((u - kmn.to(tl.float32)[None, :]) / ksc.to(tl.float32)[None, :] + 0.5)
+    kc = tl.minimum(tl.maximum(kc, 0.0), KMAX).to(tl.int32)
+    # V: per-channel RMS normalizer over the tile, per-token asymmetric rounding
+    r = v16.to(tl.float32)
+    vg = tl.maximum(tl.sqrt(tl.sum(r * r, axis=0) / TILE), eps).to(tl.float16)
+    w = r / vg.to(tl.float32)[None, :]
+    lo = tl.min(w, axis=1)
+    hi = tl.max(w, axis=1)
+    vmn = lo.to(tl.float16)
+    vsc = tl.maximum((hi - lo) / VMAX, eps).to(tl.float16)
+    vc = tl.floor((w - vmn.to(tl.float32)[:, None]) / vsc.to(tl.float32)[:, None] + 0.5)
+    vc = tl.minimum(tl.maximum(vc, 0.0), VMAX).to(tl.int32)
+    # pack: PER codes a byte, code j of a byte at bit j * BITS
+    KPER: tl.constexpr = 8 // K_BITS
+    VPER: tl.constexpr = 8 // V_BITS
+    kshift = (tl.arange(0, KPER) * K_BITS)[None, None, :]
+    kb = tl.sum(tl.reshape(kc, [TILE, HEAD_DIM // KPER, KPER]) << kshift, axis=2)
+    vshift = (tl.arange(0, VPER) * V_BITS)[None, None, :]
+    vb = tl.sum(tl.reshape(vc, [TILE, HEAD_DIM // VPER, VPER]) << vshift, axis=2)
+    kcol = tl.arange(0, HEAD_DIM // KPER)
+    vcol = tl.arange(0, HEAD_DIM // VPER)
+    tl.store(cache_u8_ptr + base + OFF_KC + offs_t[:, None] * (HEAD_DIM // KPER) + kcol[None, :],
+             kb.to(tl.uint8))
+    tl.store(cache_u8_ptr + base + OFF_VC + offs_t[:, None] * (HEAD_DIM // VPER) + vcol[None, :],
+             vb.to(tl.uint8))
+    tl.store(cache_f16_ptr + base16 + OFF_KSC // 2 + offs_d, ksc)
+    tl.store(cache_f16_ptr + base16 + OFF_KMN // 2 + offs_d, kmn)
+    tl.store(cache_f16_ptr + base16 + OFF_KN // 2 + offs_t, kn)
+    tl.store(cache_f16_ptr + base16 + OFF_VSC // 2 + offs_t, vsc)
+    tl.store(cache_f16_ptr + base16 + OFF_VMN // 2 + offs_t, vmn)
+    tl.store(cache_f16_ptr + base16 + OFF_VG // 2 + offs_d, vg)
+
+
+def _layout_consts(layout) -> dict:
+    return dict(OFF_KC=layout.k_codes, OFF_VC=layout.v_codes, OFF_KSC=layout.k_scale,
+                OFF_KMN=layout.k_min, OFF_KN=layout.k_norm, OFF_VSC=layout.v_scale,
+                OFF_VMN=layout.v_min, OFF_VG=layout.v_norm)
+
+
+def _check_cache(cache: torch.Tensor, layout, num_kv_heads: int) -> None:
+    if (cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[1] != num_kv_heads
+            or cache.shape[2] < layout.block_bytes or cache.stride(2) != 1
+            or cache.stride(0) % 2 or cache.stride(1) % 2 or cache.storage_offset() % 2):
+        raise ValueError(f"KVarN cache must be uint8 [num_blocks, {num_kv_heads}, >= "
+                         f"{layout.block_bytes}] with even strides; got {tuple(cache.shape)} "
+                         f"{cache.dtype} strides {cache.stride()}")
+
+
+def kvarn_pack_tiles(stage_k: torch.Tensor, stage_v: torch.Tensor, cache: torch.Tensor, *,
+                     slots: torch.Tensor, tiles: torch.Tensor, blocks: torch.Tensor,
+                     preset: str | Preset | None = None) -> None:
+    """Pack full tiles: job j reads ring half ``tiles[j] % 2`` of ``stage_*[slots[j]]`` and
+    writes block ``blocks[j]`` of ``cache`` ([nb, Hkv, block_bytes] uint8); tile 0 is also
+    copied to rows [0, tile) of the stage. stage_*: [num_slots, 3 * tile, Hkv, D] fp16."""
+    p = get_preset(preset)
+    n_slots, rows, nkv, d = stage_k.shape
+    layout = p.layout(d)
+    if rows != 3 * p.tile or stage_v.shape != stage_k.shape or stage_k.dtype != torch.float16 \
+            or stage_k.stride() != stage_v.stride() or stage_k.stride(3) != 1:
+        raise ValueError(f"stage must be fp16 [slots, {3 * p.tile}, Hkv, D] (same strides for K "
+                         f"and V); got {tuple(stage_k.shape)} {stage_k.dtype}")
+    _check_cache(cache, layout, nkv)
+    n = slots.shape[0]
+    if n == 0:
+        return
+    storage = torch.tensor([], dtype=torch.uint8, device=cache.device).set_(cache.untyped_storage())
+    c16 = storage.view(torch.float16)
+    # byte offsets relative to the storage start
+    _kvarn_pack_kernel[(n, nkv)](
+        stage_k, stage_v, storage[cache.storage_offset():], c16[cache.storage_offset() // 2:],
+        slots, tiles, blocks,
+        stage_k.stride(0), stage_k.stride(1), stage_k.stride(2),
+        cache.stride(0), cache.stride(1), EPS,
+        HEAD_DIM=d, TILE=p.tile, K_BITS=p.k_bits, V_BITS=p.v_bits, **_layout_consts(layout),
+        num_warps=8 if p.tile * d >= 128 * 128 else 4,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# (b) split-KV decode / verify attention
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _online_update(s, m_i, l_i):
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _kvarn_attn_split_kernel(
+    q_ptr, cache_u8_ptr, cache_f16_ptr, stage_k_ptr, stage_v_ptr,
+    block_table_ptr, seq_lens_ptr, cu_q_ptr, packed_ptr, slot_ptr,
+    part_o_ptr, part_m_ptr, part_l_ptr,
+    qk_scale, num_splits, tiles_per_page,
+    stride_q_t: tl.int64, stride_q_h: tl.int64,
+    stride_c_blk: tl.int64, stride_c_head: tl.int64,
+    stride_s_slot: tl.int64, stride_s_row: tl.int64, stride_s_head: tl.int64,
+    stride_bt: tl.int64,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, SUB_N: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    OFF_KC: tl.constexpr, OFF_VC: tl.constexpr, OFF_KSC: tl.constexpr, OFF_KMN: tl.constexpr,
+    OFF_KN: tl.constexpr, OFF_VSC: tl.constexpr, OFF_VMN: tl.constexpr, OFF_VG: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    parts = num_splits + 1
+
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    packed = tl.load(packed_ptr + seq)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    ctx_len = seq_len - q_len
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    rows = tl.arange(0, BLOCK_M)
+    qi = rows // GROUP_PAD
+    g = rows % GROUP_PAD
+    row_ok = (qi < q_len) & (g < GROUP)
+    q_tok = (q_start + qi).to(tl.int64)
+    q_head = kvh * GROUP + g
+    limit = tl.where(row_ok, ctx_len + qi + 1, 0)  # key p visible to a row when p < limit
+
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, SUB_N)
+    q = tl.load(q_ptr + q_tok[:, None] * stride_q_t + q_head[:, None] * stride_q_h + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0).to(tl.float16)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    KPER: tl.constexpr = 8 // K_BITS
+    VPER: tl.constexpr = 8 // V_BITS
+    KMASK: tl.constexpr = (1 << K_BITS) - 1
+    VMASK: tl.constexpr = (1 << V_BITS) - 1
+    k_byte = offs_d // KPER
+    k_shift = (offs_d % KPER) * K_BITS
+    v_byte = offs_d // VPER
+    v_shift = (offs_d % VPER) * V_BITS
+
+    # ---- packed tiles [1, packed): split s < num_splits takes a contiguous share
+    n_pk = tl.maximum(packed - 1, 0)
+    chunk = (n_pk + num_splits - 1) // num_splits
+    t_lo = 1 + split * chunk
+    t_hi = tl.minimum(t_lo + chunk, packed)
+    t_hi = tl.where(split < num_splits, t_hi, t_lo)
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    for t in range(t_lo, t_hi):
+        page = tl.load(bt_row + t // tiles_per_page).to(tl.int64)
+        blk = page * tiles_per_page + t % tiles_per_page
+        base = blk * stride_c_blk + kvh * stride_c_head
+        base16 = base // 2
+        ksc = tl.load(cache_f16_ptr + base16 + OFF_KSC // 2 + offs_d).to(tl.float32)
+        kmn = tl.load(cache_f16_ptr + base16 + OFF_KMN // 2 + offs_d).to(tl.float32)
+        vg = tl.load(cache_f16_ptr + base16 + OFF_VG // 2 + offs_d).to(tl.float32)
+        for c in tl.static_range(TILE // SUB_N):
+            tok = c * SUB_N + offs_n
+            pos = t * TILE + tok
+            # K^T [D, SUB_N], dequantized (rotated space): kn[t] * (code * ksc[c] + kmn[c])
+            kbyte = tl.load(cache_u8_ptr + base + OFF_KC + tok[None, :] * (HEAD_DIM // KPER)
+                            + k_byte[:, None]).to(tl.int32)
+            kcode = ((kbyte >> k_shift[:, None]) & KMASK).to(tl.float32)
+            kn = tl.load(cache_f16_ptr + base16 + OFF_KN // 2 + tok).to(tl.float32)
+            kd = ((kcode * ksc[:, None] + kmn[:, None]) * kn[None, :]).to(tl.float16)
+            s = _dot(q, kd, DOT_F32) * qk_scale
+            s = tl.where(pos[None, :] < limit[:, None], s, float("-inf"))
+            p, alpha, m_i, l_i = _online_update(s, m_i, l_i)
+            # V [SUB_N, D]: vg[c] * (code * vsc[t] + vmn[t])
+            vbyte = tl.load(cache_u8_ptr + base + OFF_VC + tok[:, None] * (HEAD_DIM // VPER)
+                            + v_byte[None, :]).to(tl.int32)
+            vcode = ((vbyte >> v_shift[None, :]) & VMASK).to(tl.float32)
+            vsc = tl.load(cache_f16_ptr + base16 + OFF_VSC // 2 + tok).to(tl.float32)
+            vmn = tl.load(cache_f16_ptr + base16 + OFF_VMN // 2 + tok).to(tl.float32)
+            vd = (vg[None, :] * (vcode * vsc[:, None] + vmn[:, None])).to(tl.float16)
+            acc = acc * alpha[:, None] + _dot(p.to(tl.float16), vd, DOT_F32)
+
+    # ---- fp16 rows (program split == num_splits): sink tile (if packed) then the ring tail
+    n_sink = tl.where(packed > 0, TILE // SUB_N, 0)
+    tail0 = packed * TILE
+    n_chunks = n_sink + (tl.maximum(seq_len - tail0, 0) + SUB_N - 1) // SUB_N
+    n_chunks = tl.where(split == num_splits, n_chunks, 0)
+    srow = stage_k_ptr + slot * stride_s_slot + kvh * stride_s_head
+    vrow = stage_v_ptr + slot * stride_s_slot + kvh * stride_s_head
+    for i in range(0, n_chunks):
+        is_sink = i < n_sink
+        pos = tl.where(is_sink, i * SUB_N, tail0 + (i - n_sink) * SUB_N) + offs_n
+        row = tl.where(is_sink, pos, TILE + pos % (2 * TILE)).to(tl.int64)
+        ok = pos < seq_len
+        kt = tl.load(srow + row[None, :] * stride_s_row + offs_d[:, None], mask=ok[None, :], other=0.0)
+        s = _dot(q, kt, DOT_F32) * qk_scale
+        s = tl.where((pos[None, :] < limit[:, None]) & ok[None, :], s, float("-inf"))
+        p, alpha, m_i, l_i = _online_update(s, m_i, l_i)
+        vt = tl.load(vrow + row[:, None] * stride_s_row + offs_d[None, :], mask=ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(tl.float16), vt, DOT_F32)
+
+    ml_idx = (q_tok * NUM_Q_HEADS + q_head) * parts + split
+    tl.store(part_o_ptr + ml_idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+    tl.store(part_m_ptr + ml_idx, m_i, mask=row_ok)
+    tl.store(part_l_ptr + ml_idx, l_i, mask=row_ok)
+
+
+@triton.jit
+def _kvarn_reduce_kernel(
+    out_ptr, part_o_ptr, part_m_ptr, part_l_ptr, parts,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PARTS_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, PARTS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < parts
+    base = (tok * NUM_Q_HEADS + head) * parts
+    m = tl.load(part_m_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + base + offs_s, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(s_ok & (l > 0.0), tl.math.exp2(m - m_use), 0.0)
+    denom = tl.sum(w * l, axis=0)
+    o = tl.load(part_o_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_ok[:, None] & (w[:, None] > 0.0), other=0.0)
+    res = tl.where(denom > 0.0, tl.sum(o * w[:, None], axis=0) / tl.maximum(denom, 1e-30), 0.0)
+    tl.store(out_ptr + (tok * NUM_Q_HEADS + head) * HEAD_DIM + offs_d, res)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 16
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def choose_num_splits(max_packed_tiles: int, num_seqs: int, num_kv_heads: int, num_sms: int,
+                      *, min_tiles: int = 2, max_splits: int = 64, waves: float = 2.0) -> int:
+    """Splits of the packed tiles per (sequence, kv head): ~``waves`` x the SMs, each split at
+    least ``min_tiles`` tiles, at most ``max_splits`` (the fp16 part is one more program)."""
+    n = max(max_packed_tiles - 1, 0)
+    if n <= min_tiles:
+        return 1
+    want = math.ceil(waves * num_sms / max(1, num_seqs * num_kv_heads))
+    return int(max(1, min(want, math.ceil(n / min_tiles), max_splits)))
+
+
+def kvarn_attention(
+    q: torch.Tensor, cache: torch.Tensor, stage_k: torch.Tensor, stage_v: torch.Tensor,
+    out: torch.Tensor, *, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+    packed_tiles: torch.Tensor, stage_slot: torch.Tensor, block_table: torch.Tensor,
+    max_query_len: int, softmax_scale: float, preset: str | Preset | None = None,
+    tiles_per_page: int = 1, max_packed_tiles: int | None = None, num_splits: int | None = None,
+    sub_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    max_partial_bytes: int = 64 << 20,
+) -> torch.Tensor:
+    """Causal decode/verify attention over a KVarN cache; writes ``out`` [T, Hq, D] (model space)
+    and returns it.
+
+    q [T, Hq, D] (any float dtype), T = cu_seqlens_q[-1], each sequence 1..16 query tokens (its
+    last q_len positions). Sequence s has ``seq_lens[s]`` keys: tiles [0, packed_tiles[s]) are
+    packed (tile 0 read from the stage's sink rows), positions from packed * tile on are in the
+    stage ring of slot ``stage_slot[s]`` (at most 2 tiles). ``block_table`` [num_seqs, pages]
+    lists pages of ``tiles_per_page`` consecutive blocks of ``cache``.
+    """
+    p = get_preset(preset)
+    T = p.tile
+    if not 1 <= max_query_len <= MAX_QUERY_LEN:
+        raise ValueError(f"max_query_len={max_query_len} is not valid; valid: 1..{MAX_QUERY_LEN}")
+    num_tokens, num_q_heads, d = q.shape
+    nkv = stage_k.shape[2]
+    layout = p.layout(d)
+    _check_cache(cache, layout, nkv)
+    if num_q_heads % nkv:
+        raise ValueError(f"{num_q_heads} query heads is not a multiple of {nkv} kv heads")
+    if stage_k.shape[1] != 3 * T or stage_k.shape[3] != d or stage_k.stride() != stage_v.stride() \
+            or stage_k.dtype != torch.float16 or stage_k.stride(3) != 1:
+        raise ValueError(f"stage must be fp16 [slots, {3 * T}, {nkv}, {d}] with equal K/V strides")
+    if sub_n is None:
+        sub_n = min(T, 32 if q.device.type == "cuda" else 64)
+    if T % sub_n:
+        raise ValueError(f"sub_n {sub_n} must divide the tile {T}")
+    num_seqs = seq_lens.shape[0]
+    group = num_q_heads // nkv
+    group_pad = triton.next_power_of_2(group)
+    block_q = max(triton.next_power_of_2(max_query_len), triton.cdiv(16, group_pad))
+    if num_splits is None:
+        if max_packed_tiles is None:
+            max_packed_tiles = block_table.shape[1] * tiles_per_page
+        num_splits = choose_num_splits(max_packed_tiles, num_seqs, nkv, _sm_count(q.device))
+        per_split = max(1, num_tokens * num_q_heads * (d + 2) * 4)
+        num_splits = min(num_splits, max(1, max_partial_bytes // per_split - 1))
+    num_splits = max(1, int(num_splits))
+    parts = num_splits + 1
+    if num_warps is None:
+        num_warps = 8 if block_q * group_pad * d >= 64 * 256 else 4
+    if num_stages is None:
+        num_stages = 2
+
+    hn = _hadamard(d, q.device)
+    q_rot = (q.float().reshape(-1, d) @ hn).reshape(q.shape)  # q . k == (q Hn) . (k Hn)
+    part_o = torch.empty((num_tokens, num_q_heads, parts, d), dtype=torch.float32, device=q.device)
+    part_m = torch.empty((num_tokens, num_q_heads, parts), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    storage = torch.tensor([], dtype=torch.uint8, device=cache.device).set_(cache.untyped_storage())
+    c16 = storage.view(torch.float16)
+    _kvarn_attn_split_kernel[(num_seqs, nkv, parts)](
+        q_rot, storage[cache.storage_offset():], c16[cache.storage_offset() // 2:],
+        stage_k, stage_v, block_table, seq_lens, cu_seqlens_q, packed_tiles, stage_slot,
+        part_o, part_m, part_l,
+        softmax_scale * _LOG2E, num_splits, tiles_per_page,
+        q_rot.stride(0), q_rot.stride(1), cache.stride(0), cache.stride(1),
+        stage_k.stride(0), stage_k.stride(1), stage_k.stride(2), block_table.stride(0),
+        NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
+        HEAD_DIM=d, TILE=T, SUB_N=sub_n, K_BITS=p.k_bits, V_BITS=p.v_bits,
+        **_layout_consts(layout), DOT_F32=q.device.type != "cuda",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    o_rot = torch.empty((num_tokens, num_q_heads, d), dtype=torch.float32, device=q.device)
+    _kvarn_reduce_kernel[(num_tokens, num_q_heads)](
+        o_rot, part_o, part_m, part_l, parts,
+        NUM_Q_HEADS=num_q_heads, HEAD_DIM=d, PARTS_PAD=max(2, triton.next_power_of_2(parts)),
+        num_warps=8 if parts * d > 4096 else 4,
+    )
+    out.copy_((o_rot.reshape(-1, d) @ hn).reshape(out.shape))  # un-rotate once
+    return out
