@@ -1,0 +1,72 @@
+"""verify.sh: offline checks on this environment, model directory completeness, the live checks
+against the fake OpenAI server, and the exit status rule (1 on any FAIL)."""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+from onecard import verify
+from tests.conftest import REPO
+from tests.fake_openai_server import FakeServer
+
+
+def test_model_dir_problems(tmp_path):
+    assert set(verify.model_dir_problems(tmp_path)) == {
+        "config.json missing", "no tokenizer.json / tokenizer.model", "no *.safetensors weights"}
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    assert verify.model_dir_problems(tmp_path) == [
+        "1 of 2 shards missing (first: model-00002-of-00002.safetensors)"]
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x")
+    assert verify.model_dir_problems(tmp_path) == []
+
+
+def test_a_crashing_check_is_a_fail_not_a_crash():
+    def broken(ctx):
+        raise RuntimeError("boom")
+
+    out = io.StringIO()
+    (res,) = verify.run_checks([broken], {}, out=out)
+    assert res.status == verify.FAIL and "boom" in res.detail
+    assert out.getvalue().startswith("FAIL broken")
+
+
+def test_missing_model_fails_with_the_fix(tmp_path):
+    res = verify.check_model({"model": str(tmp_path / "nope")})
+    assert res.status == verify.FAIL and "install.sh --model" in res.detail
+
+
+def test_offline_run_on_this_environment(vllm_dir):
+    """In the test environment vLLM is pristine: the patches check must FAIL and the exit be 1."""
+    out = subprocess.run([sys.executable, "-m", "onecard.verify", "--no-server"], capture_output=True,
+                         text=True, cwd=REPO, timeout=300)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 1
+    assert any(l.startswith("PASS vllm ") and "0.27.1" in l for l in lines)
+    assert any(l.startswith("FAIL patches") and "onecard patches apply" in l for l in lines)
+    assert lines[-1].endswith("failed") and " 1 failed" in lines[-1]
+
+
+def test_offline_run_on_the_patched_view(patched_site):
+    out = subprocess.run([sys.executable, "-m", "onecard.verify", "--no-server", "--vllm-dir",
+                          str(patched_site / "vllm")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert "PASS patches" in out.stdout and "PASS vllm files" in out.stdout
+
+
+def test_live_checks_against_a_server():
+    with FakeServer() as srv:
+        ctx = {"url": srv.url, "headers": {}}
+        results = verify.run_checks(verify.LIVE_CHECKS, ctx, out=io.StringIO())
+    assert [r.status for r in results] == [verify.PASS, verify.PASS]
+    assert "usage.completion_tokens" in results[1].detail
+
+
+def test_live_checks_without_a_server():
+    ctx = {"url": "http://127.0.0.1:9", "headers": {}}
+    results = verify.run_checks(verify.LIVE_CHECKS, ctx, out=io.StringIO())
+    assert results[0].status == verify.FAIL and results[1].status == verify.FAIL
