@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Wide-verify attention on the GPU: correctness at real shapes, then ours vs stock vLLM.
 
-  python3 bench/kernel_verify.py --out DIR            # GPU: checks + sweep + table (~3 min)
+  python3 bench/kernel_verify.py --out DIR            # GPU: checks + table + sweep (~3 min)
   TRITON_INTERPRET=1 python3 bench/kernel_verify.py --smoke --out DIR   # CPU plumbing check
 
 1. Correctness (gates the exit status): ``onecard.kernels.wide_verify`` vs the float64
@@ -9,11 +9,14 @@
    bf16 / int8 / int4; the same inputs through stock ``unified_attention`` (sanity of the
    inputs); and caches written by vLLM's own reshape-and-cache kernels (proves our reading of
    the int8 / int4 formats).
-2. A small launch-config sweep (tile, warps, stages) at 32k, printed.
-3. The table: q per seq 8 / 16, contexts 8k / 32k / 72k / 128k, bf16 / int8 / int4, batch 1 / 4.
-   Median time (triton.testing.do_bench), KV GB/s (K+V+scales read once), % of a
-   device-to-device copy's bandwidth (read+write bytes / time) measured in the same run, and the
-   speedup over stock. Inputs rotate over several cache copies so L2 does not flatter.
+2. The table for the first ``--q-lens`` entry (default 16): contexts 8k / 32k / 72k / 128k,
+   bf16 / int8 / int4, batch 1 / 4. Median time (triton.testing.do_bench), KV GB/s (K+V+scales
+   read once), % of a device-to-device copy's bandwidth (read+write bytes / time) measured in the
+   same run, and the speedup over stock. Inputs rotate over several cache copies so L2 does not
+   flatter. Each row records the launch config the defaults chose.
+3. A launch-config sweep at q=16, 32k, batch 1 per KV dtype (tile, stages, 1 vs 2 waves of
+   splits), first row = the sm_90 default.
+4. The other q_len rows (default 8) while ``--budget-s`` lasts. The table is printed last.
 Benchmarks print figures; nothing here asserts on time.
 """
 
@@ -148,6 +151,10 @@ def run_stock(case, out):
         block_table=case.block_table, softcap=0.0, q_descale=None, k_descale=kd, v_descale=vd,
         kv_quant_mode=mode, k_scale_cache=case.k_scale_cache, v_scale_cache=case.v_scale_cache)
     return out
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def rel_err(out, ref) -> float:
@@ -318,9 +325,13 @@ def time_config(q_len, ctx, batch, kv, *, device, gen, block_size, l2_bytes, hav
             row["stock_ms"] = bench_ms(stock, device)
         except Exception as exc:  # noqa: BLE001
             row["stock_error"] = repr(exc)[:300]
-    from onecard.kernels.wide_verify import _sm_count, choose_num_splits
+    from onecard.kernels.wide_verify import KV_MODES, _sm_count, choose_num_splits, default_launch
     row["splits"] = (ours_kw or {}).get("num_splits") or choose_num_splits(
         ctx, batch, NUM_KV_HEADS, _sm_count(device))
+    block_m = max(16, triton_next_pow2(q_len) * triton_next_pow2(NUM_Q_HEADS // NUM_KV_HEADS))
+    row["launch"] = dict(zip(("tile_n", "num_warps", "num_stages"),
+                             default_launch(KV_MODES[kv], block_m, HEAD_DIM, device)))
+    row["launch"].update({k: v for k, v in (ours_kw or {}).items() if k != "num_splits"})
     del cases, outs
     return row
 
@@ -356,7 +367,10 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=64,
                     help="KV page size for the timing table (multiple of 16; default 64)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweep")
+    ap.add_argument("--q-lens", default="16,8",
+                    help="queries per sequence for the table, in order (default 16,8)")
     args = ap.parse_args(argv)
+    args.q_lens = [int(x) for x in args.q_lens.split(",") if x]
     if args.block_size % 16:
         ap.error(f"--block-size {args.block_size} is not valid; valid: a multiple of 16")
 
@@ -418,26 +432,50 @@ def main(argv=None) -> int:
 
     if args.smoke:
         grid = [(4, 64, 1, kv) for kv in KV_DTYPES]
-        sweep = [{"tile_n": 16, "num_warps": 4, "num_stages": 1}]
+        sweep = {kv: [{"tile_n": 16, "num_warps": 4, "num_stages": 1}] for kv in KV_DTYPES}
         sweep_at = (4, 64, 1)
     else:
         # q=16 first: if the budget runs out, the q=8 rows go
-        grid = [(q, ctx, b, kv) for q in (16, 8) for kv in KV_DTYPES
+        grid = [(q, ctx, b, kv) for q in args.q_lens for kv in KV_DTYPES
                 for ctx in (8192, 32768, 73728, 131072) for b in (1, 4)]
-        sweep = [{"tile_n": 32, "num_warps": 8, "num_stages": 2},
-                 {"tile_n": 32, "num_warps": 4, "num_stages": 2},
-                 {"tile_n": 64, "num_warps": 8, "num_stages": 2},
-                 {"tile_n": 32, "num_warps": 16, "num_stages": 2},
-                 {"tile_n": 16, "num_warps": 4, "num_stages": 3}]
+        # the first entry per dtype is the sm_90 default of ``default_launch`` (also timed at 2
+        # waves of splits); the others: one knob away from it, plus the old 2-stage choice
+        wide = {"tile_n": 32, "num_warps": 8}
+        sweep = {
+            "bf16": [{**wide, "num_stages": 4}, {**wide, "num_stages": 3},
+                     {"tile_n": 64, "num_warps": 8, "num_stages": 2}, {**wide, "num_stages": 2}],
+            "int8": [{"tile_n": 16, "num_warps": 8, "num_stages": 4},
+                     {"tile_n": 16, "num_warps": 8, "num_stages": 6},
+                     {**wide, "num_stages": 3}, {**wide, "num_stages": 2}],
+        }
+        sweep["int4"] = sweep["int8"]
         sweep_at = (16, 32768, 1)
 
-    # 2. sweep
+    def table_rows(rows):
+        skipped = 0
+        for q, ctx, b, kv in rows:
+            if time.time() - t_start > args.budget_s:
+                skipped += 1
+                continue
+            r = time_config(q, ctx, b, kv, device=device, gen=gen, block_size=args.block_size,
+                            l2_bytes=l2, have_stock=have_stock)
+            result["table"].append(r)
+            log("row", json.dumps({k: v for k, v in r.items() if k != "ours_kw"}))
+            save()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        return skipped
+
+    # 2. the table for the first q_len (the one that matters most), 3. the sweep, 4. the rest
+    log(f"== 2. table, q={args.q_lens[0]}")
+    first = [g for g in grid if g[0] == args.q_lens[0]]
+    skipped = table_rows(first)
     if not args.no_sweep:
-        log("== 2. launch-config sweep (ours only)")
-        for kv in ("bf16", "int4"):
-            for j, kw in enumerate(sweep):
-                for waves in ((1.0, 2.0, 4.0) if j == 0 else (2.0,)):
-                    from onecard.kernels.wide_verify import _sm_count, choose_num_splits
+        log("== 3. launch-config sweep (ours only)")
+        from onecard.kernels.wide_verify import _sm_count, choose_num_splits
+        for kv in KV_DTYPES:
+            for j, kw in enumerate(sweep[kv]):
+                for waves in ((1.0, 2.0) if j == 0 else (1.0,)):
                     q, ctx, b = sweep_at
                     ns = choose_num_splits(ctx, b, NUM_KV_HEADS, _sm_count(device), waves=waves)
                     r = time_config(q, ctx, b, kv, device=device, gen=gen,
@@ -450,21 +488,8 @@ def main(argv=None) -> int:
                     if "ours_error" in r:
                         break  # other wave counts of a failing config fail the same way
         save()
-
-    # 3. table
-    log("== 3. table")
-    skipped = 0
-    for q, ctx, b, kv in grid:
-        if time.time() - t_start > args.budget_s:
-            skipped += 1
-            continue
-        r = time_config(q, ctx, b, kv, device=device, gen=gen, block_size=args.block_size,
-                        l2_bytes=l2, have_stock=have_stock)
-        result["table"].append(r)
-        log("row", json.dumps({k: v for k, v in r.items() if k != "ours_kw"}))
-        save()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    log("== 4. table, other q_len (within --budget-s)")
+    skipped += table_rows([g for g in grid if g[0] != args.q_lens[0]])
     result["skipped_rows_over_budget"] = skipped
     result["elapsed_s"] = time.time() - t_start
     save()
@@ -474,11 +499,16 @@ def main(argv=None) -> int:
     log(f"== wide-verify attention ({info['device']}, {NUM_Q_HEADS}q/{NUM_KV_HEADS}kv heads, "
         f"head_dim {HEAD_DIM}, page {args.block_size}; copy {copy_gbps:.0f} GB/s)")
     if result["sweep"]:
-        best = min((r for r in result["sweep"] if "ours_ms" in r), key=lambda r: r["ours_ms"],
-                   default=None)
-        if best:
-            log(f"sweep best at q={sweep_at[0]} ctx={sweep_at[1]}: {best['kv']} "
-                f"{best['ours_kw']} waves={best['waves']} -> {best['ours_ms'] * 1e3:.1f} us")
+        log(f"sweep at q={sweep_at[0]} ctx={sweep_at[1]} batch={sweep_at[2]} "
+            "(first row per dtype = the sm_90 default):")
+        for r in result["sweep"]:
+            kw = r["ours_kw"]
+            t = f"{r['ours_ms'] * 1e3:9.1f} us" if "ours_ms" in r else f"ERROR {r['ours_error'][:60]}"
+            gbps = (r["kv_bytes"] / (r["ours_ms"] * 1e-3) / 1e9) if "ours_ms" in r else None
+            pct = f"{100 * gbps / copy_gbps:5.1f} %copy" if gbps and copy_gbps else ""
+            log(f"  {r['kv']:>5} tile {kw.get('tile_n')} warps {kw.get('num_warps')} stages "
+                f"{kw.get('num_stages')} splits {kw.get('num_splits')} (waves {r['waves']}): {t} "
+                f"{pct}")
     long_rows = [r for r in result["table"] if r["ctx"] >= 32768 and "ours_ms" in r
                  and "stock_ms" in r]
     if long_rows:

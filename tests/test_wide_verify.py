@@ -141,8 +141,9 @@ def test_paged_views_match_vllm_scale_views(gen):
 @inproc
 def test_choose_num_splits():
     assert wv.choose_num_splits(200, 1, 4, 132) == 1
-    assert wv.choose_num_splits(131072, 1, 4, 132) == 64
-    assert wv.choose_num_splits(8192, 4, 4, 132) == 17
+    assert wv.choose_num_splits(131072, 1, 4, 132) == 33  # one wave of 132 SMs
+    assert wv.choose_num_splits(131072, 1, 4, 132, waves=2.0) == 64
+    assert wv.choose_num_splits(8192, 4, 4, 132) == 9
     assert wv.choose_num_splits(1000, 1, 4, 82) == 4  # capped by min chunk
 
 
@@ -157,3 +158,22 @@ def test_bad_input_messages(gen):
         _run(case.__class__(**{**case.__dict__, "max_query_len": 17}))
     with pytest.raises(ValueError, match="k_scale_cache"):
         _run(case.__class__(**{**case.__dict__, "kv_dtype": "int8"}))
+
+
+@inproc
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_extreme_codes_unpack_exactly(kv_dtype, gen):
+    # every data byte of K and V set to an extreme code (int8: -128, -1, 0, 127; int4 bytes with
+    # nibbles 0 / 15), so the word unpacking (byte / nibble order, sign, zero point) is checked
+    # at the edges of its range; the reference reads the same cache
+    case = ref_mod.make_verify_case(
+        q_lens=[6], seq_lens=[37], num_q_heads=4, num_kv_heads=2, head_dim=32,
+        block_size=16, kv_dtype=kv_dtype, generator=gen)
+    codes = torch.tensor([0x80, 0xFF, 0x00, 0x7F] if kv_dtype == "int8" else
+                         [0x00, 0xFF, 0x0F, 0xF0], dtype=torch.uint8)
+    n = 32 if kv_dtype == "int8" else 16
+    for half in (case.key_cache, case.value_cache):
+        data = half[..., :n].view(torch.uint8)
+        pick = torch.randint(0, 4, data.shape, generator=gen)
+        data.copy_(codes[pick])
+    _check(case, _run(case, num_splits=2, tile_n=16), gen.initial_seed())

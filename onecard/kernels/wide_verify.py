@@ -52,6 +52,41 @@ def _dot(a, b, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _unpack_words(w, off, KV_MODE: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
+    """int32 words [N, D / 4 or D / 8] -> float32 [N, D] in element order, exactly.
+
+    int8 (KV_MODE 2): byte j of word i is element 4i + j (two's complement).
+    int4 (KV_MODE 4): nibble j of word i is element 8i + j (bits 4j..4j+3); ``off`` [N] is the
+    per-token zero point, subtracted here so the result is (nibble - zp).
+    No int->float instruction: the byte / nibble is placed in the mantissa of 2^23 (OR with
+    0x4B000000) and 2^23 (+128 for the sign flip, +zp) is subtracted - one LOP3 and one FADD per
+    element, all values exact in float32 and in bf16.
+    """
+    if KV_MODE == 2:
+        b0 = ((w & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+        b1 = (((w >> 8) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+        b2 = (((w >> 16) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+        b3 = (((w >> 24) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+        # join adds a trailing axis; the last axis is the fastest in the reshape below, so
+        # [..., i, j] = byte 2i + j
+        x = tl.join(tl.join(b0, b2), tl.join(b1, b3))
+    else:
+        base = (8388608.0 + off)[:, None]
+        n0 = ((w & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - base
+        n1 = (((w >> 4) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - base
+        n2 = (((w >> 8) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - base
+        n3 = (((w >> 12) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - base
+        n4 = (((w >> 16) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - base
+        n5 = (((w >> 20) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - base
+        n6 = (((w >> 24) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - base
+        n7 = (((w >> 28) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - base
+        # [..., i, j, k] = nibble 4i + 2j + k
+        x = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
+                    tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+    return tl.reshape(x, (N, D))
+
+
+@triton.jit
 def _wide_verify_split_kernel(
     q_ptr,
     k_ptr,
@@ -126,129 +161,96 @@ def _wide_verify_split_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # int8 / int4 caches are read as int32 words (rows are 4-byte aligned, not 16: 260 / 132
+    # byte rows), 4 bytes / 8 nibbles per word
+    WORDS: tl.constexpr = HEAD_DIM // 4 if KV_MODE == 2 else HEAD_DIM // 8
+    offs_w = tl.arange(0, WORDS)
 
-    if KV_MODE == 4:
-        HALF: tl.constexpr = HEAD_DIM // 2
-        offs_h = tl.arange(0, HALF)
-        q_e = tl.load(q_ptr + q_row + 2 * offs_h[None, :], mask=row_ok[:, None], other=0.0)
-        q_o = tl.load(q_ptr + q_row + 2 * offs_h[None, :] + 1, mask=row_ok[:, None], other=0.0)
-        # zero-point correction needs sum(q) of the values the dot really uses
-        q_sum = tl.sum(q_e.to(tl.float32), axis=1) + tl.sum(q_o.to(tl.float32), axis=1)
-        acc_e = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-        acc_o = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-        for t in range(0, n_tiles):
-            pos = lo + t * TILE_N + offs_n
-            kv_ok = pos < hi
-            blk = tl.load(bt_row + pos // page, mask=kv_ok, other=0).to(tl.int64)
-            slot = pos % page
-            kt = tl.load(
-                k_ptr + blk[None, :] * stride_k_blk + slot[None, :] * stride_k_slot
-                + kvh * stride_k_head + offs_h[:, None],
-                mask=kv_ok[None, :], other=0,
-            )
-            kbits = tl.load(
-                ks_ptr + blk * stride_ks_blk + slot * stride_ks_slot + kvh * stride_ks_head,
-                mask=kv_ok, other=0.0,
-            ).to(tl.int32, bitcast=True)
-            k_zp = (kbits & 0xF).to(tl.float32)
-            k_sc = (kbits & -16).to(tl.float32, bitcast=True)
-            k_lo = (kt & 0xF).to(tl.float32).to(q_e.dtype)
-            k_hi = ((kt >> 4) & 0xF).to(tl.float32).to(q_e.dtype)
-            s = _dot(q_e, k_lo, DOT_F32) + _dot(q_o, k_hi, DOT_F32)
-            s = (s - q_sum[:, None] * k_zp[None, :]) * (qk_scale * k_sc[None, :])
-            s = tl.where((pos[None, :] < limit[:, None]) & kv_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-            vt = tl.load(
-                v_ptr + blk[:, None] * stride_v_blk + slot[:, None] * stride_v_slot
-                + kvh * stride_v_head + offs_h[None, :],
-                mask=kv_ok[:, None], other=0,
-            )
-            vbits = tl.load(
-                vs_ptr + blk * stride_vs_blk + slot * stride_vs_slot + kvh * stride_vs_head,
-                mask=kv_ok, other=0.0,
-            ).to(tl.int32, bitcast=True)
-            v_zp = (vbits & 0xF).to(tl.float32)
-            v_sc = (vbits & -16).to(tl.float32, bitcast=True)
-            pv = (p * v_sc[None, :]).to(q_e.dtype)
-            pv_zp = tl.sum(pv.to(tl.float32) * v_zp[None, :], axis=1)
-            v_lo = (vt & 0xF).to(tl.float32).to(q_e.dtype)
-            v_hi = ((vt >> 4) & 0xF).to(tl.float32).to(q_e.dtype)
-            acc_e = acc_e * alpha[:, None] + _dot(pv, v_lo, DOT_F32) - pv_zp[:, None]
-            acc_o = acc_o * alpha[:, None] + _dot(pv, v_hi, DOT_F32) - pv_zp[:, None]
-        if DIRECT:
-            inv = tl.where(l_i > 0.0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
-            o_row = q_tok[:, None] * stride_o_t + q_head[:, None] * stride_o_h
-            tl.store(out_ptr + o_row + 2 * offs_h[None, :],
-                     (acc_e * inv[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-            tl.store(out_ptr + o_row + 2 * offs_h[None, :] + 1,
-                     (acc_o * inv[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        else:
-            ml_idx = (q_tok * NUM_Q_HEADS + q_head) * num_splits + split
-            po = ml_idx[:, None] * HEAD_DIM
-            tl.store(part_o_ptr + po + 2 * offs_h[None, :], acc_e, mask=row_ok[:, None])
-            tl.store(part_o_ptr + po + 2 * offs_h[None, :] + 1, acc_o, mask=row_ok[:, None])
-            tl.store(part_m_ptr + ml_idx, m_i, mask=row_ok)
-            tl.store(part_l_ptr + ml_idx, l_i, mask=row_ok)
-    else:
-        offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for t in range(0, n_tiles):
-            pos = lo + t * TILE_N + offs_n
-            kv_ok = pos < hi
-            blk = tl.load(bt_row + pos // page, mask=kv_ok, other=0).to(tl.int64)
-            slot = pos % page
+    # The block-table entries of tile t + 1 are loaded during tile t (software prefetch), so the
+    # K/V addresses of a tile never depend on a load issued in the same iteration and Triton's
+    # pipeliner can issue the K/V loads of later tiles while this one computes.
+    pos = lo + offs_n
+    blk_next = tl.load(bt_row + pos // page, mask=pos < hi, other=0)
+    for t in range(0, n_tiles):
+        kv_ok = pos < hi
+        blk = blk_next.to(tl.int64)
+        slot = pos % page
+        pos_next = pos + TILE_N
+        blk_next = tl.load(bt_row + pos_next // page, mask=pos_next < hi, other=0)
+        if KV_MODE == 0:
             kt = tl.load(
                 k_ptr + blk[None, :] * stride_k_blk + slot[None, :] * stride_k_slot
                 + kvh * stride_k_head + offs_d[:, None],
-                mask=kv_ok[None, :], other=0,
+                mask=kv_ok[None, :], other=0.0,
             )
-            if KV_MODE == 2:
-                k_sc = tl.load(
-                    ks_ptr + blk * stride_ks_blk + slot * stride_ks_slot + kvh * stride_ks_head,
-                    mask=kv_ok, other=0.0,
-                )
-                s = _dot(q, kt.to(tl.float32).to(q.dtype), DOT_F32)
-                s = s * (qk_scale * k_sc[None, :])
+            s = _dot(q, kt.to(q.dtype), DOT_F32) * qk_scale
+        else:
+            kw = tl.load(
+                k_ptr + blk[:, None] * stride_k_blk + slot[:, None] * stride_k_slot
+                + kvh * stride_k_head + offs_w[None, :],
+                mask=kv_ok[:, None], other=0,
+            )
+            k_sc = tl.load(
+                ks_ptr + blk * stride_ks_blk + slot * stride_ks_slot + kvh * stride_ks_head,
+                mask=kv_ok, other=0.0,
+            )
+            if KV_MODE == 4:
+                kbits = k_sc.to(tl.int32, bitcast=True)
+                k_off = (kbits & 0xF).to(tl.float32)
+                k_sc = (kbits & -16).to(tl.float32, bitcast=True)
             else:
-                s = _dot(q, kt.to(q.dtype), DOT_F32) * qk_scale
-            s = tl.where((pos[None, :] < limit[:, None]) & kv_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+                k_off = tl.zeros([TILE_N], dtype=tl.float32)
+            k = _unpack_words(kw, k_off, KV_MODE, TILE_N, HEAD_DIM).to(q.dtype)
+            # per-token scale: a column scale of the scores, the tile itself is only converted
+            s = _dot(q, tl.trans(k), DOT_F32) * (qk_scale * k_sc[None, :])
+        s = tl.where((pos[None, :] < limit[:, None]) & kv_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        if KV_MODE == 0:
             vt = tl.load(
                 v_ptr + blk[:, None] * stride_v_blk + slot[:, None] * stride_v_slot
                 + kvh * stride_v_head + offs_d[None, :],
+                mask=kv_ok[:, None], other=0.0,
+            )
+            acc = acc * alpha[:, None] + _dot(p.to(q.dtype), vt.to(q.dtype), DOT_F32)
+        else:
+            vw = tl.load(
+                v_ptr + blk[:, None] * stride_v_blk + slot[:, None] * stride_v_slot
+                + kvh * stride_v_head + offs_w[None, :],
                 mask=kv_ok[:, None], other=0,
             )
-            if KV_MODE == 2:
-                v_sc = tl.load(
-                    vs_ptr + blk * stride_vs_blk + slot * stride_vs_slot + kvh * stride_vs_head,
-                    mask=kv_ok, other=0.0,
-                )
-                pv = (p * v_sc[None, :]).to(q.dtype)
-                acc = acc * alpha[:, None] + _dot(pv, vt.to(tl.float32).to(q.dtype), DOT_F32)
+            v_sc = tl.load(
+                vs_ptr + blk * stride_vs_blk + slot * stride_vs_slot + kvh * stride_vs_head,
+                mask=kv_ok, other=0.0,
+            )
+            if KV_MODE == 4:
+                vbits = v_sc.to(tl.int32, bitcast=True)
+                v_off = (vbits & 0xF).to(tl.float32)
+                v_sc = (vbits & -16).to(tl.float32, bitcast=True)
             else:
-                acc = acc * alpha[:, None] + _dot(p.to(q.dtype), vt.to(q.dtype), DOT_F32)
-        if DIRECT:
-            inv = tl.where(l_i > 0.0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
-            o_row = q_tok[:, None] * stride_o_t + q_head[:, None] * stride_o_h
-            tl.store(out_ptr + o_row + offs_d[None, :],
-                     (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        else:
-            ml_idx = (q_tok * NUM_Q_HEADS + q_head) * num_splits + split
-            tl.store(part_o_ptr + ml_idx[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                     mask=row_ok[:, None])
-            tl.store(part_m_ptr + ml_idx, m_i, mask=row_ok)
-            tl.store(part_l_ptr + ml_idx, l_i, mask=row_ok)
+                v_off = tl.zeros([TILE_N], dtype=tl.float32)
+            v = _unpack_words(vw, v_off, KV_MODE, TILE_N, HEAD_DIM).to(q.dtype)
+            # per-token scale folded into P (a row scale of V = a column scale of P)
+            acc = acc * alpha[:, None] + _dot((p * v_sc[None, :]).to(q.dtype), v, DOT_F32)
+        pos = pos_next
+    if DIRECT:
+        inv = tl.where(l_i > 0.0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
+        o_row = q_tok[:, None] * stride_o_t + q_head[:, None] * stride_o_h
+        tl.store(out_ptr + o_row + offs_d[None, :],
+                 (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        ml_idx = (q_tok * NUM_Q_HEADS + q_head) * num_splits + split
+        tl.store(part_o_ptr + ml_idx[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=row_ok[:, None])
+        tl.store(part_m_ptr + ml_idx, m_i, mask=row_ok)
+        tl.store(part_l_ptr + ml_idx, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -296,14 +298,49 @@ def _sm_count(device: torch.device) -> int:
 
 def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sms: int,
                       *, min_chunk: int = 256, max_splits: int = 64,
-                      waves: float = 2.0) -> int:
+                      waves: float = 1.0) -> int:
     """Splits per (sequence, kv head): enough programs to fill ``waves`` x the SMs, each split
-    at least ``min_chunk`` keys, at most ``max_splits``."""
+    at least ``min_chunk`` keys, at most ``max_splits``. One wave: a program holds a whole SM
+    (its registers / shared memory), so a second wave only adds fp32 partials to write and
+    reduce (H200, q=16, 32k: 1 wave 106 us vs 2 waves 115 us bf16, 342 vs 413 us int4)."""
     if max_seq_len <= min_chunk:
         return 1
     want = math.ceil(waves * num_sms / max(1, num_seqs * num_kv_heads))
     cap = math.ceil(max_seq_len / min_chunk)
     return int(max(1, min(want, cap, max_splits)))
+
+
+def _as_words(cache: torch.Tensor) -> torch.Tensor:
+    """An int8/uint8 cache view as int32 words (4 bytes each). vLLM's per-token-head caches
+    keep a float32 scale after every row, so rows and strides are multiples of 4 bytes."""
+    try:
+        return cache.view(torch.int32)
+    except RuntimeError as exc:
+        raise ValueError(f"int8/int4 cache (shape {tuple(cache.shape)}, strides {cache.stride()}, "
+                         f"offset {cache.storage_offset()}) cannot be read as 4-byte words; valid:"
+                         " rows, strides and offset in multiples of 4 bytes") from exc
+
+
+def default_launch(mode: int, block_m: int, head_dim: int, device: torch.device) -> tuple:
+    """(tile_n, num_warps, num_stages) when the caller gives none.
+
+    Hopper (sm_90, 227 KiB shared memory per block): >= 3 stages, so the K/V copies of later
+    tiles are in flight while tile t computes (with 2 stages Triton issues the next tile's copies
+    only after this tile's dots: no overlap). bf16, 128 query rows x 256: Q 64 KiB + 4 x 32 KiB
+    K/V stages at tile 32 = 192 KiB, 227 registers, no spills (Triton 3.6). int8 / int4: tile 16
+    (tile 32 spills 44-72 B, tile 64 ~900 B: the unpacked K/V tile is live next to the 128 x 256
+    fp32 accumulator), 4 stages of 4 KiB word tiles. Older GPUs (sm_80/86, 99-163 KiB; mma.sync
+    keeps Q in registers, so everything spills a little at 128 rows): bf16 tile 32 / 2 stages as
+    before; int8 tile 16 / 2 stages (376 B spills vs 644 B at tile 32); int4 tile 16 / 1 stage
+    (ptxas caps the pipelined int4 kernel at 128 registers on sm_86: ~4 KB spills; unpipelined
+    255 registers, 464 B). Compiler figures only on sm_86; no 3090 timing yet.
+    """
+    big = block_m * head_dim >= 64 * 256
+    warps = 8 if big else 4
+    cap = (torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0)
+    if cap >= 9:
+        return (32, warps, 4) if mode == 0 else (16, warps, 4)
+    return {0: (32, warps, 2), 2: (16, warps, 2), 4: (16, warps, 1)}[mode]
 
 
 def _kv_mode_id(kv_mode) -> int:
@@ -334,7 +371,7 @@ def wide_verify_attention(
     v_scale_cache: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
-    tile_n: int = 32,
+    tile_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     max_partial_bytes: int = 64 << 20,
@@ -366,6 +403,7 @@ def wide_verify_attention(
         ks_strides = vs_strides = (0, 0, 0)
     else:
         ks_strides, vs_strides = k_scale_cache.stride(), v_scale_cache.stride()
+        key_cache, value_cache = _as_words(key_cache), _as_words(value_cache)
     num_seqs = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -377,10 +415,10 @@ def wide_verify_attention(
         per_split = max(1, num_tokens * num_q_heads * (head_dim + 2) * 4)
         num_splits = min(num_splits, max(1, max_partial_bytes // per_split))
     num_splits = max(1, int(num_splits))
-    if num_warps is None:
-        num_warps = 8 if block_q * group_pad * head_dim >= 64 * 256 else 4
-    if num_stages is None:
-        num_stages = 2
+    d_tile, d_warps, d_stages = default_launch(mode, block_q * group_pad, head_dim, q.device)
+    tile_n = d_tile if tile_n is None else tile_n
+    num_warps = d_warps if num_warps is None else num_warps
+    num_stages = d_stages if num_stages is None else num_stages
 
     scale = softmax_scale
     q_in, target = q, out
