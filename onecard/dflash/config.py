@@ -196,11 +196,12 @@ class DrafterConfig:
         """Check against the target's text config (``text_config`` of Qwen3_5 configs)."""
         tc = text_config.get("text_config", text_config)
         n = tc.get("num_hidden_layers")
-        if isinstance(n, int) and self.target_layer_ids[-1] >= n - 1:
-            # vLLM captures aux hidden states at the INPUT of layer id+1, so id must be < n - 1.
+        if isinstance(n, int) and self.target_layer_ids[-1] >= n:
+            # id = the OUTPUT of decoder layer id; vLLM asks the target for aux layer id + 1
+            # (Qwen3.5/Qwen3-Next record aux j after layer j - 1 runs, j = 1..n).
             raise _bad(f"dflash_config.target_layer_ids={list(self.target_layer_ids)} reaches "
                        f"layer {self.target_layer_ids[-1]}; valid with a {n}-layer target: "
-                       f"0..{n - 2}")
+                       f"0..{n - 1}")
         h = tc.get("hidden_size")
         if isinstance(h, int) and h != self.target_hidden_size:
             raise _bad(f"target_hidden_size={self.target_hidden_size} but the target's "

@@ -42,7 +42,8 @@ DEFAULT_DRAFTER = TinyDrafterSpec()
 
 
 def default_target_layers(n_layers: int, count: int) -> list[int]:
-    """Evenly spread in 1..n_layers-2 (vLLM captures the input of layer id+1, so id <= n-2)."""
+    """Evenly spread in 1..n_layers-2: any of 0..n-1 is capturable, the spread mirrors the
+    published drafters (first id > 0, last below the final layer)."""
     hi = n_layers - 2
     if count < 1 or hi < 1:
         raise ValueError(f"tiny drafter: cannot pick {count} target layers of {n_layers}")

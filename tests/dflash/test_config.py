@@ -104,11 +104,13 @@ def test_layer_types_win_over_use_sliding_window():
 
 
 @pytest.mark.parametrize("target,needle", [
-    ({"num_hidden_layers": 4, "hidden_size": 32, "vocab_size": 48}, "valid with a 4-layer target: 0..2"),
+    ({"num_hidden_layers": 3, "hidden_size": 32, "vocab_size": 48}, "valid with a 3-layer target: 0..2"),
     ({"num_hidden_layers": 8, "hidden_size": 64, "vocab_size": 48}, "hidden_size=64"),
     ({"num_hidden_layers": 8, "hidden_size": 32, "vocab_size": 64}, "vocab_size=48"),
 ])
 def test_target_mismatch(target, needle):
+    DrafterConfig.from_dict(small_config()).check_target(dict(target, num_hidden_layers=4,
+                                                             hidden_size=32, vocab_size=48))
     c = DrafterConfig.from_dict(small_config())
     with pytest.raises(DrafterConfigError) as e:
         c.check_target(target)
