@@ -503,7 +503,8 @@ def main(argv=None) -> int:
             "(first row per dtype = the sm_90 default):")
         for r in result["sweep"]:
             kw = r["ours_kw"]
-            t = f"{r['ours_ms'] * 1e3:9.1f} us" if "ours_ms" in r else f"ERROR {r['ours_error'][:60]}"
+            t = (f"{r['ours_ms'] * 1e3:9.1f} us" if "ours_ms" in r
+                 else f"ERROR {r['ours_error'][:60]}")
             gbps = (r["kv_bytes"] / (r["ours_ms"] * 1e-3) / 1e9) if "ours_ms" in r else None
             pct = f"{100 * gbps / copy_gbps:5.1f} %copy" if gbps and copy_gbps else ""
             log(f"  {r['kv']:>5} tile {kw.get('tile_n')} warps {kw.get('num_warps')} stages "

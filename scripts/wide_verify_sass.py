@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compile the wide-verify kernels for sm_90 (or sm_86) on a machine without a GPU and report resources.
+"""Compile the wide-verify kernels for sm_90 (or sm_86) without a GPU and report resources.
 
   TRITON_DEFAULT_FP_FUSION=1 python3 scripts/wide_verify_sass.py [--kv bf16,int8,int4]
       [--tile 32,64] [--warps 8] [--stages 2] [--arch 90|86] [--q-len 16] [--page 64]
@@ -200,7 +200,8 @@ def main(argv=None) -> int:
                                        keep=Path(a.keep) if a.keep else None, arch=a.arch)
                     rows.append(r)
                     h = r["sass"]
-                    print(f"sm_{a.arch} {kv:>5} tile {t:>3} warps {w:>2} stages {s} | regs {r['regs']} "
+                    print(f"sm_{a.arch} {kv:>5} tile {t:>3} warps {w:>2} stages {s} | "
+                          f"regs {r['regs']} "
                           f"spill st/ld {r['spill_stores']}/{r['spill_loads']} B "
                           f"smem {r['shared_bytes']} | "
                           + " ".join(f"{k}={v}" for k, v in h.items()

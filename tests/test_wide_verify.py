@@ -143,7 +143,8 @@ def test_choose_num_splits():
     assert wv.choose_num_splits(200, 1, 4, 132) == 1
     assert wv.choose_num_splits(131072, 1, 4, 132) == 33  # one wave of 132 SMs
     assert wv.choose_num_splits(131072, 1, 4, 132, waves=2.0) == 64
-    assert wv.choose_num_splits(8192, 4, 4, 132) == 9
+    assert wv.choose_num_splits(8192, 4, 4, 132) == 8  # 128 programs, 1 wave (9: 144, a 2nd wave)
+    assert wv.choose_num_splits(8192, 64, 4, 132) == 1  # more programs than SMs already
     assert wv.choose_num_splits(1000, 1, 4, 82) == 4  # capped by min chunk
 
 

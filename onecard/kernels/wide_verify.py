@@ -299,13 +299,16 @@ def _sm_count(device: torch.device) -> int:
 def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sms: int,
                       *, min_chunk: int = 256, max_splits: int = 64,
                       waves: float = 1.0) -> int:
-    """Splits per (sequence, kv head): enough programs to fill ``waves`` x the SMs, each split
-    at least ``min_chunk`` keys, at most ``max_splits``. One wave: a program holds a whole SM
-    (its registers / shared memory), so a second wave only adds fp32 partials to write and
-    reduce (H200, q=16, 32k: 1 wave 106 us vs 2 waves 115 us bf16, 342 vs 413 us int4)."""
+    """Splits per (sequence, kv head): as many programs as fit in ``waves`` x the SMs (rounded
+    down, never a partial extra wave), each split at least ``min_chunk`` keys, at most
+    ``max_splits``. One wave: a program holds a whole SM (its registers / shared memory), so a
+    second wave only adds fp32 partials to write and reduce (H200, q=16, 32k: 1 wave 106 us vs
+    2 waves 115 us bf16, 342 vs 413 us int4). Rounding up used to leave a nearly empty last
+    wave that takes as long as a full one (batch 4 on 132 SMs: 17 splits = 272 programs =
+    3 waves of 1/17 of the keys each, vs 8 splits = 128 programs = 1 wave of 1/8)."""
     if max_seq_len <= min_chunk:
         return 1
-    want = math.ceil(waves * num_sms / max(1, num_seqs * num_kv_heads))
+    want = math.floor(waves * num_sms / max(1, num_seqs * num_kv_heads))
     cap = math.ceil(max_seq_len / min_chunk)
     return int(max(1, min(want, cap, max_splits)))
 
