@@ -180,3 +180,39 @@ def ensure_tiny_drafter(target_dir: Path | None = None,
             and stamp.read_text().strip() == build_fingerprint(target_config, spec):
         return out
     return build_tiny_drafter(target_dir, out, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m onecard.dflash.tiny_drafter [--target DIR] [--out DIR] [--features N]``."""
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(prog="tiny_drafter", description=__doc__.splitlines()[0])
+    ap.add_argument("--target", type=Path, default=None,
+                    help="tiny target checkpoint (default: build/find the default tiny model)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output dir (default: <target>-dflash2, cached by build stamp)")
+    ap.add_argument("--features", type=int, default=DEFAULT_DRAFTER.num_target_features,
+                    help="captured target layers (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=DEFAULT_DRAFTER.seed)
+    args = ap.parse_args(argv)
+    from dataclasses import replace
+
+    spec = replace(DEFAULT_DRAFTER, num_target_features=args.features, seed=args.seed)
+    t0 = time.monotonic()
+    if args.out is None:
+        out = ensure_tiny_drafter(args.target, spec)
+    else:
+        target = args.target
+        if target is None:
+            from onecard.prepare.tiny import ensure_tiny_model
+
+            target = ensure_tiny_model()
+        out = build_tiny_drafter(target, args.out, spec)
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    print(f"tiny drafter: {out}  {size / 2**20:.2f} MiB  in {time.monotonic() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -88,3 +88,22 @@ def test_target_layer_pick():
     assert tiny_drafter.default_target_layers(64, 5)[-1] == 62
     with pytest.raises(ValueError):
         tiny_drafter.default_target_layers(4, 3)
+
+
+def test_cli(target, tmp_path, capsys):
+    assert tiny_drafter.main(["--target", str(target), "--out", str(tmp_path / "d"),
+                              "--features", "2"]) == 0
+    assert "tiny drafter:" in capsys.readouterr().out
+    assert DrafterConfig.load(tmp_path / "d").version == 2
+
+
+def test_default_tiny_model_and_drafter(tmp_path):
+    """The pair the GPU suite serves: default tiny Qwen3.5 + default drafter."""
+    m = tiny.ensure_tiny_model(tmp_path)
+    d = tiny_drafter.ensure_tiny_drafter(m)
+    assert d == m.with_name(m.name + "-dflash2")
+    cfg = DrafterConfig.load(d)
+    tcfg = json.loads((m / "config.json").read_text())
+    cfg.check_target(tcfg)
+    assert cfg.target_layer_ids == (1, 4, 6) and cfg.mask_token_id == tcfg["video_token_id"]
+    assert cfg.block_size == 8 and cfg.selector_top_k == 8
