@@ -90,6 +90,49 @@ def selector_walk(unary: torch.Tensor, cand_ids: torch.Tensor, hproj: torch.Tens
     return Proposal(tokens=tokens, probs=probs, cand_ids=cand_ids, cand_probs=cprobs)
 
 
+def selector_walk_batched(unary: torch.Tensor, cand_ids: torch.Tensor, hproj: torch.Tensor,
+                          anchors: torch.Tensor, predecessor: torch.Tensor,
+                          successor: torch.Tensor, *, temperature: torch.Tensor | None = None,
+                          uniforms: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The walk for a batch, in tensor ops only (the shape of the GPU version: T sequential
+    steps, each a gather + a [B, k, R] x [B, R] product + argmax / inverse-CDF draw).
+
+    unary, cand_ids: [B, T, k]; hproj: [B, T, R]; anchors: [B]; temperature: [B] (<= 0 =
+    greedy for that row; None = all greedy); uniforms: [B, T]. Returns (tokens [B, T],
+    candidate probabilities [B, T, k] or None when every row is greedy). Same picks as
+    ``selector_walk`` row by row given the same uniforms.
+    """
+    b, t_len, k = cand_ids.shape
+    tokens = torch.empty(b, t_len, dtype=torch.long)
+    sampled = temperature is not None and bool((temperature > 0).any())
+    cprobs = torch.zeros(b, t_len, k, dtype=unary.dtype) if sampled else None
+    prev = anchors.long()
+    rows = torch.arange(b)
+    for t in range(t_len):
+        edge = torch.einsum("bkr,br->bk", successor[cand_ids[:, t]], predecessor[prev] * hproj[:, t])
+        scores = unary[:, t] + edge                                            # [B, k]
+        j = scores.argmax(-1)
+        if sampled:
+            temp = temperature.to(scores.dtype).clamp_min(1e-30)[:, None]
+            p = torch.softmax(scores / temp, -1)
+            cdf = torch.cumsum(p.to(torch.float64), -1)
+            u = uniforms[:, t].to(torch.float64)[:, None].contiguous()
+            js = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max(k - 1)
+            # step back over zero-probability candidates (rounding at the top of the CDF)
+            for _ in range(k):
+                zero = (p[rows, js] == 0) & (js > 0)
+                if not bool(zero.any()):
+                    break
+                js = torch.where(zero, js - 1, js)
+            is_sampled = temperature > 0
+            j = torch.where(is_sampled, js, j)
+            cprobs[:, t] = torch.where(is_sampled[:, None], p, torch.zeros_like(p))
+        prev = cand_ids[rows, t, j]
+        tokens[:, t] = prev
+    return tokens, cprobs
+
+
 def independent_draft(logits: torch.Tensor, *, temperature: float = 0.0,
                       uniforms: torch.Tensor | None = None,
                       generator: torch.Generator | None = None) -> Proposal:

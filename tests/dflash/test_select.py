@@ -111,3 +111,30 @@ def test_independent_draft_greedy_and_sampled():
 def test_point_mass_rows():
     rows = select.point_mass_rows(torch.tensor([2, 0]), 4)
     assert rows.tolist() == [[0, 0, 1, 0], [1, 0, 0, 0]]
+
+
+def test_batched_walk_equals_per_request_walk():
+    g = torch.Generator().manual_seed(7)
+    b, t, k, v, r = 6, 5, 4, 12, 3
+    logits = torch.randn(b, t, v, generator=g, dtype=D)
+    cand, unary = select.top_candidates(logits, k)
+    hproj = torch.randn(b, t, r, generator=g, dtype=D)
+    pred = torch.randn(v, r, generator=g, dtype=D)
+    succ = torch.randn(v, r, generator=g, dtype=D)
+    anchors = torch.randint(0, v, (b,), generator=g)
+    temps = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.3, 0.5], dtype=D)
+    u = torch.rand(b, t, generator=g, dtype=D)
+    u[1, 0] = 0.0
+    tokens, probs = select.selector_walk_batched(unary, cand, hproj, anchors, pred, succ,
+                                                 temperature=temps, uniforms=u)
+    greedy_only, none = select.selector_walk_batched(unary, cand, hproj, anchors, pred, succ)
+    assert none is None
+    for i in range(b):
+        one = select.selector_walk(unary[i], cand[i], hproj[i], int(anchors[i]), pred, succ,
+                                   temperature=float(temps[i]), uniforms=u[i])
+        assert tokens[i].tolist() == one.tokens.tolist()
+        if temps[i] > 0:
+            assert torch.allclose(probs[i], one.cand_probs, atol=1e-12)
+        else:
+            assert torch.count_nonzero(probs[i]) == 0
+            assert greedy_only[i].tolist() == one.tokens.tolist()
