@@ -6,15 +6,13 @@ printed on failure; kernel outputs and untouched cache bytes poisoned (NaN / ran
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 
 import pytest
 
-# The interpreter must be on before this process first imports Triton (see test_wide_verify).
-_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"
+from tests.interpret import child_rerun, enable, inproc_mark
+
+_PREIMPORTED = enable()  # before the first `import triton` (tests/interpret.py)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -28,19 +26,10 @@ if _PREIMPORTED:
 else:
     from onecard.kvarn import kernels as K
 
-inproc = pytest.mark.skipif(_PREIMPORTED, reason="Triton was imported uninterpreted; see "
-                            "test_in_child_process")
+inproc = inproc_mark(_PREIMPORTED)
 
 
-@pytest.mark.skipif(not _PREIMPORTED, reason="runs only when Triton was imported before")
-def test_in_child_process(pytestconfig):
-    import subprocess
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=str(pytestconfig.rootpath), env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+test_in_child_process = child_rerun(__file__, _PREIMPORTED)
 
 
 D = 64

@@ -6,17 +6,13 @@ printed on failure; outputs poisoned with NaN before every call.
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 
 import pytest
 
-# Triton decorates its own standard library (tl.zeros, tl.sum, ...) when it is imported, so the
-# interpreter must be on before the first `import triton` of this process. When another test
-# module already imported Triton without it, these tests run in a child pytest instead.
-_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"
+from tests.interpret import child_rerun, enable, inproc_mark
+
+_PREIMPORTED = enable()  # before the first `import triton` (tests/interpret.py)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -28,19 +24,10 @@ else:
     from onecard.kernels import reference as ref_mod
     from onecard.kernels import wide_verify as wv
 
-inproc = pytest.mark.skipif(_PREIMPORTED, reason="Triton was imported uninterpreted; see "
-                            "test_in_child_process")
+inproc = inproc_mark(_PREIMPORTED)
 
 
-@pytest.mark.skipif(not _PREIMPORTED, reason="runs only when Triton was imported before")
-def test_in_child_process(pytestconfig):
-    import subprocess
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=str(pytestconfig.rootpath), env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+test_in_child_process = child_rerun(__file__, _PREIMPORTED)
 
 
 TOL = 3e-2  # bf16 queries/outputs and bf16 P.V operands vs a float64 reference
