@@ -126,7 +126,7 @@ PUBLIC_3090 = ModelGeometry(ssm_state_bytes=2)
 class KVDtype:
     """Byte layout of one token of one attention layer's K+V for a --kv-cache-dtype."""
 
-    name: str  # the value passed to --kv-cache-dtype ("kvarn" comes from the kvarn patch)
+    name: str  # the value passed to --kv-cache-dtype (kvarn_* dtypes come from the kvarn patch)
     elem_bytes: int
     head_divisor: int  # int4 packs two values a byte
     scale_bytes_per_head: int  # K and V scales per token per head, budgeted in the pool
@@ -144,7 +144,7 @@ KV_DTYPES: dict[str, KVDtype] = {
     # KVarN (issue 9): 4-bit K, 2-bit V in tiles of 128 tokens with fp16 scales, zero points
     # and normalizers; bytes per token come from onecard.kvarn.format (attn_bytes_per_token).
     # The fp16 stage (sink tile + 2-tile ring per sequence) is outside this per-token figure.
-    "kvarn": KVDtype("kvarn", 1, 1, 0, "KVarN k4v2_g128 (onecard.kvarn.format)"),
+    "kvarn": KVDtype("kvarn_k4v2_g128", 1, 1, 0, "KVarN k4v2_g128 (onecard.kvarn.format)"),
 }
 
 

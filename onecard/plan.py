@@ -318,6 +318,8 @@ def build_argv(plan: ServePlan, python: str = sys.executable, model_path: str | 
         argv += ["--speculative-config", json.dumps(sc, separators=(",", ":"))]
     if "CUDAGRAPH_SIZES" in plan.values:
         argv += ["-cc", json.dumps({"cudagraph_capture_sizes": plan.get("CUDAGRAPH_SIZES")}, separators=(",", ":"))]
+    if v("VISION") == "0":
+        argv += ["--language-model-only"]
     if v("TOOLS") == "1":
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", v("TOOL_PARSER")]
     if v("REASONING_PARSER") != "none":

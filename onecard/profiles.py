@@ -98,6 +98,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("MODEL", "models/qwen38-27b", "path, or 'tiny'", "checkpoint directory; 'tiny' builds the CPU-sized test model"),
     Knob("SERVED_NAME", "qwen3.8-27b", "name", "model name clients use"),
     Knob("DRAFT", "models/dflash2-drafter", "path", "DFlash2 drafter checkpoint (SPEC=dflash2)"),
+    Knob("VISION", "0", "0|1", "1: serve images too (loads the vision tower and its encoder cache, "
+         "VRAM the KV pool then lacks); 0: --language-model-only, text only", BOOL),
     Knob("TOOLS", "1", "0|1", "auto tool choice", BOOL),
     Knob("TOOL_PARSER", "qwen3_coder", "qwen3_coder|qwen3_xml|hermes", "tool-call parser",
          ("qwen3_coder", "qwen3_xml", "hermes")),
