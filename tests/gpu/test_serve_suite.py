@@ -133,6 +133,17 @@ def test_off_tool_call(servers):
     json.loads(calls[0]["function"]["arguments"])
 
 
+def divergence_report(ref: list[list[int]], got: list[list[int]], gaps: list) -> dict:
+    """Per prompt: the first position where `got` leaves `ref`, and off's top-1/top-2 logprob gap
+    there (None where identical or unknown)."""
+    report = {}
+    for i, (a, b) in enumerate(zip(ref, got)):
+        d = first_divergence(a, b)
+        gap = gaps[i][d] if d is not None and i < len(gaps) and d < len(gaps[i]) else None
+        report[i] = {"first_divergence": d, "off_top2_gap": gap}
+    return report
+
+
 # ------------------------------------------------------------------------------ SPEC=mtp
 
 # A divergence where SPEC=off's own top-1 / top-2 logprobs are closer than this is a bf16 near-tie
@@ -149,12 +160,8 @@ def test_mtp_greedy_equals_off(servers):
     s = servers.use("mtp")
     got = greedy(s)
     again = greedy(s)
-    ref, gaps = servers.cache["off"], servers.cache.get("off_gaps") or []
-    report = {}
-    for i, (a, b) in enumerate(zip(ref, got)):
-        d = first_divergence(a, b)
-        gap = gaps[i][d] if d is not None and i < len(gaps) and d < len(gaps[i]) else None
-        report[i] = {"first_divergence": d, "off_top2_gap": gap}
+    ref = servers.cache["off"]
+    report = divergence_report(ref, got, servers.cache.get("off_gaps") or [])
     servers.record["mtp_greedy"] = got
     servers.record["mtp_vs_off"] = report
     servers.save()
@@ -188,13 +195,8 @@ def test_int8_kv_vs_bf16(servers):
     s = servers.use("int8")
     got = greedy(s)
     assert got == greedy(s), "int8 KV greedy output not deterministic"
-    ref, gaps = servers.cache.get("off"), servers.cache.get("off_gaps") or []
-    report = {}
-    if ref:
-        for i, (a, b) in enumerate(zip(ref, got)):
-            d = first_divergence(a, b)
-            gap = gaps[i][d] if d is not None and i < len(gaps) and d < len(gaps[i]) else None
-            report[i] = {"first_divergence": d, "off_top2_gap": gap}
+    ref = servers.cache.get("off")
+    report = divergence_report(ref, got, servers.cache.get("off_gaps") or []) if ref else {}
     servers.record["int8_first_divergence"] = report
     servers.record["int8_greedy"] = got
     servers.save()
