@@ -126,13 +126,32 @@ def markdown(results: list[dict], title: str = "onecard benchmark report") -> st
     return "\n".join(lines) + "\n"
 
 
-def plot_ladders(results: list[dict], path: str | Path) -> Path | None:
-    """Aggregate and per-stream tok/s vs N for every ladder result; None if matplotlib missing."""
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception:  # noqa: BLE001
+        return None
+    return plt
+
+
+def _save(plt, fig, path: str | Path) -> Path:
+    """Write the figure atomically (temp file + rename) and close it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def plot_ladders(results: list[dict], path: str | Path) -> Path | None:
+    """Aggregate and per-stream tok/s vs N for every ladder result; None if matplotlib missing."""
+    plt = _pyplot()
+    if plt is None:
         return None
     ladders = [r for r in results if r.get("kind") == "ladder" and (r.get("data") or {}).get("levels")]
     if not ladders:
@@ -150,22 +169,13 @@ def plot_ladders(results: list[dict], path: str | Path) -> Path | None:
     ax.set_xscale("log", base=2)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_depth(results: list[dict], path: str | Path) -> Path | None:
     """TTFT and decode tok/s against context depth for every depth result."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:  # noqa: BLE001
+    plt = _pyplot()
+    if plt is None:
         return None
     runs = [r for r in results if r.get("kind") == "depth" and (r.get("data") or {}).get("points")]
     if not runs:
@@ -185,13 +195,7 @@ def plot_depth(results: list[dict], path: str | Path) -> Path | None:
         a.set_xscale("log", base=2)
         a.grid(True, alpha=0.3)
         a.legend(fontsize=8)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return _save(plt, fig, path)
 
 
 def write_report(result_paths: list[str | Path], out_md: str | Path, plot: str | Path | None = None) -> str:
