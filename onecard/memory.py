@@ -74,6 +74,7 @@ class ModelGeometry:
     mtp_layers: int = 1
     dtype_bytes: int = 2  # bf16 weights/activations (and the GDN conv state)
     ssm_state_bytes: int = 4  # GDN recurrent state: config mamba_ssm_dtype (Qwen3.5: float32)
+    num_attention_heads: int = 24  # query heads (tensor parallel must divide them too)
 
     @property
     def num_gdn(self) -> int:
@@ -105,6 +106,7 @@ class ModelGeometry:
                 mtp_layers=int(text.get("mtp_num_hidden_layers", 0)),
                 dtype_bytes=4 if "32" in dt else 2,
                 ssm_state_bytes=4 if "32" in ssm else 2,
+                num_attention_heads=int(text.get("num_attention_heads") or cls.num_attention_heads),
             )
         except KeyError as e:
             raise ValueError(f"config is not a Qwen3.5 hybrid config: missing {e.args[0]!r}") from None
@@ -310,3 +312,154 @@ LONG_KV_MEM = kv_mem_for_pool(PUBLIC_3090, 136_429, "int8_per_token_head", 131_0
 INT4_KV_MEM = kv_mem_for_pool(PUBLIC_3090, 266_520, "int4_per_token_head", 256_000, 3, True)
 FAST_KV_MEM = kv_mem_for_pool(PUBLIC_3090, 72_992, "bf16", 65_536, 4, True)
 FAST_DFLASH_KV_MEM = kv_mem_for_pool(PUBLIC_3090, 68_605, "bf16", 65_536, 7, True)
+
+
+# ---------------------------------------------------------------- tensor parallel (issue 10)
+#
+# vLLM 0.27.1 splits this model by heads at --tensor-parallel-size N (N GPUs of one host):
+# * full attention (models/qwen3_next.py Qwen3NextAttention): query heads and KV heads divided
+#   by N (it asserts num_heads % N == 0 and, with N <= kv heads, kv_heads % N == 0);
+# * GDN (mamba_utils.gated_delta_net_state_shape, gdn/qwen_gdn_linear_attn.py): key heads, value
+#   heads, the conv state and A_log/dt_bias divided by N (``divide`` asserts exact division);
+# * MLP, o_proj/out_proj (row parallel), in_proj_* and conv1d (column parallel), mtp.fc: / N;
+# * embed_tokens / lm_head: vocab-parallel (rows / N); RMSNorm weights: replicated.
+# So each rank's KV page and GDN state page are exactly 1/N of the single-GPU ones: the block
+# size stays, the per-rank pool bytes buy N times the blocks, and the pool in tokens (what vLLM
+# logs; every rank holds a 1/N slice of every token) is predicted by predict_pool on
+# rank_geometry(). vLLM takes the smallest per-rank block count (kv_cache_utils).
+
+TP_SIZES = (1, 2, 4, 8)
+
+
+def tp_sizes_for(geom: ModelGeometry, sizes: tuple[int, ...] = TP_SIZES) -> list[int]:
+    """The tensor-parallel sizes this geometry splits evenly (attention + KV + GDN heads)."""
+    heads = (geom.num_attention_heads, geom.num_kv_heads, geom.linear_num_key_heads, geom.linear_num_value_heads)
+    return [n for n in sizes if all(h % n == 0 for h in heads)]
+
+
+def tp_check(geom: ModelGeometry, tp: int) -> str | None:
+    """None if ``tp`` divides every head count, else one line naming the culprit and the valid sizes."""
+    for what, h in (("KV heads", geom.num_kv_heads), ("GDN key heads", geom.linear_num_key_heads),
+                    ("GDN value heads", geom.linear_num_value_heads), ("attention heads", geom.num_attention_heads)):
+        if h % tp:
+            valid = "|".join(map(str, tp_sizes_for(geom)))
+            return (f"TP={tp} does not divide the model's {h} {what} ({geom.num_kv_heads} KV, "
+                    f"{geom.linear_num_key_heads}/{geom.linear_num_value_heads} GDN key/value heads); "
+                    f"valid for this model: TP={valid}")
+    return None
+
+
+def rank_geometry(geom: ModelGeometry, tp: int) -> ModelGeometry:
+    """What one rank holds at tensor parallel ``tp``: every head count divided by tp."""
+    import dataclasses
+
+    err = tp_check(geom, tp)
+    if err:
+        raise ValueError(err)
+    return dataclasses.replace(
+        geom, num_kv_heads=geom.num_kv_heads // tp, linear_num_key_heads=geom.linear_num_key_heads // tp,
+        linear_num_value_heads=geom.linear_num_value_heads // tp, num_attention_heads=geom.num_attention_heads // tp)
+
+
+def _tp_class(name: str) -> str:
+    """'skip' (vision tower: --language-model-only), 'vocab' (vocab-parallel rows), 'replicated'
+    (RMSNorm weights, compressed-tensors weight_shape) or 'sharded' (split by heads / columns)."""
+    if name.startswith(("model.visual.", "visual.")) or ".visual." in name:
+        return "skip"
+    if "embed_tokens." in name or name.startswith("lm_head.") or ".lm_head." in name:
+        return "vocab"
+    if name.endswith(("norm.weight", ".weight_shape")):
+        return "replicated"
+    return "sharded"
+
+
+@dataclass
+class TPWeights:
+    tp: int
+    sharded: int
+    vocab: int
+    replicated: int
+    source: str
+
+    @property
+    def per_gpu(self) -> int:
+        return cdiv(self.sharded, self.tp) + cdiv(self.vocab, self.tp) + self.replicated
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.vocab + self.replicated
+
+
+def tp_weight_bytes(tensors, tp: int, source: str = "") -> TPWeights:
+    """Per-GPU weight bytes from (name, bytes) pairs (a checkpoint's tensors)."""
+    acc = {"sharded": 0, "vocab": 0, "replicated": 0, "skip": 0}
+    for name, nbytes in tensors:
+        acc[_tp_class(name)] += int(nbytes)
+    return TPWeights(tp, acc["sharded"], acc["vocab"], acc["replicated"], source)
+
+
+def checkpoint_tensors(model_dir: str | os.PathLike) -> list[tuple[str, int]]:
+    """(name, bytes) of every tensor of a checkpoint, from the safetensors headers only."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors in {model_dir}")
+    out = []
+    for fp in files:
+        for name, meta in safetensors_header(fp).items():
+            if name != "__metadata__":
+                start, end = meta["data_offsets"]
+                out.append((name, end - start))
+    return out
+
+
+def layout_27b_tensors(head_bytes: int = 1) -> list[tuple[str, int]]:
+    """The prepared Qwen3.8-27B's tensors without the checkpoint: the 27B-geometry layout
+    (onecard.prepare.geometry: W4A16 body, group 128) with lm_head / embed_tokens / MTP at
+    ``head_bytes`` per element plus one fp32 scale per row (install.sh's int8 requantization;
+    2 = the bf16 tensors as published). An estimate for --dry-run; a checkpoint on disk is read."""
+    from math import prod
+
+    from onecard.prepare.geometry import plan as geometry_plan
+    from onecard.prepare.geometry import spec_for
+
+    out = []
+    for name, code, shape, _src in geometry_plan(spec_for("27b")):
+        n = prod(shape) * _DTYPE_BYTES[code]
+        requant = (name.startswith("lm_head.") or "embed_tokens." in name or name.startswith("mtp.layers.")
+                   or name.startswith("mtp.fc."))
+        if head_bytes != 2 and requant and len(shape) == 2 and code == "BF16":
+            n = prod(shape) * head_bytes + shape[0] * 4
+        out.append((name, n))
+    return out
+
+
+@dataclass
+class TPPrediction:
+    tp: int
+    card_bytes: int
+    gpu_util: float
+    weights: TPWeights
+    kv_bytes_per_gpu: int
+    pool: PoolPrediction  # tokens: what vLLM logs; every rank holds 1/tp of each token
+
+    def as_dict(self) -> dict:
+        return {"tp": self.tp, "card_bytes": self.card_bytes, "gpu_util": self.gpu_util,
+                "weights_per_gpu": self.weights.per_gpu, "weights_total": self.weights.total,
+                "weights_source": self.weights.source, "kv_bytes_per_gpu": self.kv_bytes_per_gpu,
+                "kv_bytes_total": self.kv_bytes_per_gpu * self.tp, **self.pool.as_dict()}
+
+
+CARD_24G = 24 * GiB  # the card this distribution targets (RTX 3090: 24,576 MiB)
+
+
+def predict_tp(geom: ModelGeometry, tp: int, weights: TPWeights, kv: str, max_len: int, num_spec: int = 0,
+               prefix_cache: bool = False, gpu_util: float = 0.92, card_bytes: int = CARD_24G,
+               kv_bytes_per_gpu: int | None = None) -> TPPrediction:
+    """Pool at tensor parallel ``tp`` when it is sized from gpu_memory_utilization: per GPU,
+    ``card * util - weights/GPU - activation - CUDA context - graph reserve`` (kv_mem_from_util;
+    the reserves are the single-card 3090 figures, per rank), or ``kv_bytes_per_gpu`` when known
+    (vLLM logs it: "Available KV cache memory: X GiB")."""
+    if kv_bytes_per_gpu is None:
+        kv_bytes_per_gpu = kv_mem_from_util(card_bytes, gpu_util, weights.per_gpu)
+    pool = predict_pool(rank_geometry(geom, tp), kv_bytes_per_gpu, kv, max_len, num_spec, prefix_cache)
+    return TPPrediction(tp, card_bytes, gpu_util, weights, kv_bytes_per_gpu, pool)

@@ -265,23 +265,67 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
     if "--api-key" in extra or any(a.startswith("--api-key=") for a in extra):
         raise PlanError("EXTRA_ARGS must not carry --api-key (it would show in the process list); valid: set VLLM_API_KEY instead")
     plan.set("EXTRA_ARGS", extra, plan.values["EXTRA_ARGS"].source)
+
+    # tensor parallel: the TP knob or --tensor-parallel-size/-tp in EXTRA_ARGS, decided here only
+    valid_tp = "|".join(profiles.KNOBS["TP"].choices)
+    in_extra = _tp_in_extra(extra)
+    if in_extra is not None:
+        if str(in_extra) not in profiles.KNOBS["TP"].choices:
+            raise PlanError(f"--tensor-parallel-size {in_extra} in EXTRA_ARGS is not valid; valid: {valid_tp}")
+        if plan.values["TP"].source != "default" and int(plan.get("TP")) != in_extra:
+            raise PlanError(f"TP={plan.get('TP')} and --tensor-parallel-size {in_extra} in EXTRA_ARGS disagree; "
+                            f"valid: set one of them (TP={valid_tp})")
+        plan.set("TP", in_extra, plan.values["EXTRA_ARGS"].source, "--tensor-parallel-size in EXTRA_ARGS")
+    else:
+        plan.values["TP"].value = int(plan.get("TP"))
+    if plan.get("TP") > 1:
+        n, why = visible_gpus(environ)
+        plan.set("GPUS", n if n is not None else "unknown", "env" if n is not None else "default", why)
     return plan
 
 
-def tensor_parallel(extra: list[str]) -> int:
+def _tp_in_extra(extra: list[str]) -> int | None:
+    """The value of --tensor-parallel-size / -tp in EXTRA_ARGS, None when absent."""
     for i, a in enumerate(extra):
         for flag in ("--tensor-parallel-size", "-tp"):
-            if a == flag and i + 1 < len(extra):
+            text = extra[i + 1] if a == flag and i + 1 < len(extra) else a.split("=", 1)[1] if a.startswith(flag + "=") else None
+            if text is not None:
                 try:
-                    return int(extra[i + 1])
+                    return int(text)
                 except ValueError:
-                    raise PlanError(f"{flag} {extra[i + 1]!r} in EXTRA_ARGS is not an integer; valid: 1..8") from None
-            if a.startswith(flag + "="):
-                try:
-                    return int(a.split("=", 1)[1])
-                except ValueError:
-                    raise PlanError(f"{a!r} in EXTRA_ARGS is not an integer; valid: 1..8") from None
-    return 1
+                    raise PlanError(f"{flag} {text!r} in EXTRA_ARGS is not an integer; "
+                                    f"valid: {'|'.join(profiles.KNOBS['TP'].choices)}") from None
+    return None
+
+
+def tensor_parallel(extra: list[str]) -> int:
+    """Tensor-parallel size named in EXTRA_ARGS (1 when absent). The plan's decision is plan.get('TP')."""
+    return _tp_in_extra(extra) or 1
+
+
+def visible_gpus(environ: Mapping[str, str]) -> tuple[int | None, str]:
+    """(GPUs this process would see, how that was found); None = unknown (never a failure):
+    CUDA_VISIBLE_DEVICES when set (entries up to the first invalid '-1'), else `nvidia-smi -L`."""
+    cvd = environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        ids = []
+        for e in (x.strip() for x in cvd.split(",")):
+            if not e or e.startswith("-"):
+                break
+            ids.append(e)
+        return len(ids), f"CUDA_VISIBLE_DEVICES={cvd!r}"
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None, "no CUDA_VISIBLE_DEVICES and no nvidia-smi: not checked"
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"nvidia-smi -L failed ({e.__class__.__name__}): not checked"
+    n = sum(1 for ln in out.splitlines() if ln.startswith("GPU "))
+    return (n, "nvidia-smi -L") if n else (None, "nvidia-smi -L listed no GPU: not checked")
 
 
 def build_argv(plan: ServePlan, python: str = sys.executable, model_path: str | None = None) -> list[str]:
@@ -295,6 +339,9 @@ def build_argv(plan: ServePlan, python: str = sys.executable, model_path: str | 
         argv += ["--gpu-memory-utilization", str(v("GPU_UTIL"))]
     else:
         argv += ["--kv-cache-memory-bytes", str(v("KV_MEM"))]
+    tp = int(plan.values["TP"].value) if "TP" in plan.values else 1
+    if tp > 1 and _tp_in_extra(list(v("EXTRA_ARGS"))) is None:
+        argv += ["--tensor-parallel-size", str(tp)]
     if kv is not None and kv.name != "auto":
         argv += ["--kv-cache-dtype", kv.name]
     ctx = profiles.CTX_PROFILES[v("CTX")]
@@ -343,6 +390,8 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     plan.argv = build_argv(plan, python, model_path)
     if plan.api_key:
         plan.child_env["VLLM_API_KEY"] = plan.api_key
+    if "TP" in plan.values and int(plan.get("TP")) > 1:
+        plan.child_env.update(profiles.TP_CHILD_ENV)  # NVLink multicast off (profiles.TP_CHILD_ENV says why)
     return plan
 
 
@@ -356,6 +405,11 @@ def format_table(plan: ServePlan) -> str:
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     out = [f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]}".rstrip() for r in rows]
     p = plan.prediction
+    if p and p.get("tp", 1) > 1:
+        w = f"{p['weights_per_gpu'] / 1024**3:.2f} GiB/GPU" if p.get("weights_per_gpu") else "unknown"
+        out.append(f"predicted at TP={p['tp']} on {p['card_bytes'] / 1024**3:.0f} GiB cards, GPU_UTIL {p['gpu_util']}: "
+                   f"weights {w} ({p.get('weights_source') or '-'}), KV {p['kv_bytes_per_gpu'] / 1024**3:.2f} GiB/GPU "
+                   f"({p['kv_bytes_total'] / 1024**3:.2f} GiB over {p['tp']} GPUs, each holding 1/{p['tp']} of every token)")
     if p:
         out.append(f"predicted pool: {p['pool_tokens']:,} tokens (block {p['block_size']}, {p['num_blocks']} blocks, "
                    f"max concurrency {p['max_concurrency']:.2f}x at {p['max_len']:,})")

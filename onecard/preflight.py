@@ -2,7 +2,10 @@
 reason recorded in the plan). Pure: no GPU, no vllm import.
 
 Checks, in order:
-1. TP>1 in EXTRA_ARGS drops the single-card KV_MEM pin (falls back to GPU_UTIL).
+1. TP>1 (the TP knob or -tp in EXTRA_ARGS; plan.resolve decides): TP must divide the model's
+   attention, KV and GDN heads and not exceed the visible GPUs (when known); the single-card
+   KV_MEM pin is dropped (an explicit byte pin is refused) and the pool is sized from GPU_UTIL;
+   the prediction is per GPU (onecard.memory.predict_tp) on 24 GiB cards.
 2. ``--dtype float16`` with speculation is refused (drafters and GDN state run in bf16).
 3. k > 7 (DFlash2 DFLASH_TOKENS 8..15): CUDA-graph sizes capped to multiples of 1+k and
    max_len capped to 65,536.
@@ -14,7 +17,7 @@ Checks, in order:
 """
 from __future__ import annotations
 
-from onecard import memory
+from onecard import memory, profiles
 from onecard.plan import PlanError, ServePlan
 
 MIN_POOL = 4096
@@ -35,18 +38,56 @@ def _has_flag_value(extra: list[str], flag: str, value: str) -> bool:
     return False
 
 
-def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B) -> ServePlan:
-    from onecard.plan import tensor_parallel
+def _tp_checks(plan: ServePlan, geom: memory.ModelGeometry, tp: int) -> None:
+    err = memory.tp_check(geom, tp)
+    if err:
+        raise PlanError(err)
+    gpus = plan.values.get("GPUS")
+    if gpus is not None and isinstance(gpus.value, int) and gpus.value < tp:
+        fit = [str(n) for n in memory.tp_sizes_for(geom) if n <= gpus.value] or ["1"]
+        raise PlanError(f"TP={tp} needs {tp} GPUs but only {gpus.value} visible ({gpus.reason}); "
+                        f"valid here: TP={'|'.join(fit)}")
+    kvm = plan.values["KV_MEM"]
+    if kvm.value != "auto" and kvm.source in ("env", ".env"):
+        raise PlanError(f"KV_MEM={kvm.value} is a per-GPU byte pin, which at TP={tp} strands memory; "
+                        f"valid at TP>1: KV_MEM unset or auto (the pool is then sized from GPU_UTIL)")
+    if kvm.value != "auto":
+        plan.cap("KV_MEM", "auto", f"tensor parallel {tp} > 1: the single-card pin does not apply; "
+                                   f"the pool is sized from GPU_UTIL={plan.get('GPU_UTIL')} per GPU")
+    plan.values["GPU_UTIL"].reason = f"sizes the KV pool on each of the {tp} GPUs (TP={tp})"
+    if gpus is not None and gpus.value == "unknown":
+        plan.notes.append(f"TP={tp}: visible GPU count unknown ({gpus.reason}); vLLM checks it at boot")
+    plan.notes.append(f"TP={tp}: vLLM's own tensor parallelism over {tp} GPUs of one host; speculative "
+                      f"defaults unchanged (vLLM 0.27.1 runs the MTP/DFlash drafter at the target's TP)")
+    plan.notes.append("TP>1: server env " + " ".join(f"{k}={v}" for k, v in profiles.TP_CHILD_ENV.items())
+                      + " (NVLink multicast off; onecard.profiles.TP_CHILD_ENV says why)")
 
+
+def _tp_weights(plan: ServePlan, geom: memory.ModelGeometry, tp: int) -> memory.TPWeights | None:
+    """Per-GPU weights: the checkpoint's safetensors headers when MODEL is on disk, else the
+    prepared 27B layout when the geometry is the 27B one, else unknown."""
+    import dataclasses
+    from pathlib import Path
+
+    model = Path(str(plan.get("MODEL")))
+    if model.is_dir() and any(model.glob("*.safetensors")):
+        return memory.tp_weight_bytes(memory.checkpoint_tensors(model), tp, "checkpoint headers")
+    if dataclasses.replace(geom, ssm_state_bytes=memory.QWEN38_27B.ssm_state_bytes) == memory.QWEN38_27B:
+        return memory.tp_weight_bytes(memory.layout_27b_tensors(), tp, "27B layout, int8 lm_head/embed/MTP")
+    return None
+
+
+def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B) -> ServePlan:
     import dataclasses
 
     extra = _extra(plan)
     k = int(plan.get("SPEC_K"))
     if plan.get("SSM_DTYPE") != "auto":
         geom = dataclasses.replace(geom, ssm_state_bytes=4 if plan.get("SSM_DTYPE") == "float32" else 2)
-    # 1. TP > 1
-    if tensor_parallel(extra) > 1 and plan.get("KV_MEM") != "auto":
-        plan.cap("KV_MEM", "auto", "tensor parallel > 1 in EXTRA_ARGS: the single-card pin does not apply")
+    # 1. TP > 1 (decided once, in plan.resolve)
+    tp = int(plan.get("TP")) if "TP" in plan.values else 1
+    if tp > 1:
+        _tp_checks(plan, geom, tp)
     # 2. fp16 + speculation
     if k > 0 and (_has_flag_value(extra, "--dtype", "float16") or _has_flag_value(extra, "--dtype", "half")):
         raise PlanError("--dtype float16 with speculation is refused (drafter/GDN state need bf16); "
@@ -60,6 +101,22 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B) 
             plan.cap("MAX_LEN", K_MAX_LEN_CAP, f"k={k} > {K_GRAPH_LIMIT}: verify batches of {1 + k} tokens")
     # 4-6. pool
     kv_mem = plan.get("KV_MEM")
+    if tp > 1:
+        weights = _tp_weights(plan, geom, tp)
+        if weights is None:
+            plan.notes.append(f"TP={tp}: no per-GPU prediction (no checkpoint at MODEL={plan.get('MODEL')} "
+                              f"and not the 27B geometry)")
+            return plan
+        prefix = plan.get("PREFIX_CACHE") == "1"
+        pred = memory.predict_tp(geom, tp, weights, plan.get("KV"), int(plan.get("MAX_LEN")), k, prefix,
+                                 float(plan.get("GPU_UTIL")))
+        plan.prediction = pred.as_dict()
+        one_seq = (pred.pool.num_blocks - pred.pool.state_slots_per_seq) * pred.pool.block_size
+        if one_seq < int(plan.get("MAX_LEN")):
+            plan.notes.append(f"TP={tp}: on {memory.CARD_24G // memory.GiB} GiB cards the predicted pool holds "
+                              f"{max(one_seq, 0):,} tokens for one sequence (< MAX_LEN {int(plan.get('MAX_LEN')):,}); "
+                              f"vLLM refuses that at boot unless the cards are larger: lower MAX_LEN or raise GPU_UTIL")
+        return plan
     if kv_mem == "auto":
         plan.notes.append("KV_MEM=auto: gpu_memory_utilization does not reserve CUDA-graph memory; "
                           "pin KV_MEM for a 24 GB card")

@@ -92,6 +92,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("MAX_SEQS", "", "1..256", "max concurrent sequences; default per profile"),
     Knob("KV_MEM", "", "bytes, or with K/M/G suffix, or 'auto'", "KV pool pin (--kv-cache-memory-bytes); 'auto' uses GPU_UTIL"),
     Knob("GPU_UTIL", "0.92", "0.10..0.99", "gpu_memory_utilization when KV_MEM=auto"),
+    Knob("TP", "1", "1|2|4|8", "GPUs of one host through vLLM's own tensor parallelism (--tensor-parallel-size; "
+         "or -tp in EXTRA_ARGS); >1 drops the KV_MEM pin and sizes the pool from GPU_UTIL (docs/multi-gpu.md)",
+         ("1", "2", "4", "8")),
     Knob("MAX_LEN", "", "256..1048576", "max model length; default per profile"),
     Knob("PORT", "18020", "1..65535", "listen port"),
     Knob("HOST", "127.0.0.1", "address", "listen address; beyond loopback needs an API key"),
@@ -110,6 +113,16 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("VLLM_API_KEY", "", "string", "API key (or .env, or api_key.txt mode 0600); never printed"),
 ]}
 
+
+# Server environment at TP > 1: NVLink multicast off in NCCL, PyTorch's symmetric memory and
+# NVSHMEM, and vLLM's symm-mem all-reduce (its only user of multicast) not tried. Why: the lent
+# multi-GPU hosts require it (/work/.library/device/KINDS.md, nvidia-h200-x2: "a program that uses
+# it can put the host's GPUs, which others share, out of service for a day or more"), and vLLM
+# 0.27.1 would otherwise create multicast objects itself (distributed/device_communicators/
+# symm_mem.py and custom_all_reduce.py call torch symm_mem.rendezvous, which makes one unless
+# TORCH_SYMM_MEM_DISABLE_MULTICAST=1). On consumer cards there is no NVLink multicast to lose.
+TP_CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+                "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
 
 FEATURE_MARKERS = {"kvarn": "kvarn_installed.txt", "dflash2": "dflash2_installed.txt"}
 FEATURE_ISSUES = {"kvarn": "the KVarN issue (kvarn/install.sh)", "dflash2": "the DFlash2 issue"}

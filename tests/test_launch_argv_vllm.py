@@ -29,7 +29,12 @@ def test_golden_argv_parses_with_vllm(golden, monkeypatch):
     ns = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[argv.index("serve") + 1:])
     args = AsyncEngineArgs.from_cli_args(ns)
     assert ns.host == "127.0.0.1" and args.language_model_only
-    assert args.kv_cache_memory_bytes == int(argv[argv.index("--kv-cache-memory-bytes") + 1])
+    if golden.stem.endswith("-tp2"):  # TP>1: vLLM's own TP, no per-GPU byte pin, pool from GPU_UTIL
+        assert args.tensor_parallel_size == 2 and args.kv_cache_memory_bytes is None
+        assert args.gpu_memory_utilization == float(argv[argv.index("--gpu-memory-utilization") + 1])
+    else:
+        assert args.tensor_parallel_size == 1
+        assert args.kv_cache_memory_bytes == int(argv[argv.index("--kv-cache-memory-bytes") + 1])
     assert args.max_model_len == int(argv[argv.index("--max-model-len") + 1])
     assert args.enable_prefix_caching and args.mamba_cache_mode == "align"
     if "--speculative-config" in argv:

@@ -145,3 +145,57 @@ def test_bad_safetensors(tmp_path):
 def test_kv_mem_from_util():
     assert m.kv_mem_from_util(24 * m.GiB, 0.9, 15 * m.GiB) > 0
     assert m.kv_mem_from_util(24 * m.GiB, 0.5, 15 * m.GiB) == 0
+
+
+# ------------------------------------------------------------------ tensor parallel (issue 10)
+
+def test_tp_sizes_and_rank_geometry():
+    g = m.QWEN38_27B
+    assert m.tp_sizes_for(g) == [1, 2, 4]  # 4 KV heads: 8 would replicate KV heads; refused
+    assert m.tp_check(g, 2) is None and "valid for this model: TP=1|2|4" in m.tp_check(g, 8)
+    r = m.rank_geometry(g, 2)
+    assert (r.num_kv_heads, r.linear_num_key_heads, r.linear_num_value_heads, r.num_attention_heads) == (2, 8, 24, 12)
+    with pytest.raises(ValueError, match="valid for this model"):
+        m.rank_geometry(g, 8)
+
+
+@pytest.mark.parametrize("kv,max_len,k", [("bf16", 65_536, 4), ("int8_per_token_head", 131_072, 3)])
+def test_tp2_pool_halves_pages_keeps_block(kv, max_len, k):
+    """vLLM splits KV heads and GDN heads by TP: each rank's page is half, the block size stays,
+    and the same per-GPU bytes hold (about) twice the tokens."""
+    g = m.QWEN38_27B
+    one = m.predict_pool(g, 5 * m.GiB, kv, max_len, k, True)
+    two = m.predict_pool(m.rank_geometry(g, 2), 5 * m.GiB, kv, max_len, k, True)
+    assert two.block_size == one.block_size and two.page_bytes * 2 == one.page_bytes
+    assert 1.99 < two.pool_tokens / one.pool_tokens < 2.02
+    assert m.gdn_state_bytes(m.rank_geometry(g, 2), k) * 2 == m.gdn_state_bytes(g, k)
+
+
+def test_tp_weight_split_27b_layout():
+    t = m.layout_27b_tensors()
+    w1, w2 = m.tp_weight_bytes(t, 1), m.tp_weight_bytes(t, 2)
+    assert w1.total == w2.total == w1.per_gpu
+    assert w2.per_gpu == m.cdiv(w2.sharded, 2) + m.cdiv(w2.vocab, 2) + w2.replicated
+    assert 13 * m.GiB < w1.total < 16 * m.GiB  # W4A16 body + int8 embed/lm_head/MTP
+    assert w1.replicated < 2 * m.MiB  # only RMSNorm weights (+ weight_shape) are copied to every GPU
+    assert m.tp_weight_bytes(m.layout_27b_tensors(2), 1).total - w1.total > 2 * m.GiB  # bf16 heads
+    assert not any(n.startswith("model.visual.") for n, _ in t if m._tp_class(n) != "skip")
+
+
+def test_predict_tp_from_util_and_from_logged_kv():
+    g = m.QWEN38_27B
+    w = m.tp_weight_bytes(m.layout_27b_tensors(), 2)
+    p = m.predict_tp(g, 2, w, "bf16", 65_536, 4, True, gpu_util=0.92)
+    assert p.kv_bytes_per_gpu == m.kv_mem_from_util(m.CARD_24G, 0.92, w.per_gpu)
+    d = p.as_dict()
+    assert d["kv_bytes_total"] == 2 * d["kv_bytes_per_gpu"] and d["pool_tokens"] == p.pool.pool_tokens
+    q = m.predict_tp(g, 2, w, "bf16", 65_536, 4, True, kv_bytes_per_gpu=5 * m.GiB)
+    assert q.pool.pool_tokens == m.predict_pool(m.rank_geometry(g, 2), 5 * m.GiB, "bf16", 65_536, 4, True).pool_tokens
+
+
+def test_from_config_reads_attention_heads():
+    cfg = {"text_config": {"num_hidden_layers": 8, "num_key_value_heads": 2, "hidden_size": 256,
+                           "num_attention_heads": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 6,
+                           "linear_key_head_dim": 128, "linear_value_head_dim": 128}}
+    g = m.ModelGeometry.from_config(cfg)
+    assert g.num_attention_heads == 8 and m.tp_sizes_for(g) == [1, 2]
