@@ -392,6 +392,8 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
         plan.child_env["VLLM_API_KEY"] = plan.api_key
     if "TP" in plan.values and int(plan.get("TP")) > 1:
         plan.child_env.update(profiles.TP_CHILD_ENV)  # NVLink multicast off (profiles.TP_CHILD_ENV says why)
+    # WIDE_VERIFY's only reader in the server is patch 0070 (triton_attn.py, ONECARD_WIDE_VERIFY)
+    plan.child_env["ONECARD_WIDE_VERIFY"] = str(plan.get("WIDE_VERIFY"))
     return plan
 
 

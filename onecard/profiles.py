@@ -109,6 +109,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("REASONING_PARSER", "qwen3", "qwen3|none", "reasoning parser", ("qwen3", "none")),
     Knob("THINKING", "1", "0|1", "default enable_thinking in the chat template", BOOL),
     Knob("GDN_PREFILL", "", "triton|''", "GDN prefill backend (additional-config); set triton on H100/H200", ("", "triton")),
+    Knob("WIDE_VERIFY", "1", "0|1", "1: spec-decode verify batches on TRITON_ATTN (int8/int4 KV) run the split-KV "
+         "wide-verify kernel (patch 0070, docs/wide-verify.md); 0: stock kernel. Passed to the server as "
+         "ONECARD_WIDE_VERIFY", BOOL),
     Knob("EXTRA_ARGS", "", "shell words", "appended last to vllm serve"),
     Knob("VLLM_API_KEY", "", "string", "API key (or .env, or api_key.txt mode 0600); never printed"),
 ]}

@@ -1,0 +1,46 @@
+"""WIDE_VERIFY: a launcher knob (profiles.KNOBS) that reaches the server only as the environment
+variable ONECARD_WIDE_VERIFY, read once by patch 0070; the argv never changes."""
+import pytest
+
+from onecard import plan as P
+from onecard import profiles
+
+
+def mk(env, root):
+    return P.make_plan(env, root, python="python3")
+
+
+def test_default_on_and_passed_by_env(tmp_path):
+    plan = mk({"CTX": "long", "SPEC": "mtp"}, tmp_path)
+    assert profiles.KNOBS["WIDE_VERIFY"].default == "1"
+    assert plan.values["WIDE_VERIFY"].source == "default"
+    assert plan.child_env["ONECARD_WIDE_VERIFY"] == "1"
+
+
+def test_off_changes_env_not_argv(tmp_path):
+    on = mk({"CTX": "long", "SPEC": "mtp"}, tmp_path)
+    off = mk({"CTX": "long", "SPEC": "mtp", "WIDE_VERIFY": "0"}, tmp_path)
+    assert off.child_env["ONECARD_WIDE_VERIFY"] == "0" and off.values["WIDE_VERIFY"].source == "env"
+    assert off.argv == on.argv
+
+
+def test_dotenv(tmp_path):
+    (tmp_path / ".env").write_text("WIDE_VERIFY=0\n")
+    assert mk({}, tmp_path).child_env["ONECARD_WIDE_VERIFY"] == "0"
+
+
+@pytest.mark.parametrize("bad", ["2", "on", "auto"])
+def test_bad_value_one_line_error(tmp_path, bad):
+    with pytest.raises(P.PlanError) as exc:
+        mk({"WIDE_VERIFY": bad}, tmp_path)
+    msg = str(exc.value)
+    assert "\n" not in msg and "WIDE_VERIFY" in msg and "0|1" in msg
+
+
+def test_patch_accepts_what_the_launcher_passes():
+    """The launcher passes "0" or "1"; patch 0070's reader accepts both (and auto/on/off)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "patches" / "0070-wide-verify-triton-attn.patch").read_text()
+    assert 'os.environ.get("ONECARD_WIDE_VERIFY", "auto")' in text
+    assert '("", "auto", "1", "on", "true", "yes")' in text and '("0", "off", "false", "no")' in text
