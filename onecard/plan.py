@@ -143,8 +143,11 @@ def parse_choice(text: str, knob: profiles.Knob) -> str:
 
 # ------------------------------------------------------------------ the plan
 
-def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: bool = False) -> ServePlan:
-    """Resolve every knob to a value with its source (no preflight, no argv yet)."""
+def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: bool = False,
+            probe_gpus: bool = False) -> ServePlan:
+    """Resolve every knob to a value with its source (no preflight, no argv yet). ``probe_gpus``:
+    at TP>1 without CUDA_VISIBLE_DEVICES, ask nvidia-smi (a real launch only: plans stay
+    machine-independent in --dry-run and tests)."""
     root = Path(root)
     dot = read_dotenv(root / ".env")
     plan = ServePlan()
@@ -279,7 +282,7 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
     else:
         plan.values["TP"].value = int(plan.get("TP"))
     if plan.get("TP") > 1:
-        n, why = visible_gpus(environ)
+        n, why = visible_gpus(environ, probe=probe_gpus)
         plan.set("GPUS", n if n is not None else "unknown", "env" if n is not None else "default", why)
     return plan
 
@@ -303,9 +306,10 @@ def tensor_parallel(extra: list[str]) -> int:
     return _tp_in_extra(extra) or 1
 
 
-def visible_gpus(environ: Mapping[str, str]) -> tuple[int | None, str]:
+def visible_gpus(environ: Mapping[str, str], probe: bool = True) -> tuple[int | None, str]:
     """(GPUs this process would see, how that was found); None = unknown (never a failure):
-    CUDA_VISIBLE_DEVICES when set (entries up to the first invalid '-1'), else `nvidia-smi -L`."""
+    CUDA_VISIBLE_DEVICES when set (entries up to the first invalid '-1'), else `nvidia-smi -L`
+    when ``probe``."""
     cvd = environ.get("CUDA_VISIBLE_DEVICES")
     if cvd is not None:
         ids = []
@@ -314,6 +318,8 @@ def visible_gpus(environ: Mapping[str, str]) -> tuple[int | None, str]:
                 break
             ids.append(e)
         return len(ids), f"CUDA_VISIBLE_DEVICES={cvd!r}"
+    if not probe:
+        return None, "CUDA_VISIBLE_DEVICES unset; nvidia-smi is asked at launch, not in a dry run"
     import shutil
     import subprocess
 
@@ -385,7 +391,7 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     from onecard import preflight
 
     environ = dict(os.environ if environ is None else environ)
-    plan = resolve(environ, root, check_paths and model_path is None)
+    plan = resolve(environ, root, check_paths and model_path is None, probe_gpus=check_paths)
     preflight.run_checks(plan, geometry or memory.QWEN38_27B)
     plan.argv = build_argv(plan, python, model_path)
     if plan.api_key:

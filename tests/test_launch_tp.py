@@ -80,7 +80,7 @@ def test_tp_must_divide_gdn_heads(tmp_path):
         mk({"TP": "4", "KV_MEM": "auto"}, tmp_path, geometry=g)
 
 
-def test_visible_gpus(monkeypatch):
+def test_visible_gpus(monkeypatch, tmp_path):
     import shutil
 
     assert P.visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1"})[0] == 2
@@ -89,15 +89,30 @@ def test_visible_gpus(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     n, why = P.visible_gpus({})
     assert n is None and "not checked" in why
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA GeForce RTX 3090 (UUID: GPU-a)'\n"
+                   "echo '  MIG 1g.5gb Device 0: (UUID: MIG-x)'\necho 'GPU 1: NVIDIA GeForce RTX 3090 (UUID: GPU-b)'\n")
+    smi.chmod(0o755)
+    monkeypatch.setattr(shutil, "which", lambda name: str(smi))
+    assert P.visible_gpus({}) == (2, "nvidia-smi -L")
+    assert P.visible_gpus({}, probe=False)[0] is None
 
 
 def test_unknown_gpu_count_does_not_fail(tmp_path, monkeypatch):
     import shutil
 
-    monkeypatch.setattr(shutil, "which", lambda name: None)
+    def boom(name):
+        raise AssertionError("nvidia-smi must not be asked outside a real launch")
+
+    monkeypatch.setattr(shutil, "which", boom)  # dry runs and tests are machine-independent
     plan = mk({"TP": "2"}, tmp_path)
     assert plan.get("GPUS") == "unknown" and any("unknown" in n for n in plan.notes)
     assert mk({"TP": "2", "CUDA_VISIBLE_DEVICES": "0,1"}, tmp_path).get("GPUS") == 2
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # a real launch asks; none here: not checked
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    plan = mk({"TP": "2", "MODEL": str(tmp_path / "m")}, tmp_path, check_paths=True)
+    assert plan.get("GPUS") == "unknown" and "not checked" in plan.values["GPUS"].reason
 
 
 def test_prediction_per_gpu_and_total(tmp_path):
