@@ -253,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", default=None)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
+    # a timeout around us sends TERM: turn it into SystemExit so run_case's finally kills the server
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     deadline = time.monotonic() + a.budget
     import torch
 
