@@ -125,7 +125,7 @@ def predictions(case: dict, rec: dict, card_bytes: int) -> None:
         rec["block_pred"] = p.pool.block_size
 
 
-def run_case(case: dict, out: Path, card_bytes: int, deadline: float) -> dict:
+def run_case(case: dict, out: Path, card_bytes: int, deadline: float, launcher: list[str]) -> dict:
     from onecard.plan import make_plan
     from onecard import profiles
 
@@ -146,7 +146,7 @@ def run_case(case: dict, out: Path, card_bytes: int, deadline: float) -> dict:
     log_path = out / f"server-{case['name']}.log"
     t0 = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "onecard.launch"], env=env, cwd=REPO, stdout=log,
+        proc = subprocess.Popen(launcher, env=env, cwd=REPO, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             up = False
@@ -251,14 +251,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-util", default="0.5")
     ap.add_argument("--tolerance", type=float, default=0.01)
     ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--launcher", default=f"{sys.executable} -m onecard.launch", help="(dry runs: a fake server)")
+    ap.add_argument("--card-gib", type=float, default=None, help="GPU memory (default: torch's figure for GPU 0)")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     # a timeout around us sends TERM: turn it into SystemExit so run_case's finally kills the server
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     deadline = time.monotonic() + a.budget
-    import torch
+    if a.card_gib is None:
+        import torch
 
-    card = torch.cuda.get_device_properties(0).total_memory
+        card = torch.cuda.get_device_properties(0).total_memory
+    else:
+        card = int(a.card_gib * GiB)
     from onecard.prepare.tiny import ensure_tiny_model
 
     tiny = str(ensure_tiny_model())
@@ -281,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             recs.append({"name": c["name"], "error": "not run: time budget spent"})
             continue
         print(f"[tp2] {c['name']}: boot", flush=True)
-        r = run_case(c, a.out, card, deadline)
+        r = run_case(c, a.out, card, deadline, a.launcher.split())
         recs.append(r)
         print(f"[tp2] {c['name']}: boot {r.get('boot_s')} s pool {r.get('pool_tokens')} pred {r.get('pool_pred')} "
               f"C1 {r.get('c1', {}).get('tok_s')} C4 {r.get('c4', {}).get('tok_s')} {r.get('error', '')}", flush=True)

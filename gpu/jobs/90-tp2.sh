@@ -8,6 +8,7 @@
 # table with the TP=2/TP=1 tok/s ratios. Run it after job 20 in the same session: gpu/run.sh 20 90.
 # NVLink multicast stays off: the launcher puts NCCL_NVLS_ENABLE=0 (and the PyTorch/NVSHMEM
 # equivalents, onecard.profiles.TP_CHILD_ENV) in the server env; exported here as well.
+# TP2_ARGS: extra driver options, e.g. "--only tiny-tp1 tiny-tp2" or "--gpu-util 0.3".
 # Writes: $JOB_OUT/{tp2.json,tp2-table.txt,server-*.log,summary.txt}.
 # Exit 0 when every case booted, the tiny greedy text matched and every pool was within 1%.
 set -u
