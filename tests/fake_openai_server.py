@@ -176,10 +176,51 @@ class FakeServer:
         self.httpd.server_close()
 
 
-if __name__ == "__main__":  # `python fake_openai_server.py PORT`: for boot-per-arm tests
+def _fake_boot_log(env) -> None:
+    """Print vLLM-shaped boot lines (the pool the launcher plan predicts for this env, times
+    FAKE_POOL_SCALE) so boot-log parsers can be tested; FAKE_BOOT_FAIL=1 dies like a bad boot."""
+    if env.get("FAKE_BOOT_FAIL"):
+        print("RuntimeError: fake boot failure (FAKE_BOOT_FAIL)", flush=True)
+        raise SystemExit(1)
+    if not env.get("FAKE_VLLM_LOG"):
+        return
+    from pathlib import Path
+    from onecard import memory
+    from onecard.plan import make_plan
+    geom = memory.ModelGeometry.from_model_dir(env["MODEL"]) if (Path(env.get("MODEL", "")) / "config.json").is_file() else None
+    p = make_plan(dict(env), ".", python="python3", geometry=geom).prediction
+    pool = int(p["pool_tokens"] * float(env.get("FAKE_POOL_SCALE", "1")))
+    print(f"INFO Setting attention block size to {p['block_size']} tokens to ensure that attention page size is >= mamba page size.")
+    print(f"INFO [kv_cache_utils.py:1] GPU KV cache size: {pool:,} tokens")
+    print(f"INFO [kv_cache_utils.py:1] Maximum concurrency for {p['max_len']:,} tokens per request: {p['max_concurrency']:.2f}x",
+          flush=True)
+
+
+if __name__ == "__main__":
+    # `python fake_openai_server.py [PORT]` (else $PORT): for boot-per-arm tests. Env knobs:
+    # FAKE_DELAY (s per chunk), FAKE_TOKENS_PER_CHUNK (SPEC=off forces 1), FAKE_CRASH_AFTER (the
+    # process dies on that many-th POST, like a server crash), FAKE_VLLM_LOG / FAKE_POOL_SCALE /
+    # FAKE_BOOT_FAIL (see _fake_boot_log).
     import os
     import sys
-    srv = FakeServer(int(sys.argv[1]), delay=float(os.environ.get("FAKE_DELAY", "0.002")))
+    env = os.environ
+    _fake_boot_log(env)
+    port = int(sys.argv[1]) if len(sys.argv) > 1 else int(env["PORT"])
+    tpc = 1 if env.get("SPEC") == "off" else int(env.get("FAKE_TOKENS_PER_CHUNK", "3"))
+    srv = FakeServer(port, delay=float(env.get("FAKE_DELAY", "0.002")), tokens_per_chunk=tpc)
+    crash = int(env.get("FAKE_CRASH_AFTER", "0"))
+    if crash:
+        posts = [0]
+        handler = srv.httpd.RequestHandlerClass
+        orig = handler.do_POST
+
+        def do_post(self):
+            posts[0] += 1
+            if posts[0] >= crash:
+                print(f"RuntimeError: fake engine crash at POST {posts[0]} (FAKE_CRASH_AFTER)", flush=True)
+                os._exit(3)
+            orig(self)
+        handler.do_POST = do_post
     try:
         srv.httpd.serve_forever()
     except KeyboardInterrupt:

@@ -42,6 +42,9 @@ class Target:
     label: str | None = None
     argv: list[str] | None = None
     server_config: dict = field(default_factory=dict)
+    #: provenance fields this target knows better than the client process (e.g. the stock arm of
+    #: a patched-vs-stock run: no patch series applied to the server's vLLM)
+    provenance_overrides: dict = field(default_factory=dict)
     log: Callable[[str], None] = print
 
     def client(self) -> Client:
@@ -70,6 +73,7 @@ def _open(t: Target, kind: str, pset: dict | None, max_tokens: Any, warm: dict,
     prov = provenance.build(argv=t.argv, prompt_set=pset, sampling=t.sampling,
                             token_count_source=token_source, warmup=warm, server=server,
                             max_tokens=max_tokens)
+    prov.update(t.provenance_overrides or {})
     result = {"kind": kind, "label": t.label, "provenance": prov, "server_config": t.server_config,
               "traffic": {"requests": 0, "completion_tokens": 0, "failed": 0, "first_error": None,
                           "concurrency": 1},

@@ -1,0 +1,871 @@
+"""The reference performance run: patched vs stock vLLM on one GPU, one command, one table.
+
+Each arm is the same launcher (``python -m onecard.launch``: env knobs -> plan -> ``vllm serve``)
+with its own PYTHONPATH: ``patched`` = the installed, patched vLLM; ``stock`` = the pristine copy
+first on the path. Every boot uses the CTX profile's 3090 ``KV_MEM`` pin (a 24 GB card's pool,
+emulated on any larger GPU) and the same knobs, so the two arms differ only in the patch series.
+
+Per boot the existing benchmarks of :mod:`onecard.bench.runner` run (ladder, depth,
+prefix_turns, spec), each writing its own result JSON with provenance and a fairness verdict;
+this module reads figures out of them, compares arms with :func:`fairness.compare` (declared
+knob ``patch_series``; across >= 2 boots per arm with :func:`fairness.ab_verdict`), puts each
+decode figure against the bandwidth roofline (:mod:`onecard.bench.roofline`) and writes one JSON
+(rewritten atomically after every step) and one markdown table. A boot that fails or a server
+that dies leaves its rows saying so; nothing measured before is lost.
+
+Tiers (``TIERS``): ``quick`` (one boot per arm, essential rows, <= 6 min on a warm machine; the
+mtp boots run only if the budget still fits them) and ``full`` (all rows, 2 boots per arm).
+Random-weight checkpoints never stop on their own: requests use fixed max_tokens + ignore_eos.
+
+    python -m onecard.bench.reference --tier quick --model $MODELS/qwen38-27b-geom --md docs/performance.md
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from . import fairness, prompts as P, provenance, roofline
+from .results import ResultFile, atomic_write_text
+from .runner import DEFAULT_SAMPLING, Target, build_context
+from .server import ServerProcess
+
+RE_POOL = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+RE_CONC = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+RE_BLOCK = re.compile(r"Setting attention block size to (\d+) tokens")
+RE_ERRLINE = re.compile(r"(\w*(Error|Exception)\b.*:|CUDA out of memory)")
+ARM_KNOB = "patch_series"  # the one config key allowed to differ between stock and patched
+SPEC_KNOB = "SPEC"
+SERVED = "ref"
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    decode: tuple[tuple[int, tuple[int, ...]], ...]  # (prompt tokens, concurrency levels)
+    decode_tokens: int
+    reps: int
+    prefill: tuple[int, ...]
+    verify_context: int | None  # None: no speculation rows
+    verify_tokens: int
+    spec: tuple[str, ...]  # SPEC values for the verify boots (mtp, dflash2)
+    prefix_context: int | None
+    prefix_tokens: int
+    pool_ctx: tuple[str, ...]  # extra CTX profiles booted only for their pool
+    boots: int
+    budget_s: float
+    essential: tuple[str, ...]  # row keys that must come out in every arm
+    ctx: str = "fast"
+    prefill_tokens: int = 8
+    doc: str = ""
+
+
+# 64k profile (max_len 65,536): the depth runner skips a context whose estimate x 1.1 plus the
+# output exceeds max_model_len, so the "64k" rows use 57,000 estimated tokens (the measured
+# prompt_tokens from usage are what the table shows).
+TIERS: dict[str, Tier] = {
+    "quick": Tier(
+        "quick", decode=((1000, (1, 4)),), decode_tokens=128, reps=1, prefill=(16000,),
+        verify_context=1000, verify_tokens=96, spec=("mtp",), prefix_context=16000, prefix_tokens=16,
+        pool_ctx=(), boots=1, budget_s=360.0,
+        essential=("pool fast/off", "decode 1k C1", "decode 1k C4", "prefill 16k", "prefix 16k turn2/turn1"),
+        doc="one boot per arm (CTX=fast, SPEC=off): pools, C1+C4 decode at 1k, prefill 16k, prefix "
+            "2 turns at 16k; SPEC=mtp boots (verify vs plain at 1k) only if the 6-minute budget fits"),
+    "full": Tier(
+        "full", decode=((1000, (1, 2, 4, 8)), (32000, (1, 2, 4, 8))), decode_tokens=256, reps=2,
+        prefill=(1000, 16000, 57000), verify_context=1000, verify_tokens=128, spec=("mtp", "dflash2"),
+        prefix_context=57000, prefix_tokens=16, pool_ctx=("long", "huge"), boots=2, budget_s=3600.0,
+        essential=("pool fast/off", "decode 1k C1", "decode 1k C4", "decode 32k C1", "prefill 16k",
+                   "prefill 57k", "prefix 57k turn2/turn1", "verify mtp/plain"),
+        doc="2 boots per arm (boot floor measured): C1/C2/C4/C8 at 1k and 32k, prefill 1k/16k/~64k, "
+            "SPEC=mtp and dflash2 verify, prefix 2 turns at ~64k, pools of every CTX profile"),
+}
+
+
+@dataclass
+class Arm:
+    name: str  # stock | patched
+    pythonpath: str | None
+    env: dict[str, str] = field(default_factory=dict)
+    skip_reason: str | None = None
+
+
+@dataclass
+class RefConfig:
+    model: str
+    tier: Tier
+    out_dir: Path
+    arms: list[Arm]
+    md: Path | None = None
+    server_cmd: str | None = None  # bash command; default: this python -m onecard.launch
+    port: int | None = None
+    bandwidth_gbs: float | None = None  # skip the measurement (tests)
+    boot_timeout: float = 600.0
+    budget_s: float | None = None
+    base_env: dict[str, str] = field(default_factory=dict)
+    argv: list[str] = field(default_factory=lambda: list(sys.argv))
+    root: Path = Path(__file__).resolve().parents[2]
+    log: Callable[[str], None] = lambda s: print(s, flush=True)
+
+
+def _k(n: int) -> str:
+    return f"{n // 1000}k" if n >= 1000 else str(n)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def haystack_set(tokens: int) -> P.PromptSet:
+    """A one-prompt set of about ``tokens`` tokens (deterministic text: same hash every run)."""
+    text = build_context(tokens) + "\n\nContinue the story above:"
+    return P.PromptSet(id=f"haystack-{_k(tokens)}", path="<onecard.bench.runner.build_context>",
+                       prompts=(text,), ids=(f"haystack-{tokens}",))
+
+
+def parse_boot_log(text: str) -> dict:
+    m, c, b = RE_POOL.search(text), RE_CONC.search(text), RE_BLOCK.findall(text)
+    return {"pool_tokens": int(m.group(1).replace(",", "")) if m else None,
+            "max_concurrency": float(c.group(2)) if c else None,
+            "block_size": int(b[-1]) if b else None}
+
+
+def boot_error(text: str, fallback: str) -> str:
+    errs = [ln.strip() for ln in text.splitlines() if RE_ERRLINE.search(ln)]
+    return (errs[-1] if errs else fallback)[:300]
+
+
+# ------------------------------------------------------------------------------------ the run
+class Reference:
+    def __init__(self, cfg: RefConfig):
+        self.cfg = cfg
+        self.t0 = time.monotonic()
+        self.budget = cfg.budget_s if cfg.budget_s is not None else cfg.tier.budget_s
+        self.port = cfg.port or _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.max_boot_s = 0.0
+        self.boots: list[dict] = []  # every boot, in order, with its results (paths + figures)
+        self.skipped: list[dict] = []
+        self.results: dict[str, dict] = {}  # result path -> result dict
+        self.doc: dict[str, Any] = {}
+        self.rf: ResultFile | None = None
+
+    # -- helpers ------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def fits(self, what: str, est_s: float) -> bool:
+        left = self.budget - self.elapsed()
+        if est_s <= left:
+            return True
+        self.skip(what, f"budget: {left:.0f} s left of {self.budget:.0f} s, needs ~{est_s:.0f} s")
+        return False
+
+    def skip(self, what: str, reason: str) -> None:
+        self.skipped.append({"what": what, "reason": reason})
+        self.cfg.log(f"[reference] skip {what}: {reason}")
+        self.save()
+
+    def env_for(self, arm: Arm, ctx: str, spec: str) -> dict[str, str]:
+        env = {"MODEL": self.cfg.model, "CTX": ctx, "SPEC": spec, "GDN_PREFILL": "triton",
+               "HOST": "127.0.0.1", "PORT": str(self.port), "TOOLS": "0", "SERVED_NAME": SERVED,
+               "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "EXTRA_ARGS": "--seed 0",
+               **self.cfg.base_env, **arm.env}
+        if arm.pythonpath is not None:
+            env["PYTHONPATH"] = arm.pythonpath
+        return env
+
+    def plan(self, env: dict) -> dict:
+        """The launcher's plan for this env, in-process (prediction + argv); PlanError -> error."""
+        from onecard import memory
+        from onecard.plan import PlanError, make_plan
+        try:
+            geom = memory.ModelGeometry.from_model_dir(self.cfg.model)
+        except ValueError:
+            geom = None
+        try:
+            p = make_plan(env, self.cfg.root, python="python3", geometry=geom)
+        except PlanError as e:
+            return {"error": str(e)}
+        vals = {k: v.value for k, v in p.values.items()}
+        return {"prediction": p.prediction, "argv": p.argv,
+                "server_config": {k: vals.get(k) for k in ("CTX", "KV", "KV_MEM", "MAX_LEN", "MAX_SEQS",
+                                                          "PREFIX_CACHE", "SSM_DTYPE", "SPEC")},
+                "spec_k": vals.get("SPEC_K")}
+
+    # -- boots ----------------------------------------------------------------------------
+    def boot(self, arm: Arm, ctx: str, spec: str, idx: int, pool_only: bool,
+             steps: Callable[[Target, dict], None] | None) -> dict:
+        name = f"{arm.name}-{ctx}-{spec}-b{idx}"
+        rec: dict[str, Any] = {"name": name, "arm": arm.name, "ctx": ctx, "spec": spec, "boot": idx,
+                               "pool_only": pool_only, "results": {}, "ok": False}
+        self.boots.append(rec)
+        env = self.env_for(arm, ctx, spec)
+        rec["plan"] = self.plan(env)
+        if "error" in rec["plan"]:
+            rec["skipped"] = f"the launcher refuses this plan: {rec['plan']['error']}"
+            self.skip(name, rec["skipped"])
+            return rec
+        rec["server_env"] = {k: v for k, v in env.items() if k in provenance.KNOB_NAMES or k in
+                             ("GDN_PREFILL", "TOOLS", "SERVED_NAME", "EXTRA_ARGS", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")}
+        cmd = self.cfg.server_cmd or f"exec {shlex.quote(sys.executable)} -m onecard.launch"
+        log_path = self.cfg.out_dir / f"server-{name}.log"
+        rec["log"] = str(log_path)
+        self.cfg.log(f"[reference] {self.elapsed():.0f}s boot {name}")
+        srv = self._srv = ServerProcess(cmd, env=env, log_path=log_path)
+        t0 = time.monotonic()
+        try:
+            srv.start()
+            if pool_only:
+                self._wait_pool(srv, log_path)
+            else:
+                rec["boot_s"] = srv.wait_healthy(self.url, self.cfg.boot_timeout)
+                self.max_boot_s = max(self.max_boot_s, rec["boot_s"])
+            rec.update(parse_boot_log(log_path.read_text(errors="replace")))
+            rec["ok"] = True
+            self.save()
+            if steps is not None:
+                t = self._target(arm, rec, name)
+                steps(t, rec)
+        except Exception as exc:  # noqa: BLE001 - a failed boot is a row, not a crash
+            text = log_path.read_text(errors="replace") if log_path.exists() else ""
+            errline = boot_error(text, "")
+            rec.setdefault("error", f"{type(exc).__name__}: {exc}" + (f"; server log: {errline}" if errline else ""))
+            rec.update({k: v for k, v in parse_boot_log(text).items() if v is not None})
+            self.cfg.log(f"[reference] {name}: {rec['error']}")
+        finally:
+            srv.stop()
+            rec["wall_s"] = round(time.monotonic() - t0, 1)
+            self.save()
+        return rec
+
+    def _wait_pool(self, srv: ServerProcess, log_path: Path) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.cfg.boot_timeout:
+            text = log_path.read_text(errors="replace") if log_path.exists() else ""
+            if RE_POOL.search(text) and RE_CONC.search(text):
+                return
+            if srv.proc is not None and srv.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {srv.proc.returncode} before logging its pool")
+            time.sleep(0.5)
+        raise TimeoutError(f"no pool line after {self.cfg.boot_timeout:.0f} s")
+
+    def _target(self, arm: Arm, rec: dict, label: str) -> Target:
+        over: dict[str, Any] = {"arm": arm.name, "server_launch": {"argv": rec["plan"]["argv"],
+                                                                  "env": rec.get("server_env"),
+                                                                  "pythonpath": arm.pythonpath}}
+        if arm.name == "stock":
+            over["patch_series"] = {"hash": None, "source": "stock arm: pristine vLLM first on PYTHONPATH, "
+                                                            "no patch applied", "series": None}
+        return Target(url=self.url, model=SERVED, out_dir=str(self.cfg.out_dir / arm.name),
+                      sampling=dict(DEFAULT_SAMPLING), label=label, argv=self.cfg.argv,
+                      server_config=rec["plan"]["server_config"], provenance_overrides=over,
+                      log=lambda s: self.cfg.log(f"  {label}: {s}"))
+
+    def keep(self, rec: dict, key: str, res: dict) -> None:
+        rec["results"][key] = {"path": res.get("path"), "verdict": res.get("verdict"),
+                               "reasons": res.get("verdict_reasons")}
+        if res.get("path"):
+            self.results[res["path"]] = res
+        self.save()
+        proc = getattr(getattr(self, "_srv", None), "proc", None)
+        if proc is not None and proc.poll() is not None:  # the rest of this boot cannot run
+            raise RuntimeError(f"server died during '{key}' (exit {proc.returncode})")
+
+    # -- steps ------------------------------------------------------------------------------
+    def plain_steps(self, t: Target, rec: dict) -> None:
+        from . import runner
+        tier = self.cfg.tier
+        for ctx, ns in tier.decode:
+            self.keep(rec, f"decode {_k(ctx)}", runner.ladder(t, haystack_set(ctx), list(ns), tier.decode_tokens, tier.reps))
+        if tier.prefill:
+            self.keep(rec, "prefill", runner.depth(t, list(tier.prefill), tier.prefill_tokens))
+        if tier.prefix_context:
+            self.keep(rec, "prefix", runner.prefix_turns(t, tier.prefix_context, 2, tier.prefix_tokens))
+        if tier.verify_context and tier.spec:
+            self.verify_step(t, rec)
+
+    def verify_step(self, t: Target, rec: dict) -> None:
+        from . import runner
+        tier = self.cfg.tier
+        self.keep(rec, "verify", runner.spec(t, [haystack_set(tier.verify_context)], tier.verify_tokens))
+
+    # -- the whole run ----------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg, tier = self.cfg, self.cfg.tier
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        self.doc = {"kind": "reference", "label": f"reference-{tier.name}", "tier": dataclasses.asdict(tier),
+                    "model": cfg.model, "argv": cfg.argv, "date": provenance.utc_now(),
+                    "provenance": provenance.build(argv=cfg.argv, prompt_set=None, sampling=dict(DEFAULT_SAMPLING),
+                                                   warmup={"policy": "per benchmark: 1 salted request discarded"}),
+                    "arms": [dataclasses.asdict(a) for a in cfg.arms], "url": self.url}
+        self.rf = ResultFile(cfg.out_dir, "reference", self.doc, label=tier.name)
+        self.doc["path"] = str(self.rf.path)
+        try:
+            self._measure()
+        except KeyboardInterrupt:
+            self.rf.abort("interrupted")
+            raise
+        except Exception as exc:  # noqa: BLE001 - keep what was measured
+            self.doc["error"] = f"{type(exc).__name__}: {exc}"
+        self.build()
+        missing = self.doc["missing"]
+        if self.doc.get("error"):
+            self.rf.abort(f"aborted: {self.doc['error']}")
+        else:
+            self.rf.finish("VALID" if not missing else "INCOMPLETE",
+                           [f"missing: {m}" for m in missing] or ["every essential row measured in every arm"])
+        if cfg.md:
+            atomic_write_text(cfg.md, markdown(self.doc))
+        return self.doc
+
+    def _measure(self) -> None:
+        cfg, tier = self.cfg, self.cfg.tier
+        arms = []
+        for a in cfg.arms:
+            if a.skip_reason:
+                self.skip(f"arm {a.name}", a.skip_reason)
+            else:
+                arms.append(a)
+        if cfg.bandwidth_gbs is not None:
+            self.doc["bandwidth"] = {"gbps_read_plus_write": cfg.bandwidth_gbs, "method": "given (--bandwidth-gbs)"}
+        else:
+            self.doc["bandwidth"] = measure_bandwidth(arms[0].pythonpath if arms else None)
+        self.cfg.log(f"[reference] copy bandwidth: {self.doc['bandwidth']}")
+        try:
+            self.doc["step_bytes"] = roofline.step_bytes(cfg.model).as_dict()
+        except (ValueError, OSError) as e:
+            self.doc["step_bytes"] = {"error": str(e)}
+        self.save()
+        for b in range(tier.boots):
+            for arm in arms:
+                if b > 0 and not self.fits(f"boot {b + 1} of {arm.name}", self.max_boot_s + 60):
+                    continue
+                self.boot(arm, tier.ctx, "off", b, False, self.plain_steps)
+        if tier.verify_context:
+            for spec in tier.spec:
+                for b in range(tier.boots):
+                    for arm in arms:
+                        if not self.fits(f"{arm.name} SPEC={spec} boot {b + 1}", self.max_boot_s + 45):
+                            continue
+                        self.boot(arm, tier.ctx, spec, b, False, self.verify_step)
+        for ctx in tier.pool_ctx:
+            for arm in arms:
+                if self.fits(f"{arm.name} CTX={ctx} pool boot", self.max_boot_s + 10):
+                    self.boot(arm, ctx, "off", 0, True, None)
+
+    def save(self) -> None:
+        if self.rf is None:
+            return
+        self.doc["boots"] = self.boots
+        self.doc["skipped"] = self.skipped
+        self.doc["elapsed_s"] = round(self.elapsed(), 1)
+        self.rf.save()
+
+    # -- the table ----------------------------------------------------------------------------
+    def build(self) -> None:
+        self.doc["rows"] = rows = build_rows(self.boots, self.results, self.doc, self.cfg.tier)
+        self.doc["goals"] = goals(rows, self.cfg.tier)
+        names = [a.name for a in self.cfg.arms]
+        missing = []
+        for key in self.cfg.tier.essential:
+            row = next((r for r in rows if r["key"] == key), None)
+            for arm in names:
+                if row is None or (row["arms"].get(arm) or {}).get("value") is None:
+                    why = ((row or {}).get("arms", {}).get(arm) or {}).get("note") or "not measured"
+                    missing.append(f"{key} [{arm}]: {why}")
+        self.doc["missing"] = missing
+        self.save()
+
+
+def measure_bandwidth(pythonpath: str | None) -> dict:
+    """Copy bandwidth in a child process (the GPU is free again before the first boot)."""
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    try:
+        out = subprocess.run([sys.executable, "-m", "onecard.bench.roofline"], env=env, capture_output=True,
+                             text=True, timeout=300)
+        if out.returncode == 0:
+            return json.loads(out.stdout.strip().splitlines()[-1])
+        return {"error": (out.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    except (OSError, subprocess.SubprocessError, json.JSONDecodeError, IndexError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+# ------------------------------------------------------------------------------------ figures
+def _res(results: dict, boot: dict, key: str) -> dict | None:
+    p = (boot.get("results") or {}).get(key, {}).get("path")
+    return results.get(p) if p else None
+
+
+def _valid(r: dict | None) -> bool:
+    return bool(r) and r.get("verdict") == "VALID"
+
+
+def _why(r: dict | None, boot: dict) -> str:
+    if boot.get("skipped"):
+        return f"skipped: {boot['skipped']}"
+    if boot.get("error"):
+        return f"server failed: {boot['error']}"
+    if r is None:
+        return "not run"
+    return f"{r.get('verdict')}: {'; '.join(r.get('verdict_reasons') or [])}"[:240]
+
+
+def fig_decode(r: dict, n: int) -> float | None:
+    lv = next((x for x in (r.get("data") or {}).get("levels", []) if x["n"] == n), None)
+    if lv is None:
+        return None
+    return lv.get("per_stream_decode_tps") if n == 1 else lv.get("aggregate_tps")
+
+
+def fig_prefill(r: dict, ctx: int) -> float | None:
+    pt = next((x for x in (r.get("data") or {}).get("points", []) if x["context"] == ctx), None)
+    return pt.get("prefill_tps") if pt and pt.get("ok") else None
+
+
+def fig_prompt_tokens(r: dict, ctx: int) -> int | None:
+    pt = next((x for x in (r.get("data") or {}).get("points", []) if x["context"] == ctx), None)
+    return pt.get("prompt_tokens") if pt else None
+
+
+def fig_step_ms(r: dict) -> float | None:
+    """ms per engine step at C1: tokens per step (server spec counters; 1 without drafts) /
+    decode tok/s. Under speculation a step is one verify (target forward + k drafts)."""
+    c = ((r.get("data") or {}).get("classes") or [{}])[0]
+    tps = c.get("decode_tps")
+    if not tps:
+        return None
+    per_step = ((c.get("spec") or {}).get("tokens_per_step")) or 1.0
+    return 1000.0 * per_step / tps
+
+
+def fig_turn(r: dict, turn: int) -> float | None:
+    t = (r.get("data") or {}).get("turns") or []
+    return t[turn - 1].get("ttft") if len(t) >= turn and t[turn - 1].get("ok") else None
+
+
+def fig_turn_ratio(r: dict) -> float | None:
+    a, b = fig_turn(r, 1), fig_turn(r, 2)
+    return b / a if a and b is not None else None
+
+
+def _cell(boots: list[dict], results: dict, arm: str, spec: str, key: str, fn) -> dict:
+    """Per-boot figures of one arm (VALID results only) and the mean."""
+    per, res, notes = [], [], []
+    for b in boots:
+        if b["arm"] != arm or b["spec"] != spec or b["pool_only"]:
+            continue
+        r = _res(results, b, key)
+        v = fn(r) if _valid(r) else None
+        if v is None:
+            notes.append(_why(r, b) if not _valid(r) else "figure missing in the result")
+        else:
+            per.append(v)
+        if r is not None:
+            res.append(r)
+    val = sum(per) / len(per) if per else None
+    return {"value": val, "per_boot": per, "results": [r.get("path") for r in res],
+            "note": None if per else (notes[0] if notes else "no boot"), "_res": res}
+
+
+def _compare(cells: dict[str, dict], knob: str, base: str, other: str) -> dict:
+    a, b = cells.get(base) or {}, cells.get(other) or {}
+    ra, rb = a.get("_res") or [], b.get("_res") or []
+    if not ra or not rb:
+        return {"status": "MISSING", "reasons": [f"no {base if not ra else other} result"]}
+    cmps = [fairness.compare(x, y, knob=knob) for x, y in zip(ra, rb)]
+    bad = next((v for v in cmps if v.status in ("REFUSED", "CONFOUNDED")), None)
+    if bad is not None:
+        return {"status": bad.status, "reasons": bad.reasons}
+    if len(a["per_boot"]) >= 2 and len(b["per_boot"]) >= 2:
+        v = fairness.ab_verdict(a["per_boot"], b["per_boot"], knob, cmps)
+        return {"status": v.status, "reasons": v.reasons, "floor": v.details.get("floor")}
+    return {"status": cmps[0].status, "reasons": cmps[0].reasons}
+
+
+def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[dict]:
+    arms = [a["name"] for a in doc.get("arms", [])]
+    bw = (doc.get("bandwidth") or {}).get("gbps_read_plus_write")
+    sb = doc.get("step_bytes") or {}
+    sbytes = roofline.StepBytes(**sb) if sb and "error" not in sb else None
+    rows: list[dict] = []
+
+    def add(key, metric, unit, higher, spec, rkey, fn, roof=None, compare_arms=True, extra=None):
+        cells = {a: _cell(boots, results, a, spec, rkey, fn) for a in arms}
+        row = {"key": key, "metric": metric, "unit": unit, "higher_is_better": higher, "arms": cells,
+               "roofline": roof, **(extra or {})}
+        if compare_arms and "stock" in cells and "patched" in cells:
+            row["verdict"] = _compare(cells, ARM_KNOB, "stock", "patched")
+            s, p = cells["stock"]["value"], cells["patched"]["value"]
+            ok = row["verdict"]["status"] in ("OK", "UNRESOLVED", "RESOLVED")
+            row["ratio"] = (p / s) if ok and s and p is not None else None
+        if roof:
+            for c in cells.values():
+                v = c["value"]
+                c["pct_roofline"] = (100.0 * v / roof if higher else 100.0 * roof / v) if v else None
+        rows.append(row)
+        return row
+
+    # pools: one row per (CTX, SPEC) booted, vLLM's figure against the plan's prediction
+    seen = []
+    for b in boots:
+        if (b["ctx"], b["spec"]) not in seen:
+            seen.append((b["ctx"], b["spec"]))
+    for ctx, spec in seen:
+        cells = {}
+        for a in arms:
+            bs = [b for b in boots if b["arm"] == a and b["ctx"] == ctx and b["spec"] == spec]
+            got = next((b for b in bs if b.get("pool_tokens") is not None), None)
+            pred = next(((b.get("plan") or {}).get("prediction") or {} for b in bs if b.get("plan")), {})
+            cfgs = [json.dumps((b.get("plan") or {}).get("server_config"), sort_keys=True) for b in bs]
+            v = got.get("pool_tokens") if got else None
+            pv = pred.get("pool_tokens")
+            cells[a] = {"value": v, "predicted": pv, "block_size": got.get("block_size") if got else None,
+                        "dev_pct": (100.0 * (v - pv) / pv) if v and pv else None, "configs": cfgs,
+                        "skipped": bool(bs) and all(b.get("skipped") for b in bs),
+                        "note": None if v else (_why(None, bs[0]) if bs and (bs[0].get("error") or bs[0].get("skipped"))
+                                                else "no pool line")}
+        row = {"key": f"pool {ctx}/{spec}", "metric": f"KV pool tokens, CTX={ctx} SPEC={spec} (boot log vs "
+               f"onecard.memory)", "unit": "tokens", "higher_is_better": True, "arms": cells, "roofline": None}
+        if "stock" in cells and "patched" in cells and all(c["value"] is None for c in cells.values()):
+            row["verdict"] = {"status": "MISSING", "reasons": ["no pool in either arm"]}
+        elif "stock" in cells and "patched" in cells:
+            same = cells["stock"]["configs"] and cells["stock"]["configs"][:1] == cells["patched"]["configs"][:1]
+            row["verdict"] = ({"status": "OK", "reasons": ["same plan values (KV_MEM pin, KV dtype, max_len, "
+                                                           "prefix cache, SPEC)"]} if same else
+                              {"status": "REFUSED", "reasons": ["the arms' plans differ"]})
+            s, p = cells["stock"]["value"], cells["patched"]["value"]
+            row["ratio"] = p / s if same and s and p is not None else None
+        rows.append(row)
+
+    def roof_decode(ctx, n):
+        if not (bw and sbytes):
+            return None
+        return roofline.tok_s(sbytes.decode(n, ctx), bw) * (n if n > 1 else 1)
+
+    for ctx, ns in tier.decode:
+        for n in ns:
+            what = "per-stream decode tok/s" if n == 1 else f"aggregate tok/s of {n} streams"
+            add(f"decode {_k(ctx)} C{n}", f"no-spec {what}, ~{_k(ctx)} prompt, {tier.decode_tokens} tokens",
+                "tok/s", True, "off", f"decode {_k(ctx)}", lambda r, n=n: fig_decode(r, n), roof_decode(ctx, n))
+    for ctx in tier.prefill:
+        row = add(f"prefill {_k(ctx)}", f"prefill tok/s (prompt tokens / TTFT, salted), ~{_k(ctx)} prompt",
+                  "tok/s", True, "off", "prefill", lambda r, c=ctx: fig_prefill(r, c))
+        toks = [fig_prompt_tokens(r, ctx) for c in row["arms"].values() for r in c["_res"]]
+        row["prompt_tokens"] = next((t for t in toks if t), None)
+    if tier.prefix_context:
+        pc = _k(tier.prefix_context)
+        add(f"prefix {pc} turn1", f"TTFT turn 1 (cold), ~{pc} document", "s", False, "off", "prefix",
+            lambda r: fig_turn(r, 1))
+        add(f"prefix {pc} turn2", f"TTFT turn 2 (prefix cache), ~{pc} document", "s", False, "off", "prefix",
+            lambda r: fig_turn(r, 2))
+        add(f"prefix {pc} turn2/turn1", "TTFT ratio turn 2 / turn 1", "ratio", False, "off", "prefix", fig_turn_ratio)
+    if tier.verify_context:
+        vc = _k(tier.verify_context)
+        plain_roof = (1000.0 * sbytes.decode(1, tier.verify_context) / (bw * 1e9) * 1e0) if bw and sbytes else None
+        plain = add("step plain", f"ms per plain decode step (SPEC=off), C1, ~{vc} prompt", "ms", False, "off",
+                    "verify", fig_step_ms, plain_roof)
+        for spec in tier.spec:
+            ks = [((b.get("plan") or {}).get("spec_k")) for b in boots if b["spec"] == spec and b.get("plan")]
+            k = next((x for x in ks if x), None)
+            roof = (1000.0 * sbytes.verify(1, tier.verify_context, k) / (bw * 1e9)) if bw and sbytes and k else None
+            v = add(f"step {spec}", f"ms per verify step (SPEC={spec}, k={k}), C1, ~{vc} prompt", "ms", False,
+                    spec, "verify", fig_step_ms, roof)
+            if not any(b["spec"] == spec for b in boots):
+                for c in v["arms"].values():
+                    c["note"] = "not booted (see skipped)"
+            # within each arm: verify / plain, the SPEC knob declared
+            cells = {}
+            for a in arms:
+                pv, vv = plain["arms"][a]["value"], v["arms"][a]["value"]
+                verdict = _compare({"plain": plain["arms"][a], "spec": v["arms"][a]}, SPEC_KNOB, "plain", "spec")
+                ok = verdict["status"] in ("OK", "UNRESOLVED", "RESOLVED")
+                cells[a] = {"value": vv / pv if ok and pv and vv else None, "verdict": verdict,
+                            "note": None if ok else f"{verdict['status']}: {'; '.join(verdict['reasons'])}"[:240]}
+            row = {"key": f"verify {spec}/plain", "metric": f"verify step / plain step (SPEC={spec} vs off)",
+                   "unit": "ratio", "higher_is_better": False, "arms": cells, "roofline": None}
+            s, p = cells.get("stock", {}).get("value"), cells.get("patched", {}).get("value")
+            row["ratio"] = p / s if s and p is not None else None
+            row["verdict"] = {"status": "DERIVED", "reasons": ["ratio of two per-arm ratios; see the step rows"]}
+            rows.append(row)
+    for r in rows:
+        for c in r["arms"].values():
+            c.pop("_res", None)
+    return rows
+
+
+GOALS = (
+    ("decode C1 >= 80% of roofline", "decode", "pct_roofline", lambda v: v >= 80.0, "{:.1f} %"),
+    ("verify step <= 1.3x plain", "verify mtp/plain", "value", lambda v: v <= 1.3, "{:.2f}x"),
+    ("prefix turn 2 <= 2.5% of turn 1", "prefix", "value", lambda v: v <= 0.025, "{:.2%}"),
+)
+
+
+def goals(rows: list[dict], tier: Tier) -> list[dict]:
+    """The issue's goals, read on the patched arm (stock beside it)."""
+    out = []
+    by = {r["key"]: r for r in rows}
+    prefix_key = f"prefix {_k(tier.prefix_context)} turn2/turn1" if tier.prefix_context else None
+    decode_key = f"decode {_k(tier.decode[0][0])} C1" if tier.decode else None
+    for name, key, field_, test, fmt in GOALS:
+        key = {"decode": decode_key, "prefix": prefix_key}.get(key, key)
+        row = by.get(key or "")
+        g = {"goal": name, "row": key}
+        for arm in ("patched", "stock"):
+            c = (row or {}).get("arms", {}).get(arm) or {}
+            v = c.get(field_)
+            g[arm] = {"value": v, "shown": fmt.format(v) if v is not None else None,
+                      "status": ("PASS" if test(v) else "MISS") if v is not None else "NOT MEASURED",
+                      "note": c.get("note")}
+        out.append(g)
+    pools = [r for r in rows if r["key"].startswith("pool ")]
+    g = {"goal": "pools within 1% of the memory model", "row": "pool *"}
+    for arm in ("patched", "stock"):
+        devs = [(r["key"], (r["arms"].get(arm) or {}).get("dev_pct")) for r in pools
+                if not (r["arms"].get(arm) or {}).get("skipped")]
+        got = [d for _, d in devs if d is not None]
+        g[arm] = {"value": max(got, key=abs) if got else None,
+                  "shown": ", ".join(f"{k[5:]} {d:+.2f} %" for k, d in devs if d is not None) or None,
+                  "status": ("PASS" if all(abs(d) <= 1.0 for d in got) and len(got) == len(devs) else "MISS")
+                  if got else "NOT MEASURED", "note": None}
+    out.append(g)
+    return out
+
+
+# ------------------------------------------------------------------------------------ markdown
+def _f(v, unit: str = "") -> str:
+    if v is None:
+        return "—"
+    if unit == "tokens":
+        return f"{int(v):,}"
+    if unit == "ratio":
+        return f"{v:.3f}"
+    if unit == "s":
+        return f"{v:.3f}"
+    if unit == "ms":
+        return f"{v:.2f}"
+    return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+
+def _esc(s: str) -> str:
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(doc: dict) -> str:
+    tier = doc.get("tier") or {}
+    prov = doc.get("provenance") or {}
+    arms = [a["name"] for a in doc.get("arms", [])]
+    bw = doc.get("bandwidth") or {}
+    sb = doc.get("step_bytes") or {}
+    res_prov = _first_result_prov(doc)
+    gpus = ", ".join(g.get("name", "?") for g in (prov.get("gpu") or {}).get("gpus", [])) or "no GPU seen"
+    L = ["# Reference performance: patched vs stock vLLM", "",
+         "<!-- generated by bench/reference.sh (onecard.bench.reference); do not edit by hand -->", "",
+         f"Tier **{tier.get('name')}**: {tier.get('doc')}. Run verdict: **{doc.get('verdict')}**"
+         + (f" — {'; '.join(doc.get('verdict_reasons') or [])}" if doc.get("verdict") != "VALID" else "") + ".", "",
+         "## Provenance", "",
+         f"- date: {doc.get('date')} · elapsed {doc.get('elapsed_s')} s · model `{doc.get('model')}`",
+         f"- commit `{(prov.get('git') or {}).get('commit')}`"
+         f"{' (dirty)' if (prov.get('git') or {}).get('dirty') else ''} · vLLM "
+         f"{(res_prov or {}).get('vllm_version') or prov.get('vllm_version')} ("
+         f"{(res_prov or {}).get('vllm_version_source') or prov.get('vllm_version_source')}) · patch series "
+         f"`{str((prov.get('patch_series') or {}).get('hash'))[:16]}` (patched arm; stock: none)",
+         f"- GPU: {gpus} · driver {(prov.get('gpu') or {}).get('driver')} · copy bandwidth "
+         f"{_f(bw.get('gbps_read_plus_write'))} GB/s ({bw.get('method') or bw.get('error')}, "
+         f"{bw.get('device_name', '')})",
+         f"- argv: `{' '.join(doc.get('argv') or [])}`",
+         f"- env knobs (client): `{json.dumps(prov.get('env_knobs') or {})}`",
+         f"- arms: " + "; ".join(f"**{a['name']}** PYTHONPATH=`{a.get('pythonpath')}`"
+                                 + (f" (skipped: {a['skip_reason']})" if a.get("skip_reason") else "")
+                                 for a in doc.get("arms", [])),
+         f"- server (launcher plan, each boot): `{_launch_argv(doc)}`",
+         f"- prompts: {_prompt_ids(doc)} · sampling `{json.dumps((res_prov or {}).get('sampling') or prov.get('sampling'))}`"
+         f" with fixed max_tokens (random weights never stop) · tokens from "
+         f"`{(res_prov or {}).get('token_count_source') or prov.get('token_count_source')}` · warmup: "
+         f"{((res_prov or {}).get('warmup') or {}).get('policy') or (prov.get('warmup') or {}).get('policy')}",
+         f"- roofline bytes per step (safetensors headers): weights {_gib(sb.get('weights'))} (no vision, "
+         f"no MTP, no embedding table), MTP {_gib(sb.get('mtp'))}, lm_head {_gib(sb.get('lm_head'))}, KV "
+         f"{sb.get('attn_bytes_per_token')} B/token, GDN state r+w {_gib(sb.get('gdn_state_bytes'))} per stream",
+         f"- result JSON: `{Path(str(doc.get('path') or '')).name}`", "",
+         "## Table", "",
+         "| row | unit | " + " | ".join(arms) + " | patched/stock | comparison | roofline | % roofline "
+         + " / ".join(arms) + " |",
+         "|---|---|" + "---|" * len(arms) + "---|---|---|---|"]
+    notes = []
+    for r in doc.get("rows", []):
+        cells = []
+        for a in arms:
+            c = r["arms"].get(a) or {}
+            s = _f(c.get("value"), r["unit"])
+            if c.get("value") is None and c.get("note"):
+                notes.append(f"`{r['key']}` [{a}]: {c['note']}")
+                s += f" [{len(notes)}]"
+            if r["key"].startswith("pool ") and c.get("predicted"):
+                s += f" (model {c['predicted']:,}, {_f(c.get('dev_pct'))} %)"
+            if len(c.get("per_boot") or []) > 1:
+                s += " (" + ", ".join(_f(x, r["unit"]) for x in c["per_boot"]) + ")"
+            cells.append(s)
+        v = r.get("verdict") or {}
+        comp = v.get("status", "—")
+        if v.get("status") == "UNRESOLVED" and not v.get("floor"):
+            comp += " (1 boot/arm)"
+        elif v.get("status") not in (None, "OK", "DERIVED", "MISSING"):
+            comp += f": {_esc('; '.join(v.get('reasons') or []))[:160]}"
+        pct = " / ".join(_f((r["arms"].get(a) or {}).get("pct_roofline")) for a in arms) if r.get("roofline") else "—"
+        L.append(f"| {r['key']}{' (' + format(r['prompt_tokens'], ',') + ' tok)' if r.get('prompt_tokens') else ''} "
+                 f"| {r['unit']} | " + " | ".join(_esc(c) for c in cells) + f" | {_f(r.get('ratio'), 'ratio')} | "
+                 f"{comp} | {_f(r.get('roofline'), r['unit'])} | {pct} |")
+    L += [""]
+    if notes:
+        L += [f"[{i}] {_esc(n)}  " for i, n in enumerate(notes, 1)] + [""]
+    L += ["## Goals (patched arm; stock beside it)", "", "| goal | patched | stock |", "|---|---|---|"]
+    for g in doc.get("goals", []):
+        L.append(f"| {g['goal']} (`{g['row']}`) | " + " | ".join(
+            f"**{g[a]['status']}** {g[a]['shown'] or ''}" for a in ("patched", "stock")) + " |")
+    L += [""]
+    if doc.get("skipped"):
+        L += ["## Skipped", ""] + [f"- {s['what']}: {s['reason']}" for s in doc["skipped"]] + [""]
+    failed = [b for b in doc.get("boots", []) if b.get("error")]
+    if failed:
+        L += ["## Failed boots", ""] + [f"- {b['name']}: {_esc(b['error'])} (log `{Path(b.get('log') or '').name}`)"
+                                        for b in failed] + [""]
+    L += ["## How to read it", "",
+          "- Every figure comes from a result JSON of `onecard.bench.runner` whose verdict is VALID "
+          "(fairness contract, `onecard/bench/fairness.py`); an INVALID or missing one shows `—` and a note.",
+          "- `comparison` is the contract's verdict on stock vs patched with `patch_series` as the declared knob: "
+          "UNRESOLVED with one boot per arm (the boot-to-boot floor is unknown, so a ratio near 1 is noise); "
+          "with >= 2 boots per arm RESOLVED/UNRESOLVED against 2x the floor. REFUSED/CONFOUNDED: no ratio.",
+          "- roofline = bytes one step must read / measured copy bandwidth (`onecard/bench/roofline.py`); "
+          "for C>1 the aggregate. Prefill is compute-bound: no roofline. Step rows: % = roofline ms / measured ms.",
+          "- ms per step = 1000 x tokens per step (server spec counters, 1 without drafts) / decode tok/s at C1.",
+          ""]
+    return "\n".join(L)
+
+
+def _gib(b) -> str:
+    return "—" if b is None else f"{b / 2**30:.2f} GiB"
+
+
+def _first_result_prov(doc: dict) -> dict | None:
+    for b in doc.get("boots", []):
+        for v in (b.get("results") or {}).values():
+            p = v.get("path")
+            if p and Path(p).is_file():
+                try:
+                    return json.loads(Path(p).read_text()).get("provenance")
+                except (OSError, json.JSONDecodeError):
+                    continue
+    return None
+
+
+def _launch_argv(doc: dict) -> str:
+    for b in doc.get("boots", []):
+        argv = (b.get("plan") or {}).get("argv")
+        if argv:
+            return " ".join(argv[1:]) if argv else ""
+    return "—"
+
+
+def _prompt_ids(doc: dict) -> str:
+    seen = {}
+    for b in doc.get("boots", []):
+        for v in (b.get("results") or {}).values():
+            p = v.get("path")
+            if p and Path(p).is_file():
+                try:
+                    ps = (json.loads(Path(p).read_text()).get("provenance") or {}).get("prompt_set") or {}
+                except (OSError, json.JSONDecodeError):
+                    continue
+                if ps.get("id"):
+                    seen[ps["id"]] = str(ps.get("hash"))[:12]
+    return ", ".join(f"`{k}` ({v})" for k, v in seen.items()) or "—"
+
+
+# ------------------------------------------------------------------------------------ CLI
+def _arm(text: str) -> tuple[str, str]:
+    name, sep, pp = text.partition("=")
+    if not sep or name not in ("stock", "patched"):
+        raise argparse.ArgumentTypeError(f"--arm {text!r} invalid; valid: stock=PYTHONPATH or patched=PYTHONPATH")
+    return name, pp
+
+
+def configure(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--tier", default="quick", help=f"valid: {', '.join(TIERS)} (default quick)")
+    ap.add_argument("--model", default=os.path.join(os.environ.get("MODELS", "/var/tmp/models"), "qwen38-27b-geom"),
+                    help="checkpoint directory (default $MODELS/qwen38-27b-geom)")
+    ap.add_argument("--out", default="bench-results/reference", help="result directory")
+    ap.add_argument("--md", default="docs/performance.md", help="markdown table (default %(default)s; '' = none)")
+    ap.add_argument("--arm", type=_arm, action="append", default=[],
+                    help="stock=PYTHONPATH / patched=PYTHONPATH (default: $STOCK_PYTHONPATH / $PYTHONPATH)")
+    ap.add_argument("--server-cmd", default=None, help="bash command starting a server from the env knobs "
+                    "(default: this python -m onecard.launch)")
+    ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--bandwidth-gbs", type=float, default=None, help="skip the copy measurement, use this")
+    ap.add_argument("--boot-timeout", type=float, default=600.0)
+    ap.add_argument("--budget-s", type=float, default=None, help="wall budget (default: the tier's)")
+
+
+def from_args(a: argparse.Namespace) -> RefConfig:
+    if a.tier not in TIERS:
+        raise ValueError(f"--tier {a.tier!r} invalid; valid: {', '.join(TIERS)}")
+    mdir = Path(a.model)
+    if not (mdir / "config.json").is_file() or not any(mdir.glob("*.safetensors")):
+        raise ValueError(f"--model {a.model}: not a checkpoint (needs config.json and *.safetensors); valid: "
+                         "a built checkpoint, e.g. $MODELS/qwen38-27b-geom (gpu/jobs/20-geometry.sh builds it)")
+    given = dict(a.arm)
+    arms = []
+    for name, env in (("patched", "PYTHONPATH"), ("stock", "STOCK_PYTHONPATH")):
+        pp = given.get(name, os.environ.get(env))
+        reason = None if pp is not None else f"${env} not set and no --arm {name}=PYTHONPATH"
+        arms.append(Arm(name, pp, skip_reason=reason))
+    return RefConfig(model=str(mdir), tier=TIERS[a.tier], out_dir=Path(a.out), arms=arms,
+                     md=Path(a.md) if a.md else None, server_cmd=a.server_cmd, port=a.port,
+                     bandwidth_gbs=a.bandwidth_gbs, boot_timeout=a.boot_timeout, budget_s=a.budget_s,
+                     argv=list(sys.argv))
+
+
+def summary(doc: dict) -> str:
+    lines = [f"reference {doc['tier']['name']}: {doc.get('verdict')} in {doc.get('elapsed_s')} s -> {doc.get('path')}"]
+    for r in doc.get("rows", []):
+        vals = " ".join(f"{a}={_f((r['arms'].get(a) or {}).get('value'), r['unit'])}" for a in r["arms"])
+        lines.append(f"  {r['key']:<24} {vals}  p/s={_f(r.get('ratio'), 'ratio')}  "
+                     f"{(r.get('verdict') or {}).get('status', '')}")
+    for g in doc.get("goals", []):
+        lines.append(f"  goal {g['goal']}: patched {g['patched']['status']} {g['patched']['shown'] or ''}")
+    for m in doc.get("missing", []):
+        lines.append(f"  MISSING {m}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/reference.sh", description=__doc__.splitlines()[0])
+    configure(ap)
+    a = ap.parse_args(argv)
+    try:
+        cfg = from_args(a)
+    except ValueError as e:
+        print(f"reference: {e}", file=sys.stderr)
+        return 2
+    doc = Reference(cfg).run()
+    print(summary(doc))
+    if cfg.md:
+        print(f"markdown: {cfg.md}")
+    return 0 if doc.get("verdict") == "VALID" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

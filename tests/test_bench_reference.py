@@ -1,0 +1,197 @@
+"""The reference run (bench/reference.sh) end to end against the fake server: both arms booted
+through a server command from the launcher's env knobs, the table and goals, pools against the
+plan's prediction, partial results kept when the stock arm crashes or fails to boot, unfair
+comparisons refused, and the roofline arithmetic."""
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from fake_openai_server import FakeServer
+from onecard.bench import prompts, reference, roofline, runner
+
+REPO = Path(__file__).resolve().parents[1]
+FAKE = Path(__file__).with_name("fake_openai_server.py")
+BYTES = {"I32": 4, "BF16": 2, "F32": 4, "I64": 8}
+
+TINY_TIER = reference.Tier(
+    "test", decode=((50, (1, 2)),), decode_tokens=8, reps=1, prefill=(100,), verify_context=50,
+    verify_tokens=9, spec=("mtp", "dflash2"), prefix_context=100, prefix_tokens=6, pool_ctx=("long", "huge"),
+    boots=1, budget_s=300, essential=("pool fast/off", "decode 50 C1", "decode 50 C2", "prefill 100",
+                                      "prefix 100 turn2/turn1", "verify mtp/plain"))
+
+
+@pytest.fixture(autouse=True)
+def _fixed_commit(monkeypatch):
+    """Other engineers commit to this tree while tests run; a commit landing between two arms
+    would (rightly) make a comparison CONFOUNDED."""
+    from onecard.bench import provenance
+    monkeypatch.setattr(provenance, "git_info", lambda *a: {"commit": "fixed", "dirty": False})
+
+
+@pytest.fixture(scope="module")
+def geom_dir(tmp_path_factory):
+    """The 27B-geometry checkpoint as config.json + a header-only safetensors file (the memory
+    model and the roofline read headers, never tensor data)."""
+    from onecard.prepare import geometry, tiny
+    d = tmp_path_factory.mktemp("geom")
+    spec = geometry.spec_for("27b")
+    (d / "config.json").write_text(json.dumps(tiny.make_config(spec, defaultdict(int))))
+    header, off = {}, 0
+    for name, code, shape, _ in geometry.plan(spec):
+        n = math.prod(shape) * BYTES[code]
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    return d
+
+
+def _cfg(tmp_path, geom_dir, stock_env=None, tier=TINY_TIER, **kw):
+    pp = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    arms = [reference.Arm("patched", pp), reference.Arm("stock", pp, env=dict(stock_env or {}))]
+    return reference.RefConfig(model=str(geom_dir), tier=tier, out_dir=tmp_path / "ref", arms=arms,
+                               md=tmp_path / "performance.md", server_cmd=f"exec {sys.executable} {FAKE}",
+                               bandwidth_gbs=4000.0, boot_timeout=30, argv=["test"],
+                               base_env={"FAKE_VLLM_LOG": "1", "FAKE_TOKENS_PER_CHUNK": "2"},
+                               log=lambda s: None, **kw)
+
+
+def _row(doc, key):
+    return next(r for r in doc["rows"] if r["key"] == key)
+
+
+def test_reference_run_makes_the_table(tmp_path, geom_dir):
+    doc = reference.Reference(_cfg(tmp_path, geom_dir)).run()
+    assert doc["verdict"] == "VALID", doc["verdict_reasons"]
+    for key in ("decode 50 C1", "decode 50 C2", "prefill 100", "prefix 100 turn1", "prefix 100 turn2",
+                "step plain", "step mtp"):
+        r = _row(doc, key)
+        assert r["arms"]["stock"]["value"] and r["arms"]["patched"]["value"], key
+        # one boot per arm: the contract says UNRESOLVED (boot floor unknown), never OK or CONFOUNDED
+        assert r["verdict"]["status"] == "UNRESOLVED", (key, r["verdict"])
+        assert r["ratio"] == pytest.approx(r["arms"]["patched"]["value"] / r["arms"]["stock"]["value"])
+    c1 = _row(doc, "decode 50 C1")
+    assert c1["roofline"] and 0 < c1["arms"]["patched"]["pct_roofline"]
+    pool = _row(doc, "pool fast/off")
+    assert pool["arms"]["patched"]["dev_pct"] == 0 and pool["verdict"]["status"] == "OK"
+    assert _row(doc, "pool fast/mtp")["arms"]["stock"]["value"] > 0
+    # plain step: the fake sends one token per chunk with SPEC=off; mtp: 2 tokens per verify step
+    assert _row(doc, "verify mtp/plain")["arms"]["patched"]["value"] is not None
+    skipped = " ".join(f"{x['what']}: {x['reason']}" for x in doc["skipped"])
+    assert "dflash2" in skipped and "kvarn" in skipped  # plan refusals are rows with their reason
+    assert "pool long/off" in [r["key"] for r in doc["rows"]]
+    md = (tmp_path / "performance.md").read_text()
+    assert "| decode 50 C1 | tok/s |" in md and "UNRESOLVED" in md and "## Goals" in md
+    assert "copy bandwidth 4000.0 GB/s" in md and "pools within 1%" in md
+    on_disk = json.loads(Path(doc["path"]).read_text())
+    assert on_disk["verdict"] == "VALID" and on_disk["partial"] is False and on_disk["rows"]
+    stock_files = list((tmp_path / "ref" / "stock").glob("ladder-*.json"))
+    prov = json.loads(stock_files[0].read_text())["provenance"]
+    assert prov["patch_series"]["hash"] is None and prov["arm"] == "stock"
+    assert "--kv-cache-memory-bytes" in prov["server_launch"]["argv"]
+
+
+def test_stock_crash_keeps_everything_and_says_so(tmp_path, geom_dir):
+    doc = reference.Reference(_cfg(tmp_path, geom_dir, stock_env={"FAKE_CRASH_AFTER": "4"})).run()
+    assert doc["verdict"] == "INCOMPLETE"
+    c1 = _row(doc, "decode 50 C1")
+    assert c1["arms"]["patched"]["value"] and c1["arms"]["stock"]["value"] is None
+    assert any("[stock]" in m for m in doc["missing"])
+    assert not any("[patched]" in m for m in doc["missing"])
+    later = _row(doc, "prefill 100")["arms"]["stock"]
+    assert later["value"] is None and "server died during 'decode 50'" in later["note"]
+    assert "fake engine crash" in later["note"]  # the server log's error line
+    # the stock arm's partial results are on disk, marked, and logged
+    runs = [json.loads(x) for x in (tmp_path / "ref" / "stock" / "runs.jsonl").read_text().splitlines()]
+    assert any(r["verdict"] == "INVALID" for r in runs)
+    md = (tmp_path / "performance.md").read_text()
+    assert "INVALID" in md and "**INCOMPLETE**" in md
+    assert json.loads(Path(doc["path"]).read_text())["rows"]
+
+
+def test_stock_boot_failure_is_a_row(tmp_path, geom_dir):
+    tier = reference.Tier("t", decode=((50, (1,)),), decode_tokens=6, reps=1, prefill=(), verify_context=None,
+                          verify_tokens=0, spec=(), prefix_context=None, prefix_tokens=0, pool_ctx=(), boots=1,
+                          budget_s=60, essential=("decode 50 C1",))
+    doc = reference.Reference(_cfg(tmp_path, geom_dir, stock_env={"FAKE_BOOT_FAIL": "1"}, tier=tier)).run()
+    c1 = _row(doc, "decode 50 C1")
+    assert c1["arms"]["patched"]["value"] and "server failed" in c1["arms"]["stock"]["note"]
+    assert "fake boot failure" in c1["arms"]["stock"]["note"]
+    assert c1["ratio"] is None and doc["verdict"] == "INCOMPLETE"
+    assert "## Failed boots" in (tmp_path / "performance.md").read_text()
+
+
+def test_budget_skips_optional_boots_with_a_reason(tmp_path, geom_dir):
+    doc = reference.Reference(_cfg(tmp_path, geom_dir, budget_s=0.0)).run()
+    assert {b["spec"] for b in doc["boots"]} == {"off"}  # the essential plain boots always run
+    assert any("budget" in s["reason"] for s in doc["skipped"])
+    assert _row(doc, "step mtp")["arms"]["patched"]["value"] is None
+
+
+def test_unfair_comparison_is_refused_in_the_table(tmp_path):
+    with FakeServer(tokens_per_chunk=1) as s:
+        t = runner.Target(url=s.url, model="fake", out_dir=str(tmp_path), metrics_interval=0.05, log=lambda x: None)
+        a = runner.ladder(t, reference.haystack_set(50), [1], 6, 1)
+        b = runner.ladder(t, reference.haystack_set(50), [1], 9, 1)  # other output length
+        c = runner.ladder(t, prompts.load("code"), [1], 6, 1)  # other prompts
+    tier = reference.Tier("t", decode=((50, (1,)),), decode_tokens=6, reps=1, prefill=(), verify_context=None,
+                          verify_tokens=0, spec=(), prefix_context=None, prefix_tokens=0, pool_ctx=(), boots=1,
+                          budget_s=1, essential=())
+    for other, why in ((b, "different output lengths"), (c, "different prompts")):
+        boots = [{"arm": arm, "spec": "off", "ctx": "fast", "pool_only": False, "results": {"decode 50": {"path": r["path"]}}}
+                 for arm, r in (("stock", a), ("patched", other))]
+        doc = {"arms": [{"name": "stock"}, {"name": "patched"}], "bandwidth": {}, "step_bytes": {}}
+        rows = reference.build_rows(boots, {a["path"]: a, other["path"]: other}, doc, tier)
+        row = next(r for r in rows if r["key"] == "decode 50 C1")
+        assert row["verdict"]["status"] == "REFUSED" and row["ratio"] is None
+        assert any(why in x for x in row["verdict"]["reasons"])
+        doc.update(rows=rows, goals=reference.goals(rows, tier), tier={"name": "t"})
+        assert "REFUSED: " in reference.markdown(doc)
+
+
+def test_cli_bad_input_is_one_line(tmp_path, geom_dir, capsys):
+    assert reference.main(["--tier", "huge", "--model", str(geom_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "valid: quick, full" in err and err.count("\n") == 1
+    assert reference.main(["--model", str(tmp_path)]) == 2
+    assert "not a checkpoint" in capsys.readouterr().err
+    r = subprocess.run(["bash", str(REPO / "bench" / "reference.sh"), "--tier", "nope", "--model", str(geom_dir)],
+                       capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode == 2 and "valid: quick, full" in r.stderr
+
+
+def test_arm_without_pythonpath_is_skipped_with_reason(geom_dir, monkeypatch):
+    import argparse
+    monkeypatch.delenv("STOCK_PYTHONPATH", raising=False)
+    ap = argparse.ArgumentParser()
+    reference.configure(ap)
+    cfg = reference.from_args(ap.parse_args(["--model", str(geom_dir)]))
+    stock = next(a for a in cfg.arms if a.name == "stock")
+    assert "STOCK_PYTHONPATH" in stock.skip_reason and cfg.tier.name == "quick"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--arm", "other=/x"])
+
+
+def test_roofline_bytes_and_arithmetic(geom_dir):
+    sb = roofline.step_bytes(geom_dir)
+    from onecard import memory
+    total = memory.weight_bytes(geom_dir)
+    assert 12 * 2**30 < sb.weights < total  # W4A16 27B body + lm_head, no MTP / vision / embedding
+    assert sb.mtp > 0 and sb.lm_head == 248320 * 5120 * 2
+    assert sb.attn_bytes_per_token == 16 * 2 * 4 * 256 * 2  # bf16 K+V, 16 full-attention layers
+    assert sb.decode(2, 1000) == sb.weights + 2 * (1000 * sb.attn_bytes_per_token + sb.gdn_state_bytes)
+    assert sb.verify(1, 0, 4) - sb.decode(1, 0) == 4 * (sb.mtp + sb.lm_head)
+    assert roofline.tok_s(4 * 10**9, 4000.0) == pytest.approx(1000.0)
+
+
+def test_copy_bandwidth_runs_on_cpu():
+    pytest.importorskip("torch")
+    bw = roofline.copy_bandwidth(1 << 20, reps=2)
+    assert bw["gbps_read_plus_write"] > 0 and bw["device"] in ("cpu", "cuda")
