@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Job 31's client side: ms per engine step at C1 on a running server, per prompt depth.
+
+For each depth: one greedy request (random token ids, ignore_eos, max_tokens OUT) streamed with
+onecard.bench's client; /metrics scraped right before and after (onecard.bench.metrics, parsed
+with prometheus_client). Per request:
+  decode_s      = delta vllm:request_decode_time_seconds_sum (first token -> last, engine side)
+  steps         = delta vllm:spec_decode_num_drafts_total with speculation (one draft per verify
+                  step at C1), else delta generation tokens - 1 (the first token is the prefill's)
+  server ms/step = 1000 * decode_s / steps;  client ms/step = 1000 * (t_last - t_first) /
+                  (chunks - 1) (one stream event per engine step at C1)
+Writes one JSON (provenance + rows) atomically; prints one line per depth.
+Exit 0 when every request finished with usage.completion_tokens == OUT and the counters moved
+(steps > 0; with --spec, drafts > 0); 1 otherwise; 2 on bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from onecard.bench import metrics, provenance  # noqa: E402
+from onecard.bench.client import Client  # noqa: E402
+
+DECODE_SUM = "vllm:request_decode_time_seconds_sum"
+ITER_COUNT = "vllm:iteration_tokens_total_count"
+
+
+def prompt_ids(n: int, seed: int = 31, lo: int = 1000, hi: int = 100_000) -> list[int]:
+    """n token ids, the same list for every arm (the shorter depths are prefixes of the longer)."""
+    rng = random.Random(seed)
+    return [rng.randrange(lo, hi) for _ in range(n)]
+
+
+def step_row(before: metrics.Snapshot, after: metrics.Snapshot, res, out_tokens: int,
+             spec: bool) -> dict:
+    d = {k: after.get(v) - before.get(v) for k, v in metrics.COUNTERS.items()}
+    decode_s = after.get(DECODE_SUM) - before.get(DECODE_SUM) if DECODE_SUM in after.values else None
+    gen = res.completion_tokens
+    steps = d["spec_drafts"] if spec else ((gen or 0) - 1)
+    row = {
+        "ok": bool(res.ok), "error": res.error, "completion_tokens": gen,
+        "prompt_tokens": res.prompt_tokens, "chunks": res.chunks,
+        "ttft_s": res.ttft, "client_decode_s": (res.t_last - res.t_first) if res.t_first and res.t_last else None,
+        "server_decode_s": decode_s, "steps": steps,
+        "spec_drafts": d["spec_drafts"], "spec_accepted": d["spec_accepted"],
+        "generation_tokens_delta": d["generation_tokens"],
+        "engine_iterations_delta": (after.get(ITER_COUNT) - before.get(ITER_COUNT)) if ITER_COUNT in after.values else None,
+    }
+    row["server_ms_per_step"] = 1000 * decode_s / steps if decode_s is not None and steps > 0 else None
+    row["client_ms_per_step"] = (1000 * row["client_decode_s"] / (res.chunks - 1)
+                                 if row["client_decode_s"] and res.chunks > 1 else None)
+    row["tokens_per_step"] = (gen - 1) / steps if gen and steps > 0 else None
+    problems = []
+    if not res.ok:
+        problems.append(f"request failed: {res.error}")
+    if gen != out_tokens:
+        problems.append(f"completion_tokens {gen} != {out_tokens}")
+    if steps <= 0:
+        problems.append("no decode steps counted")
+    if spec and d["spec_drafts"] <= 0:
+        problems.append("spec_decode_num_drafts did not move (speculation off?)")
+    if decode_s is None:
+        problems.append(f"{DECODE_SUM} missing from /metrics")
+    row["problems"] = problems
+    return row
+
+
+def write_json(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--model", required=True, help="served model name")
+    ap.add_argument("--label", required=True, help="arm label, e.g. mtp-wide1")
+    ap.add_argument("--spec", action="store_true", help="the server speculates (count verify steps)")
+    ap.add_argument("--depths", default="8192,32768,73728", help="prompt tokens, comma separated")
+    ap.add_argument("--out-tokens", type=int, default=48)
+    ap.add_argument("--warmup-tokens", type=int, default=1024)
+    ap.add_argument("--json", required=True, type=Path)
+    ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
+    a = ap.parse_args(argv)
+    try:
+        depths = [int(x) for x in a.depths.split(",") if x]
+    except ValueError:
+        print(f"--depths {a.depths!r} is not valid; valid: comma-separated token counts, e.g. 8192,32768", file=sys.stderr)
+        return 2
+    if not depths or min(depths) < 16 or a.out_tokens < 3:
+        print("--depths must be >= 16 tokens each and --out-tokens >= 3; valid: e.g. --depths 8192 --out-tokens 48",
+              file=sys.stderr)
+        return 2
+    c = Client(a.url, a.model, timeout=a.timeout)
+    sampling = {"temperature": 0.0, "ignore_eos": True}
+    ids = prompt_ids(max(depths + [a.warmup_tokens]))
+    t0 = time.perf_counter()
+    warm = c.stream(prompt_ids(a.warmup_tokens, seed=7), 16, sampling, keep_text=False)
+    warmup = {"policy": f"one request, {a.warmup_tokens} prompt tokens, 16 out", "ok": warm.ok,
+              "error": warm.error, "s": round(time.perf_counter() - t0, 2)}
+    rows = []
+    for n in depths:
+        before = metrics.scrape(a.url)
+        res = c.stream(ids[:n], a.out_tokens, sampling, keep_text=False)
+        time.sleep(0.3)  # let the engine publish the request's final stats
+        after = metrics.scrape(a.url)
+        row = {"label": a.label, "depth": n, **step_row(before, after, res, a.out_tokens, a.spec)}
+        rows.append(row)
+        f = lambda x, nd=2: "-" if x is None else f"{x:.{nd}f}"  # noqa: E731
+        print(f"{a.label:<14} depth {n:>6}: server {f(row['server_ms_per_step'])} ms/step, client "
+              f"{f(row['client_ms_per_step'])} ms/step, {row['steps']} steps, tokens/step "
+              f"{f(row['tokens_per_step'])}, ttft {f(row['ttft_s'])} s"
+              + (f"  PROBLEMS: {'; '.join(row['problems'])}" if row["problems"] else ""), flush=True)
+    info = c.server_info()
+    c.close()
+    record = {
+        "kind": "verify_e2e",
+        "label": a.label,
+        "spec": a.spec,
+        "provenance": provenance.build(
+            prompt_set={"id": "random-token-ids-seed31", "depths": depths},
+            sampling=sampling, token_count_source="usage.completion_tokens + server counters",
+            warmup=warmup, server=info, max_tokens=a.out_tokens),
+        "rows": rows,
+    }
+    write_json(a.json, record)
+    return 0 if all(not r["problems"] for r in rows) and warm.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

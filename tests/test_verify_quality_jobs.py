@@ -1,0 +1,199 @@
+"""GPU jobs 31 (verify step cost) and 32 (KV quality): their client drivers against a small
+in-test OpenAI/vLLM-shaped server (token-id prompts, /metrics with decode-time and draft
+counters, echo logprobs, greedy token ids), the compare table, and job 31's CPU dry run."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+pytest.importorskip("httpx")
+pytest.importorskip("prometheus_client")
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name.replace("-", "_"), REPO / "gpu" / "jobs" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Fake:
+    """spec: one stream event per step, 1 token each (acceptance 0), drafts += steps."""
+
+    def __init__(self, spec: bool, step_s: float = 0.002, quant_noise: float = 0.0):
+        self.spec, self.step_s, self.noise = spec, step_s, quant_noise
+        self.decode_sum = self.drafts = self.gen = self.iters = 0.0
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _json(self, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/metrics":
+                    o = outer
+                    text = (f"# TYPE vllm:request_decode_time_seconds histogram\n"
+                            f'vllm:request_decode_time_seconds_sum{{engine="0",model_name="m"}} {o.decode_sum}\n'
+                            f'vllm:request_decode_time_seconds_count{{engine="0",model_name="m"}} 1.0\n'
+                            f"# TYPE vllm:spec_decode_num_drafts counter\n"
+                            f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {o.drafts}\n'
+                            f"# TYPE vllm:generation_tokens counter\n"
+                            f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {o.gen}\n'
+                            f"# TYPE vllm:iteration_tokens_total histogram\n"
+                            f'vllm:iteration_tokens_total_count{{engine="0",model_name="m"}} {o.iters}\n'
+                            f'vllm:iteration_tokens_total_sum{{engine="0",model_name="m"}} 0.0\n')
+                    data = text.encode()
+                elif self.path == "/v1/models":
+                    data = json.dumps({"data": [{"id": "m", "max_model_len": 131072}]}).encode()
+                elif self.path == "/version":
+                    data = b'{"version": "0.27.1"}'
+                else:
+                    data = b"{}"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                prompt = body["prompt"]
+                ptoks = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+                n = int(body.get("max_tokens", 16))
+                if not body.get("stream"):
+                    if body.get("echo"):
+                        lps = [None] + [-1.0 - outer.noise * (i % 3) for i in range(ptoks - 1)]
+                        return self._json({"choices": [{"text": prompt, "logprobs": {"token_logprobs": lps}}],
+                                           "usage": {"prompt_tokens": ptoks, "completion_tokens": 0}})
+                    toks = [f"token_id:{i}" for i in range(n)]
+                    if outer.noise:
+                        toks[n // 2] = "token_id:999999"
+                    return self._json({"choices": [{"text": "x", "logprobs": {"tokens": toks}}],
+                                       "usage": {"prompt_tokens": ptoks, "completion_tokens": n}})
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                t_first = None
+                for i in range(n):
+                    time.sleep(outer.step_s)
+                    t_first = t_first or time.perf_counter()
+                    self.wfile.write(f"data: {json.dumps({'choices': [{'index': 0, 'text': 't'}]})}\n\n".encode())
+                    self.wfile.flush()
+                outer.decode_sum += time.perf_counter() - t_first
+                outer.gen += n
+                outer.iters += n
+                if outer.spec:
+                    outer.drafts += n - 1
+                u = {"choices": [], "usage": {"prompt_tokens": ptoks, "completion_tokens": n}}
+                self.wfile.write(f"data: {json.dumps(u)}\n\ndata: [DONE]\n\n".encode())
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("spec", [True, False])
+def test_verify_e2e_driver(tmp_path, spec):
+    job = _load("31-verify-e2e")
+    fake = _Fake(spec)
+    try:
+        out = tmp_path / "arm.json"
+        rc = job.main(["--url", fake.url, "--model", "m", "--label", "arm", "--depths", "64,128",
+                       "--out-tokens", "8", "--warmup-tokens", "32", "--json", str(out)]
+                      + (["--spec"] if spec else []))
+    finally:
+        fake.close()
+    rec = json.loads(out.read_text())
+    assert rc == 0, rec["rows"]
+    assert [r["depth"] for r in rec["rows"]] == [64, 128]
+    for r in rec["rows"]:
+        assert r["steps"] == 7 and r["completion_tokens"] == 8 and not r["problems"]
+        assert r["server_ms_per_step"] > 1.0 and r["client_ms_per_step"] > 1.0
+        assert r["tokens_per_step"] == 1.0
+    assert rec["provenance"]["prompt_set"]["depths"] == [64, 128]
+
+
+def test_verify_e2e_flags_missing_speculation(tmp_path):
+    """--spec against a server whose draft counter never moves: not a valid measurement."""
+    job = _load("31-verify-e2e")
+    fake = _Fake(spec=False)
+    try:
+        rc = job.main(["--url", fake.url, "--model", "m", "--label", "x", "--spec", "--depths", "64",
+                       "--out-tokens", "4", "--warmup-tokens", "16", "--json", str(tmp_path / "x.json")])
+    finally:
+        fake.close()
+    assert rc == 1
+    assert "did not move" in " ".join(json.loads((tmp_path / "x.json").read_text())["rows"][0]["problems"])
+
+
+def test_verify_e2e_bad_args(capsys):
+    job = _load("31-verify-e2e")
+    assert job.main(["--url", "u", "--model", "m", "--label", "l", "--json", "/tmp/x", "--depths", "8k"]) == 2
+    assert "valid" in capsys.readouterr().err
+
+
+def test_kv_quality_measure_and_compare(tmp_path, capsys):
+    job = _load("32-kv-quality")
+    for label, noise in (("bf16", 0.0), ("int8", 0.01)):
+        fake = _Fake(False, quant_noise=noise)
+        try:
+            assert job.main(["measure", "--url", fake.url, "--model", "m", "--label", label,
+                             "--json", str(tmp_path / f"kvq-{label}.json"), "--gen", "10"]) == 0
+        finally:
+            fake.close()
+    assert job.main(["compare", "--dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "compare.json").read_text())
+    assert res["arms"]["bf16"]["delta_ppl_pct"] == 0 and res["arms"]["bf16"]["first_divergence_min"] is None
+    i8 = res["arms"]["int8"]
+    assert i8["delta_ppl_pct"] > 0 and i8["first_divergence_min"] == 5 and i8["mean_abs_dlogprob"] > 0
+    assert "| int8 |" in capsys.readouterr().out
+
+
+def test_kv_quality_compare_without_base(tmp_path):
+    job = _load("32-kv-quality")
+    assert job.main(["compare", "--dir", str(tmp_path)]) == 1
+
+
+def test_job31_dry_run_and_skip(tmp_path):
+    env = {**os.environ, "JOB_OUT": str(tmp_path / "out"), "MODELS": str(tmp_path / "models"),
+           "PYTHONPATH": str(REPO), "JOB31_DRY": "1"}
+    env.pop("WIDE_VERIFY", None)
+    r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
+                       text=True, timeout=120, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("--speculative-config") == 2 and "int8_per_token_head" in r.stdout
+    assert "ONECARD_WIDE_VERIFY" in r.stdout
+    env.pop("JOB31_DRY")
+    r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
+                       text=True, timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 0 and "SKIP" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("job", ["31-verify-e2e.sh", "32-kv-quality.sh"])
+def test_job_headers(job):
+    text = (REPO / "gpu" / "jobs" / job).read_text()
+    assert text.splitlines()[1].startswith("# timeout: ")
+    assert int(text.splitlines()[1].split(":")[1]) <= 420
+    r = subprocess.run(["bash", "-n", str(REPO / "gpu" / "jobs" / job)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
