@@ -59,27 +59,28 @@ def _dot(a, b, DOT_F32: tl.constexpr):
 @triton.jit
 def _kvarn_pack_kernel(
     stage_k_ptr, stage_v_ptr, cache_u8_ptr, cache_f16_ptr,
-    slot_ptr, tile_ptr, block_ptr,
-    stride_s_slot: tl.int64, stride_s_row: tl.int64, stride_s_head: tl.int64,
+    src_row_ptr, sink_row_ptr, block_ptr,
+    stride_s_row: tl.int64, stride_s_head: tl.int64,
     stride_c_blk: tl.int64, stride_c_head: tl.int64,
     eps,
     HEAD_DIM: tl.constexpr, TILE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     OFF_KC: tl.constexpr, OFF_VC: tl.constexpr, OFF_KSC: tl.constexpr, OFF_KMN: tl.constexpr,
     OFF_KN: tl.constexpr, OFF_VSC: tl.constexpr, OFF_VMN: tl.constexpr, OFF_VG: tl.constexpr,
 ):
+    # stage_* are fp16 rows [R, Hkv, D]: job j packs rows [src_row[j], src_row[j] + TILE) into
+    # block block[j]; when sink_row[j] >= 0 the rows are also copied to [sink_row[j], + TILE).
     job = tl.program_id(0)
     kvh = tl.program_id(1)
-    slot = tl.load(slot_ptr + job).to(tl.int64)
-    tile = tl.load(tile_ptr + job)
+    row0 = tl.load(src_row_ptr + job).to(tl.int64)
+    sink0 = tl.load(sink_row_ptr + job).to(tl.int64)
     blk = tl.load(block_ptr + job).to(tl.int64)
     offs_t = tl.arange(0, TILE)
     offs_d = tl.arange(0, HEAD_DIM)
-    rows = TILE + (tile % 2) * TILE + offs_t
-    src = slot * stride_s_slot + rows[:, None] * stride_s_row + kvh * stride_s_head + offs_d[None, :]
+    src = (row0 + offs_t)[:, None] * stride_s_row + kvh * stride_s_head + offs_d[None, :]
     k16 = tl.load(stage_k_ptr + src)
     v16 = tl.load(stage_v_ptr + src)
-    if tile == 0:  # the first tile stays readable in fp16 (sink rows)
-        sink = slot * stride_s_slot + offs_t[:, None] * stride_s_row + kvh * stride_s_head + offs_d[None, :]
+    if sink0 >= 0:  # the first tile stays readable in fp16 (sink rows)
+        sink = (sink0 + offs_t)[:, None] * stride_s_row + kvh * stride_s_head + offs_d[None, :]
         tl.store(stage_k_ptr + sink, k16)
         tl.store(stage_v_ptr + sink, v16)
     base = blk * stride_c_blk + kvh * stride_c_head  # bytes
@@ -150,22 +151,46 @@ def kvarn_pack_tiles(stage_k: torch.Tensor, stage_v: torch.Tensor, cache: torch.
     copied to rows [0, tile) of the stage. stage_*: [num_slots, 3 * tile, Hkv, D] fp16."""
     p = get_preset(preset)
     n_slots, rows, nkv, d = stage_k.shape
-    layout = p.layout(d)
     if rows != 3 * p.tile or stage_v.shape != stage_k.shape or stage_k.dtype != torch.float16 \
-            or stage_k.stride() != stage_v.stride() or stage_k.stride(3) != 1:
+            or stage_k.stride() != stage_v.stride() or stage_k.stride(3) != 1 \
+            or stage_k.stride(0) != rows * stage_k.stride(1):
         raise ValueError(f"stage must be fp16 [slots, {3 * p.tile}, Hkv, D] (same strides for K "
                          f"and V); got {tuple(stage_k.shape)} {stage_k.dtype}")
+    T = p.tile
+    slots64, tiles64 = slots.long(), tiles.long()
+    src = (slots64 * 3 * T + T + (tiles64 % 2) * T).to(torch.int32)
+    sink = torch.where(tiles64 == 0, slots64 * 3 * T, -1).to(torch.int32)
+    kvarn_pack_rows(stage_k.flatten(0, 1), stage_v.flatten(0, 1), cache, src_rows=src,
+                    sink_rows=sink, blocks=blocks, preset=p)
+
+
+def kvarn_pack_rows(rows_k: torch.Tensor, rows_v: torch.Tensor, cache: torch.Tensor, *,
+                    src_rows: torch.Tensor, blocks: torch.Tensor, sink_rows: torch.Tensor | None = None,
+                    preset: str | Preset | None = None) -> None:
+    """Pack full tiles from fp16 rotated rows ``rows_*`` [R, Hkv, D]: job j reads rows
+    [src_rows[j], src_rows[j] + tile) and writes block ``blocks[j]`` of ``cache``; where
+    ``sink_rows[j] >= 0`` the same rows are copied to [sink_rows[j], + tile) (the fp16 sink)."""
+    p = get_preset(preset)
+    if rows_k.dim() != 3 or rows_v.shape != rows_k.shape or rows_k.dtype != torch.float16 \
+            or rows_v.dtype != torch.float16 or rows_k.stride() != rows_v.stride() \
+            or rows_k.stride(2) != 1:
+        raise ValueError(f"rows must be fp16 [R, Hkv, D] with equal K/V strides; got "
+                         f"{tuple(rows_k.shape)} {rows_k.dtype} / {tuple(rows_v.shape)} {rows_v.dtype}")
+    _, nkv, d = rows_k.shape
+    layout = p.layout(d)
     _check_cache(cache, layout, nkv)
-    n = slots.shape[0]
+    n = src_rows.shape[0]
     if n == 0:
         return
+    if sink_rows is None:
+        sink_rows = torch.full_like(src_rows, -1)
     storage = torch.tensor([], dtype=torch.uint8, device=cache.device).set_(cache.untyped_storage())
     c16 = storage.view(torch.float16)
     # byte offsets relative to the storage start
     _kvarn_pack_kernel[(n, nkv)](
-        stage_k, stage_v, storage[cache.storage_offset():], c16[cache.storage_offset() // 2:],
-        slots, tiles, blocks,
-        stage_k.stride(0), stage_k.stride(1), stage_k.stride(2),
+        rows_k, rows_v, storage[cache.storage_offset():], c16[cache.storage_offset() // 2:],
+        src_rows, sink_rows, blocks,
+        rows_k.stride(0), rows_k.stride(1),
         cache.stride(0), cache.stride(1), EPS,
         HEAD_DIM=d, TILE=p.tile, K_BITS=p.k_bits, V_BITS=p.v_bits, **_layout_consts(layout),
         num_warps=8 if p.tile * d >= 128 * 128 else 4,
@@ -190,12 +215,12 @@ def _online_update(s, m_i, l_i):
 @triton.jit
 def _kvarn_attn_split_kernel(
     q_ptr, cache_u8_ptr, cache_f16_ptr, stage_k_ptr, stage_v_ptr,
-    block_table_ptr, seq_lens_ptr, cu_q_ptr, packed_ptr, slot_ptr,
+    block_table_ptr, seq_lens_ptr, cu_q_ptr, packed_ptr, sink_row_ptr, tail_row_ptr,
     part_o_ptr, part_m_ptr, part_l_ptr,
-    qk_scale, num_splits, tiles_per_page,
+    qk_scale, num_splits, tiles_per_page, ring,
     stride_q_t: tl.int64, stride_q_h: tl.int64,
     stride_c_blk: tl.int64, stride_c_head: tl.int64,
-    stride_s_slot: tl.int64, stride_s_row: tl.int64, stride_s_head: tl.int64,
+    stride_s_row: tl.int64, stride_s_head: tl.int64,
     stride_bt: tl.int64,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, SUB_N: tl.constexpr,
@@ -213,7 +238,8 @@ def _kvarn_attn_split_kernel(
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     packed = tl.load(packed_ptr + seq)
-    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    sink0 = tl.load(sink_row_ptr + seq).to(tl.int64)  # < 0: tile 0 is read packed
+    tail0_row = tl.load(tail_row_ptr + seq).to(tl.int64)
     ctx_len = seq_len - q_len
 
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -242,10 +268,11 @@ def _kvarn_attn_split_kernel(
     v_byte = offs_d // VPER
     v_shift = (offs_d % VPER) * V_BITS
 
-    # ---- packed tiles [1, packed): split s < num_splits takes a contiguous share
-    n_pk = tl.maximum(packed - 1, 0)
+    # ---- packed tiles [first, packed): split s < num_splits takes a contiguous share
+    first = tl.where(sink0 >= 0, 1, 0)
+    n_pk = tl.maximum(packed - first, 0)
     chunk = (n_pk + num_splits - 1) // num_splits
-    t_lo = 1 + split * chunk
+    t_lo = first + split * chunk
     t_hi = tl.minimum(t_lo + chunk, packed)
     t_hi = tl.where(split < num_splits, t_hi, t_lo)
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
@@ -279,16 +306,16 @@ def _kvarn_attn_split_kernel(
             acc = acc * alpha[:, None] + _dot(p.to(tl.float16), vd, DOT_F32)
 
     # ---- fp16 rows (program split == num_splits): sink tile (if packed) then the ring tail
-    n_sink = tl.where(packed > 0, TILE // SUB_N, 0)
+    n_sink = tl.where((packed > 0) & (sink0 >= 0), TILE // SUB_N, 0)
     tail0 = packed * TILE
     n_chunks = n_sink + (tl.maximum(seq_len - tail0, 0) + SUB_N - 1) // SUB_N
     n_chunks = tl.where(split == num_splits, n_chunks, 0)
-    srow = stage_k_ptr + slot * stride_s_slot + kvh * stride_s_head
-    vrow = stage_v_ptr + slot * stride_s_slot + kvh * stride_s_head
+    srow = stage_k_ptr + kvh * stride_s_head
+    vrow = stage_v_ptr + kvh * stride_s_head
     for i in range(0, n_chunks):
         is_sink = i < n_sink
         pos = tl.where(is_sink, i * SUB_N, tail0 + (i - n_sink) * SUB_N) + offs_n
-        row = tl.where(is_sink, pos, TILE + pos % (2 * TILE)).to(tl.int64)
+        row = tl.where(is_sink, sink0 + pos, tail0_row + pos % ring).to(tl.int64)
         ok = pos < seq_len
         kt = tl.load(srow + row[None, :] * stride_s_row + offs_d[:, None], mask=ok[None, :], other=0.0)
         s = _dot(q, kt, DOT_F32) * qk_scale
@@ -351,9 +378,7 @@ def kvarn_attention(
     out: torch.Tensor, *, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
     packed_tiles: torch.Tensor, stage_slot: torch.Tensor, block_table: torch.Tensor,
     max_query_len: int, softmax_scale: float, preset: str | Preset | None = None,
-    tiles_per_page: int = 1, max_packed_tiles: int | None = None, num_splits: int | None = None,
-    sub_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    max_partial_bytes: int = 64 << 20,
+    tiles_per_page: int = 1, **kw,
 ) -> torch.Tensor:
     """Causal decode/verify attention over a KVarN cache; writes ``out`` [T, Hq, D] (model space)
     and returns it.
@@ -362,21 +387,55 @@ def kvarn_attention(
     last q_len positions). Sequence s has ``seq_lens[s]`` keys: tiles [0, packed_tiles[s]) are
     packed (tile 0 read from the stage's sink rows), positions from packed * tile on are in the
     stage ring of slot ``stage_slot[s]`` (at most 2 tiles). ``block_table`` [num_seqs, pages]
-    lists pages of ``tiles_per_page`` consecutive blocks of ``cache``.
+    lists pages of ``tiles_per_page`` consecutive blocks of ``cache``. Stage: [slots, 3 * tile,
+    Hkv, D] fp16 (rows [0, tile) sink, rows tile + p % (2 * tile) the ring).
     """
+    p = get_preset(preset)
+    T = p.tile
+    nkv = stage_k.shape[2]
+    if stage_k.dim() != 4 or stage_k.shape[1] != 3 * T or stage_k.shape[3] != q.shape[-1] \
+            or stage_k.stride() != stage_v.stride() or stage_k.dtype != torch.float16 \
+            or stage_k.stride(3) != 1 or stage_k.stride(0) != 3 * T * stage_k.stride(1):
+        raise ValueError(f"stage must be fp16 [slots, {3 * T}, {nkv}, {q.shape[-1]}] with equal "
+                         f"K/V strides")
+    base = stage_slot.long() * 3 * T
+    return kvarn_attention_rows(
+        q, cache, stage_k.flatten(0, 1), stage_v.flatten(0, 1), out, cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens, packed_tiles=packed_tiles, sink_rows=base.to(torch.int32),
+        tail_rows=(base + T).to(torch.int32), ring=2 * T, block_table=block_table,
+        max_query_len=max_query_len, softmax_scale=softmax_scale, preset=p,
+        tiles_per_page=tiles_per_page, **kw)
+
+
+def kvarn_attention_rows(
+    q: torch.Tensor, cache: torch.Tensor, rows_k: torch.Tensor, rows_v: torch.Tensor,
+    out: torch.Tensor, *, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+    packed_tiles: torch.Tensor, sink_rows: torch.Tensor, tail_rows: torch.Tensor, ring: int,
+    block_table: torch.Tensor, max_query_len: int, softmax_scale: float,
+    preset: str | Preset | None = None, tiles_per_page: int = 1,
+    max_packed_tiles: int | None = None, num_splits: int | None = None,
+    sub_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    max_partial_bytes: int = 64 << 20,
+) -> torch.Tensor:
+    """The same attention with the fp16 rows addressed directly: ``rows_*`` [R, Hkv, D] fp16
+    (rotated). Sequence s reads tiles [first, packed_tiles[s]) from the cache (a packed tile may
+    extend past seq_len: the causal mask hides the rest), with first = 1 and tile 0 read from
+    rows [sink_rows[s], + tile) when sink_rows[s] >= 0, else first = 0; positions
+    [packed * tile, seq_len) are rows ``tail_rows[s] + p % ring``."""
     p = get_preset(preset)
     T = p.tile
     if not 1 <= max_query_len <= MAX_QUERY_LEN:
         raise ValueError(f"max_query_len={max_query_len} is not valid; valid: 1..{MAX_QUERY_LEN}")
     num_tokens, num_q_heads, d = q.shape
-    nkv = stage_k.shape[2]
+    if rows_k.dim() != 3 or rows_k.shape[2] != d or rows_k.stride() != rows_v.stride() \
+            or rows_k.dtype != torch.float16 or rows_v.dtype != torch.float16 or rows_k.stride(2) != 1:
+        raise ValueError(f"fp16 rows must be [R, Hkv, {d}] fp16 with equal K/V strides; got "
+                         f"{tuple(rows_k.shape)} {rows_k.dtype}")
+    nkv = rows_k.shape[1]
     layout = p.layout(d)
     _check_cache(cache, layout, nkv)
     if num_q_heads % nkv:
         raise ValueError(f"{num_q_heads} query heads is not a multiple of {nkv} kv heads")
-    if stage_k.shape[1] != 3 * T or stage_k.shape[3] != d or stage_k.stride() != stage_v.stride() \
-            or stage_k.dtype != torch.float16 or stage_k.stride(3) != 1:
-        raise ValueError(f"stage must be fp16 [slots, {3 * T}, {nkv}, {d}] with equal K/V strides")
     if sub_n is None:
         sub_n = min(T, 32 if q.device.type == "cuda" else 64)
     if T % sub_n:
@@ -407,11 +466,11 @@ def kvarn_attention(
     c16 = storage.view(torch.float16)
     _kvarn_attn_split_kernel[(num_seqs, nkv, parts)](
         q_rot, storage[cache.storage_offset():], c16[cache.storage_offset() // 2:],
-        stage_k, stage_v, block_table, seq_lens, cu_seqlens_q, packed_tiles, stage_slot,
+        rows_k, rows_v, block_table, seq_lens, cu_seqlens_q, packed_tiles, sink_rows, tail_rows,
         part_o, part_m, part_l,
-        softmax_scale * _LOG2E, num_splits, tiles_per_page,
+        softmax_scale * _LOG2E, num_splits, tiles_per_page, ring,
         q_rot.stride(0), q_rot.stride(1), cache.stride(0), cache.stride(1),
-        stage_k.stride(0), stage_k.stride(1), stage_k.stride(2), block_table.stride(0),
+        rows_k.stride(0), rows_k.stride(1), block_table.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=d, TILE=T, SUB_N=sub_n, K_BITS=p.k_bits, V_BITS=p.v_bits,
         **_layout_consts(layout), DOT_F32=q.device.type != "cuda",

@@ -1,0 +1,185 @@
+"""KVarN vLLM-integration core: the stage planner + write + attention over several steps
+(prefill chunks, decode, speculative verify with rejected drafts, prefix-shared first block),
+against a float64 reference of what the cache must represent. Triton interpreter, tiny shapes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.interpret import child_rerun, enable, inproc_mark
+
+_PREIMPORTED = enable()
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from onecard.kvarn import reference as R  # noqa: E402
+from onecard.kvarn import stage as S  # noqa: E402
+
+if _PREIMPORTED:
+    K = None
+else:
+    from onecard.kvarn import kernels as K
+
+inproc = inproc_mark(_PREIMPORTED)
+test_in_child_process = child_rerun(__file__, _PREIMPORTED)
+
+PRESET = "k4v2_g64"
+T, D, HKV, HQ = 64, 64, 2, 4
+
+
+class Sim:
+    """Two requests over a paged cache, driven step by step like vLLM's model runner."""
+
+    def __init__(self, gen, tiles_per_page=2, num_slots=10, shared_first_page=False):
+        self.g = gen
+        self.tpp = tiles_per_page
+        p = R.get_preset(PRESET)
+        self.layout = p.layout(D)
+        pages = 40
+        self.cache = torch.randint(0, 256, (pages * self.tpp, HKV, self.layout.block_bytes),
+                                   dtype=torch.uint8, generator=gen)
+        self.stage_k = torch.randn(num_slots * T, HKV, D, generator=gen).half()
+        self.stage_v = torch.randn(num_slots * T, HKV, D, generator=gen).half()
+        perm = torch.randperm(pages - 1, generator=gen) + 1
+        self.bt = torch.stack([perm[:10], perm[10:20]]).to(torch.int32)
+        if shared_first_page:
+            self.bt[1, 0] = self.bt[0, 0]
+        self.planner = S.StagePlanner(PRESET, num_slots, tiles_per_page)
+        self.k = [torch.zeros(0, HKV, D, dtype=torch.float16) for _ in range(2)]
+        self.v = [torch.zeros(0, HKV, D, dtype=torch.float16) for _ in range(2)]
+        self.ctx = [0, 0]
+
+    def step(self, rows: list[tuple[int, int, int]]):
+        """rows: (request, new context len c (<= committed), q_len). Returns max error."""
+        ctx, seq, q0, k_new, v_new = [], [], [], [], []
+        n = 0
+        for r, c, ql in rows:
+            k = (torch.randn(ql, HKV, D, generator=self.g) * 1.5 + 0.3).half()
+            v = torch.randn(ql, HKV, D, generator=self.g).half()
+            if self.k[r].shape[0] < c:  # a prefix-cache hit on request 0's first page
+                self.k[r], self.v[r] = self.k[0][:c].clone(), self.v[0][:c].clone()
+            self.k[r] = torch.cat([self.k[r][:c], k])
+            self.v[r] = torch.cat([self.v[r][:c], v])
+            ctx.append(c)
+            seq.append(c + ql)
+            q0.append(n)
+            n += ql
+            k_new.append(k)
+            v_new.append(v)
+        bt = self.bt[[r for r, _, _ in rows]]
+        cols = {i: self.planner.tile_cols(c, s) for i, (c, s) in enumerate(zip(ctx, seq))}
+        tb = S.tile_block_ids(bt, cols, self.tpp)
+        plan = self.planner.plan(ctx, seq, q0, tb)
+        krot = R.rotate(torch.cat(k_new), torch.float32).half()
+        vrot = R.rotate(torch.cat(v_new), torch.float32).half()
+        S.apply_write(plan, krot, vrot, self.stage_k, self.stage_v, self.cache, PRESET,
+                      K.kvarn_pack_rows)
+        q = (torch.randn(n, HQ, D, generator=self.g) * 1.2).half()
+        qp = q[torch.cat([torch.arange(q0[i], q0[i] + seq[i] - ctx[i]) for i in range(len(rows))])]
+        out = torch.full((n, HQ, D), float("nan"))
+        K.kvarn_attention_rows(
+            qp, self.cache, self.stage_k, self.stage_v, out, cu_seqlens_q=plan.cu_seqlens_q,
+            seq_lens=plan.seq_lens, packed_tiles=plan.packed_tiles, sink_rows=plan.sink_rows,
+            tail_rows=plan.tail_rows, ring=T, block_table=bt[plan.req_index].contiguous(),
+            max_query_len=plan.max_query_len, softmax_scale=D ** -0.5, preset=PRESET,
+            tiles_per_page=self.tpp)
+        err = 0.0
+        for i, (r, c, ql) in enumerate(rows):
+            s = c + ql
+            kr, vr = self._represented(r, s, sink=plan.sink_rows.numel() > 0)
+            ref = R.attention_f64(q[q0[i]:q0[i] + ql], R.rotate(kr), R.rotate(vr), D ** -0.5)
+            got = out[q0[i]:q0[i] + ql].double()
+            assert torch.isfinite(got).all()
+            err = max(err, float(((got - ref).abs() / ref.abs().clamp_min(1)).max()))
+        return err
+
+    def _represented(self, r, s, sink):
+        """Rotated K/V [s] as the cache holds them: full tiles quantized (tile 0 fp16 when its
+        slot is alive), the partial tile fp16."""
+        kr = R.rotate(self.k[r][:s], torch.float32).half()
+        vr = R.rotate(self.v[r][:s], torch.float32).half()
+        ks, vs = [], []
+        for t in range(s // T):
+            blk = int(self.bt[r, t // self.tpp]) * self.tpp + t % self.tpp
+            if t == 0 and blk in self.planner.slot_of:
+                ks.append(kr[:T].double())
+                vs.append(vr[:T].double())
+                continue
+            qt = R.quantize_tile(kr[t * T:(t + 1) * T].float(), vr[t * T:(t + 1) * T].float(), PRESET)
+            k, v = R.dequant_tile(qt)
+            ks.append(k)
+            vs.append(v)
+        ks.append(kr[s // T * T:].double())
+        vs.append(vr[s // T * T:].double())
+        return torch.cat(ks), torch.cat(vs)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+
+
+TOL = 2e-2  # the reference re-quantizes with its own rounding (rare ties differ by one code)
+
+
+@inproc
+def test_prefill_chunks_decode_and_verify_with_rejections(gen):
+    sim = Sim(gen)
+    errs = [
+        sim.step([(0, 0, 150), (1, 0, 40)]),  # prefill chunk (pseudo-sequences), short prefill
+        sim.step([(0, 150, 70), (1, 40, 30)]),  # second chunk crosses tiles; 1 crosses tile 0
+        sim.step([(0, 220, 1), (1, 70, 1)]),  # decode
+        sim.step([(0, 221, 4), (1, 71, 4)]),  # verify k=3
+        sim.step([(0, 223, 4), (1, 73, 4)]),  # 2 of 3 drafts rejected: rewrite from 223
+        sim.step([(0, 225, 8), (1, 76, 8)]),  # verify crosses the tile boundary at 256/128
+        sim.step([(0, 227, 16), (1, 80, 16)]),  # rejections roll back below the boundary
+        sim.step([(0, 243, 16)]),  # request 1 not scheduled this step
+        sim.step([(0, 259, 1), (1, 96, 1)]),
+    ]
+    assert max(errs) < TOL, errs
+    # committed, non-sink tiles released their slots; sinks kept
+    live = {b for b in sim.planner.slot_of}
+    first = {int(sim.bt[r, 0]) * sim.tpp for r in range(2)}
+    assert first <= live and len(live) <= 2 + 2 * 2
+
+
+@inproc
+def test_prefix_shared_first_page(gen):
+    sim = Sim(gen, tiles_per_page=1, num_slots=5, shared_first_page=True)
+    assert sim.step([(0, 0, 64 + 10)]) < TOL
+    # request 1 hits the first page (tile 0) through the prefix cache: starts at 64
+    assert sim.step([(1, 64, 20), (0, 74, 1)]) < TOL
+    assert sim.step([(0, 75, 60), (1, 84, 50)]) < TOL
+    assert sim.step([(0, 135, 3), (1, 134, 2)]) < TOL
+
+
+def test_planner_evicts_sinks_first():
+    p = S.StagePlanner(PRESET, 3)
+    a = {(0, t): 10 + t for t in range(4)}
+    b = {(0, t): 20 + t for t in range(4)}
+    p.plan([0], [T + 1], [0], a)  # A: sink 10 + partial tile 11
+    p.plan([0], [5], [0], b)  # B: partial tile 0 (block 20)
+    plan = p.plan([5], [T + 2], [0], b)  # B fills tile 0, needs tile 1: A's sink goes
+    assert 10 not in p.slot_of and {11, 20, 21} <= set(p.slot_of)
+    assert set(plan.sink_rows.tolist()) == {p.slot_of[20] * T}  # 61 queries: 4 pseudo-sequences
+    assert plan.cu_seqlens_q.tolist() == [0, 16, 32, 48, 61]
+    plan = p.plan([T + 1], [T + 2], [0], a)  # A reads tile 0 packed now
+    assert plan.sink_rows.tolist() == [-1] and plan.packed_tiles.tolist() == [1]
+
+
+def test_planner_errors_and_release():
+    p = S.StagePlanner(PRESET, 2)
+    tb = {(0, t): 10 + t for t in range(8)}
+    plan = p.plan([0], [T + 5], [0], tb)  # tiles 0 (sink) and 1 (partial)
+    assert plan.pack_stage_blocks.tolist() == [10] and plan.tail_rows.tolist()[-1] >= 0
+    with pytest.raises(S.StageExhausted, match="valid:"):
+        p.plan([T + 5, 0], [T + 6, 2 * T + 1], [0, 1], {**tb, **{(1, t): 20 + t for t in range(4)}})
+    q = S.StagePlanner(PRESET, 3)
+    q.plan([0], [10], [0], tb)
+    with pytest.raises(S.StageExhausted, match="evicted"):
+        q.plan([10], [11], [0], {(0, 0): 99})  # mid-tile write whose rows were never staged
+    assert S.default_num_slots(2) == 10
