@@ -50,6 +50,7 @@ def geom_dir(tmp_path_factory):
         off += n
     raw = json.dumps(header).encode()
     (d / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    tiny.build_tokenizer(tiny.DEFAULT_SPEC.vocab).save(str(d / "tokenizer.json"))  # as job 20 borrows it
     return d
 
 
@@ -88,8 +89,11 @@ def test_reference_run_makes_the_table(tmp_path, geom_dir):
     assert "dflash2" in skipped and "kvarn" in skipped  # plan refusals are rows with their reason
     assert "pool long/off" in [r["key"] for r in doc["rows"]]
     md = (tmp_path / "performance.md").read_text()
-    assert "| decode 50 C1 | tok/s |" in md and "UNRESOLVED" in md and "## Goals" in md
+    assert "| decode 50 C1 (" in md and "UNRESOLVED" in md and "## Goals" in md
     assert "copy bandwidth 4000.0 GB/s" in md and "pools within 1%" in md
+    cal = doc["calibration"]  # the borrowed small-vocabulary tokenizer: fewer chars per token
+    assert 2.0 < cal["chars_per_token"] < 3.5 and "tokenizer.json" in cal["source"]
+    assert _row(doc, "prefill 100")["prompt_tokens"] > 60
     on_disk = json.loads(Path(doc["path"]).read_text())
     assert on_disk["verdict"] == "VALID" and on_disk["partial"] is False and on_disk["rows"]
     stock_files = list((tmp_path / "ref" / "stock").glob("ladder-*.json"))

@@ -70,9 +70,9 @@ class Tier:
     doc: str = ""
 
 
-# 64k profile (max_len 65,536): the depth runner skips a context whose estimate x 1.1 plus the
-# output exceeds max_model_len, so the "64k" rows use 57,000 estimated tokens (the measured
-# prompt_tokens from usage are what the table shows).
+# Sizes are real tokens (calibrated to the checkpoint's tokenizer, see calibrate()). The "64k"
+# rows use 60,000: the largest round size that fits CTX=fast's max_len 65,536 with the output
+# and the second turn's question; the table shows the measured prompt_tokens from usage.
 TIERS: dict[str, Tier] = {
     "quick": Tier(
         "quick", decode=((1000, (1, 4)),), decode_tokens=128, reps=1, prefill=(16000,),
@@ -83,10 +83,10 @@ TIERS: dict[str, Tier] = {
             "2 turns at 16k; SPEC=mtp boots (verify vs plain at 1k) only if the 6-minute budget fits"),
     "full": Tier(
         "full", decode=((1000, (1, 2, 4, 8)), (32000, (1, 2, 4, 8))), decode_tokens=256, reps=2,
-        prefill=(1000, 16000, 57000), verify_context=1000, verify_tokens=128, spec=("mtp", "dflash2"),
-        prefix_context=57000, prefix_tokens=16, pool_ctx=("long", "huge"), boots=2, budget_s=3600.0,
+        prefill=(1000, 16000, 60000), verify_context=1000, verify_tokens=128, spec=("mtp", "dflash2"),
+        prefix_context=60000, prefix_tokens=16, pool_ctx=("long", "huge"), boots=2, budget_s=3600.0,
         essential=("pool fast/off", "decode 1k C1", "decode 1k C4", "decode 32k C1", "prefill 16k",
-                   "prefill 57k", "prefix 57k turn2/turn1", "verify mtp/plain"),
+                   "prefill 60k", "prefix 60k turn2/turn1", "verify mtp/plain"),
         doc="2 boots per arm (boot floor measured): C1/C2/C4/C8 at 1k and 32k, prefill 1k/16k/~64k, "
             "SPEC=mtp and dflash2 verify, prefix 2 turns at ~64k, pools of every CTX profile"),
 }
@@ -128,9 +128,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def haystack_set(tokens: int) -> P.PromptSet:
+ASSUMED_CHARS_PER_TOKEN = 4.0  # what runner.build_context assumes
+
+
+def calibrate(model_dir: str | Path) -> dict:
+    """Characters per token of the checkpoint's own tokenizer on the haystack text, so a row
+    named "16k" sends about 16k tokens (the 27B-geometry checkpoint borrows the tiny model's
+    small-vocabulary tokenizer: ~2.6 chars/token, not 4). Falls back to 4 when the tokenizer
+    cannot be read; the table shows the measured prompt tokens either way."""
+    text = build_context(4000)
+    try:
+        from tokenizers import Tokenizer
+        n = len(Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).encode(text).ids)
+        return {"chars_per_token": len(text) / n, "source": f"tokenizer.json of the checkpoint ({n} tokens)"}
+    except Exception as e:  # noqa: BLE001
+        return {"chars_per_token": ASSUMED_CHARS_PER_TOKEN, "source": f"assumed ({type(e).__name__}: {str(e)[:80]})"}
+
+
+def est(tokens: int, cal: dict | None) -> int:
+    """The build_context size that yields about ``tokens`` real tokens."""
+    cpt = (cal or {}).get("chars_per_token") or ASSUMED_CHARS_PER_TOKEN
+    return max(1, round(tokens * cpt / ASSUMED_CHARS_PER_TOKEN))
+
+
+def haystack_set(tokens: int, cal: dict | None = None) -> P.PromptSet:
     """A one-prompt set of about ``tokens`` tokens (deterministic text: same hash every run)."""
-    text = build_context(tokens) + "\n\nContinue the story above:"
+    text = build_context(est(tokens, cal)) + "\n\nContinue the story above:"
     return P.PromptSet(id=f"haystack-{_k(tokens)}", path="<onecard.bench.runner.build_context>",
                        prompts=(text,), ids=(f"haystack-{tokens}",))
 
@@ -287,20 +310,22 @@ class Reference:
     # -- steps ------------------------------------------------------------------------------
     def plain_steps(self, t: Target, rec: dict) -> None:
         from . import runner
-        tier = self.cfg.tier
+        tier, cal = self.cfg.tier, self.doc.get("calibration")
         for ctx, ns in tier.decode:
-            self.keep(rec, f"decode {_k(ctx)}", runner.ladder(t, haystack_set(ctx), list(ns), tier.decode_tokens, tier.reps))
+            self.keep(rec, f"decode {_k(ctx)}", runner.ladder(t, haystack_set(ctx, cal), list(ns), tier.decode_tokens,
+                                                              tier.reps))
         if tier.prefill:
-            self.keep(rec, "prefill", runner.depth(t, list(tier.prefill), tier.prefill_tokens))
+            self.keep(rec, "prefill", runner.depth(t, [est(n, cal) for n in tier.prefill], tier.prefill_tokens))
         if tier.prefix_context:
-            self.keep(rec, "prefix", runner.prefix_turns(t, tier.prefix_context, 2, tier.prefix_tokens))
+            self.keep(rec, "prefix", runner.prefix_turns(t, est(tier.prefix_context, cal), 2, tier.prefix_tokens))
         if tier.verify_context and tier.spec:
             self.verify_step(t, rec)
 
     def verify_step(self, t: Target, rec: dict) -> None:
         from . import runner
         tier = self.cfg.tier
-        self.keep(rec, "verify", runner.spec(t, [haystack_set(tier.verify_context)], tier.verify_tokens))
+        self.keep(rec, "verify", runner.spec(t, [haystack_set(tier.verify_context, self.doc.get("calibration"))],
+                                             tier.verify_tokens))
 
     # -- the whole run ----------------------------------------------------------------------
     def run(self) -> dict:
@@ -344,6 +369,8 @@ class Reference:
         else:
             self.doc["bandwidth"] = measure_bandwidth(arms[0].pythonpath if arms else None)
         self.cfg.log(f"[reference] copy bandwidth: {self.doc['bandwidth']}")
+        self.doc["calibration"] = calibrate(cfg.model)
+        self.cfg.log(f"[reference] chars/token: {self.doc['calibration']}")
         try:
             self.doc["step_bytes"] = roofline.step_bytes(cfg.model).as_dict()
         except (ValueError, OSError) as e:
@@ -435,6 +462,15 @@ def fig_decode(r: dict, n: int) -> float | None:
 def fig_prefill(r: dict, ctx: int) -> float | None:
     pt = next((x for x in (r.get("data") or {}).get("points", []) if x["context"] == ctx), None)
     return pt.get("prefill_tps") if pt and pt.get("ok") else None
+
+
+def _ladder_prompt_tokens(r: dict) -> int | None:
+    for lv in (r.get("data") or {}).get("levels", []):
+        for rep in lv.get("reps", []):
+            for q in rep.get("requests", []):
+                if q.get("prompt_tokens"):
+                    return q["prompt_tokens"]
+    return None
 
 
 def fig_prompt_tokens(r: dict, ctx: int) -> int | None:
@@ -557,20 +593,27 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
             return None
         return roofline.tok_s(sbytes.decode(n, ctx), bw) * (n if n > 1 else 1)
 
+    cal = doc.get("calibration")
     for ctx, ns in tier.decode:
         for n in ns:
             what = "per-stream decode tok/s" if n == 1 else f"aggregate tok/s of {n} streams"
-            add(f"decode {_k(ctx)} C{n}", f"no-spec {what}, ~{_k(ctx)} prompt, {tier.decode_tokens} tokens",
-                "tok/s", True, "off", f"decode {_k(ctx)}", lambda r, n=n: fig_decode(r, n), roof_decode(ctx, n))
+            row = add(f"decode {_k(ctx)} C{n}", f"no-spec {what}, ~{_k(ctx)} prompt, {tier.decode_tokens} tokens",
+                      "tok/s", True, "off", f"decode {_k(ctx)}", lambda r, n=n: fig_decode(r, n), roof_decode(ctx, n))
+            toks = [_ladder_prompt_tokens(r) for c in row["arms"].values() for r in c["_res"]]
+            row["prompt_tokens"] = next((t for t in toks if t), None)
     for ctx in tier.prefill:
+        e = est(ctx, cal)
         row = add(f"prefill {_k(ctx)}", f"prefill tok/s (prompt tokens / TTFT, salted), ~{_k(ctx)} prompt",
-                  "tok/s", True, "off", "prefill", lambda r, c=ctx: fig_prefill(r, c))
-        toks = [fig_prompt_tokens(r, ctx) for c in row["arms"].values() for r in c["_res"]]
+                  "tok/s", True, "off", "prefill", lambda r, c=e: fig_prefill(r, c))
+        toks = [fig_prompt_tokens(r, e) for c in row["arms"].values() for r in c["_res"]]
         row["prompt_tokens"] = next((t for t in toks if t), None)
     if tier.prefix_context:
         pc = _k(tier.prefix_context)
-        add(f"prefix {pc} turn1", f"TTFT turn 1 (cold), ~{pc} document", "s", False, "off", "prefix",
-            lambda r: fig_turn(r, 1))
+        row = add(f"prefix {pc} turn1", f"TTFT turn 1 (cold), ~{pc} document", "s", False, "off", "prefix",
+                  lambda r: fig_turn(r, 1))
+        toks = [((r.get("data") or {}).get("turns") or [{}])[0].get("prompt_tokens")
+                for c in row["arms"].values() for r in c["_res"]]
+        row["prompt_tokens"] = next((t for t in toks if t), None)
         add(f"prefix {pc} turn2", f"TTFT turn 2 (prefix cache), ~{pc} document", "s", False, "off", "prefix",
             lambda r: fig_turn(r, 2))
         add(f"prefix {pc} turn2/turn1", "TTFT ratio turn 2 / turn 1", "ratio", False, "off", "prefix", fig_turn_ratio)
@@ -700,6 +743,8 @@ def markdown(doc: dict) -> str:
          f"- roofline bytes per step (safetensors headers): weights {_gib(sb.get('weights'))} (no vision, "
          f"no MTP, no embedding table), MTP {_gib(sb.get('mtp'))}, lm_head {_gib(sb.get('lm_head'))}, KV "
          f"{sb.get('attn_bytes_per_token')} B/token, GDN state r+w {_gib(sb.get('gdn_state_bytes'))} per stream",
+         f"- prompt sizes: {(doc.get('calibration') or {}).get('chars_per_token', 0):.2f} chars/token "
+         f"({(doc.get('calibration') or {}).get('source')}); row names are target tokens, `(N tok)` the measured ones",
          f"- result JSON: `{Path(str(doc.get('path') or '')).name}`", "",
          "## Table", "",
          "| row | unit | " + " | ".join(arms) + " | patched/stock | comparison | roofline | % roofline "
