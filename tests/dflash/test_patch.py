@@ -1,0 +1,160 @@
+"""Patch 0080 (DFlash2 for vLLM 0.27.1): generated == committed, applies and is revertible on top
+of the current series, and what it ships equals onecard.dflash's reference on CPU (selector walk,
+lookup lane, block conv, the proposer's block assembly) while the patched SpeculativeConfig
+accepts method "dflash2" and refuses bad values with one line."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from onecard import patching
+
+REPO = Path(__file__).resolve().parents[2]
+NAME = "0080-dflash2.patch"
+PATCH = REPO / "patches" / NAME
+NEW = {"vllm/v1/spec_decode/dflash2_lane.py", "vllm/v1/spec_decode/dflash2.py",
+       "vllm/model_executor/models/qwen3_dflash2.py", "vllm/dflash2_installed.txt"}
+
+
+def test_header_and_files():
+    p = patching.parse_patch(PATCH)
+    for key in ("What", "Why", "Test", "Upstream"):
+        assert p.header.get(key), f"header lacks {key}:"
+    created = {fd.path for fd in p.files if fd.created}
+    assert created == NEW
+    changed = {fd.path for fd in p.files if not fd.created}
+    assert changed == {"vllm/config/speculative.py", "vllm/model_executor/models/registry.py",
+                       "vllm/model_executor/models/qwen3_dflash.py",
+                       "vllm/v1/worker/gpu_model_runner.py"}
+
+
+def test_generated_equals_committed(vllm_dir):
+    from onecard.dflash import make_patch
+
+    assert make_patch.build(vllm_dir) == PATCH.read_text(encoding="utf-8"), (
+        "run: python -m onecard.dflash.make_patch")
+
+
+@pytest.fixture(scope="module")
+def series_dir(tmp_path_factory):
+    """The current series, plus 0080 at its place if the series does not list it yet."""
+    tmp = tmp_path_factory.mktemp("d2-series")
+    names = [p.name for p in patching.read_series()]
+    if NAME not in names:
+        names.append(NAME)
+    names.sort(key=lambda n: n[:4])
+    for n in names:
+        shutil.copy2(REPO / "patches" / n, tmp / n)
+    (tmp / "series").write_text("\n".join(names) + "\n")
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def overlay(vllm_dir, series_dir, tmp_path_factory):
+    return patching.overlay(vllm_dir, tmp_path_factory.mktemp("d2-site"),
+                            series=series_dir / "series")
+
+
+def test_applies_once_and_reverts_on_the_series(overlay, series_dir, vllm_dir, tmp_path):
+    # on the overlay every patch reads "applied" (= its reverse applies: it is revertible)
+    report = patching.status(overlay / "vllm", series_dir / "series")
+    assert report.all_applied, report.lines()
+    assert NAME in [n for n, _, _ in report.states]
+    _, todo = patching.apply(overlay / "vllm", series_dir / "series", dry_run=True)
+    assert todo == []                     # a second apply is a no-op
+    assert (overlay / "vllm" / "dflash2_installed.txt").is_file()
+    # a fresh pristine copy of every file the series touches takes the whole series, and
+    # reverting it gives the pristine files back
+    paths = {path for p in patching.read_series(series_dir / "series") for path in p.paths}
+    site = vllm_dir.parent
+    for rel in paths | {"vllm/__init__.py", "vllm/_version.py"}:
+        if (site / rel).is_file():
+            (tmp_path / "site" / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(site / rel, tmp_path / "site" / rel)
+    for info in site.glob("vllm-*.dist-info"):
+        shutil.copytree(info, tmp_path / "site" / info.name)
+    dest = tmp_path / "site" / "vllm"
+    before = {p: (tmp_path / "site" / p).read_bytes() for p in paths
+              if (tmp_path / "site" / p).is_file()}
+    _, applied = patching.apply(dest, series_dir / "series")
+    assert NAME in applied
+    assert patching.status(dest, series_dir / "series").all_applied
+    patching.revert(dest, series_dir / "series")
+    after = {p: (tmp_path / "site" / p).read_bytes() for p in paths
+             if (tmp_path / "site" / p).is_file()}
+    assert after == before
+
+
+@pytest.fixture(scope="module")
+def checks(overlay, tmp_path_factory):
+    from onecard.dflash.tiny_drafter import build_tiny_drafter
+    from onecard.prepare.tiny import build_tiny_model
+
+    d = tmp_path_factory.mktemp("d2-models")
+    target = build_tiny_model(d / "qwen35-tiny")
+    drafter = build_tiny_drafter(target, d / "qwen35-tiny-dflash2")
+    # SpeculativeConfig needs a target ModelConfig; the Qwen3.5 one imports torchvision, so a
+    # text-only Qwen3 config with the tiny model's sizes stands in (same vocab/hidden/layers)
+    tc = json.loads((target / "config.json").read_text())
+    t = tc.get("text_config", tc)
+    fake = d / "text-target"
+    fake.mkdir()
+    (fake / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "hidden_size": t["hidden_size"], "num_hidden_layers": t["num_hidden_layers"],
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "intermediate_size": 256, "vocab_size": t["vocab_size"], "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False, "hidden_act": "silu"}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), str(REPO)]))
+    arg = json.dumps({"drafter": str(drafter), "target": str(fake)})
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("patch_check.py")), arg],
+                          cwd=d, env=env, capture_output=True, text=True, timeout=900)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PATCH_CHECK ")), None)
+    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(line.removeprefix("PATCH_CHECK "))
+
+
+def test_selector_walk_equals_reference(checks):
+    assert checks["walk_equal"] == [True, True]
+
+
+def test_lookup_lane_equals_reference(checks):
+    assert checks["lane_mismatches"] == 0
+    assert checks["lanebook"] == [[1, 2, 3], True, False]  # -1 placeholders skipped; pruned
+
+
+def test_block_assembly(checks):
+    assert checks["assemble"] == [[5, 6, 7, 8, 9, 9, 9], [5, 6, 7, 7, 7], [5, 6, 7, 8]]
+    full, qshape, q_matches, lane_tail, plain = checks["proposer_extend"]
+    # request a: prompt 10..22, accepted 10 11, drafts 12 13 14 -> lookup copies 15..18
+    assert full == [[12, 13, 14, 15, 16, 17, 18], [7, 7, 8, 8, 8, 8, 8]]
+    assert qshape == [2, 7, 40] and q_matches
+    assert lane_tail == [22, 10, 11]
+    assert plain == [[12, 13, 14, 14, 14], [7, 7, 8, 8, 8]]
+
+
+def test_block_conv_equals_reference(checks):
+    assert checks["conv_equal"] is True
+
+
+def test_speculative_config_dflash2(checks):
+    sc = checks["spec_config"]
+    assert isinstance(sc, dict), sc
+    # method, dflash2, k, parallel_drafting, use_dflash(), dflash2_lookup, causal
+    assert sc["ok7"] == ["dflash", True, 7, True, True, False, False]
+    assert sc["ok15"] == ["dflash", True, 15, True, True, True, False]
+    errs = sc["errors"]
+    assert "valid: 1..15" in errs["k16"]
+    assert "dflash2_lookup_key_len=0; valid: 1..8" in errs["key_len"]
+    assert "valid: 2..64" in errs["max_match"]
+    assert "needs model=" in errs["no_model"]
+    assert "dflash2_lookup needs method 'dflash2'" in errs["lookup_without_dflash2"]
+    for msg in errs.values():
+        assert "\n" not in msg and "valid" in msg
