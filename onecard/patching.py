@@ -440,13 +440,14 @@ def _digest(data: bytes) -> str:
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def audit(vllm_dir: Path, series: Path = DEFAULT_SERIES) -> list[str]:
+def audit(vllm_dir: Path, series: Path = DEFAULT_SERIES, extra: tuple[Path, ...] = ()) -> list[str]:
     """Differences between the installed package and 'pristine wheel + applied patches'.
 
     Checks every ``.py`` file the wheel's RECORD lists: a file the series touches must equal its
     RECORD hash once the series is unwound in memory; every other file must equal RECORD as is.
+    ``extra``: series applied after ``series`` (kvarn/series), unwound with it.
     """
-    patches = read_series(series)
+    patches = read_series(series) + [p for s in extra for p in read_series(s)]
     record = _record(vllm_dir)
     site = vllm_dir.parent
     _, pristine, _ = _analyse(site, patches, vllm_version(vllm_dir))
@@ -474,14 +475,16 @@ def audit(vllm_dir: Path, series: Path = DEFAULT_SERIES) -> list[str]:
 # --------------------------------------------------------------------------- overlay (tests)
 
 
-def overlay(vllm_dir: Path, dest: Path, series: Path = DEFAULT_SERIES) -> Path:
+def overlay(vllm_dir: Path, dest: Path, series: Path = DEFAULT_SERIES, also: tuple[str, ...] = ()) -> Path:
     """Make `dest/vllm` a patched view of `vllm_dir` without touching it.
 
     Directories the series does not touch are symlinked, touched files are real copies, and the
     series is then applied to the view. Returns `dest` (put it first on PYTHONPATH). Used by the
-    tests so that the test environment's vLLM stays pristine.
+    tests so that the test environment's vLLM stays pristine. ``also``: more site-relative paths
+    to make real (copied files, real directories down to them; they need not exist), for a
+    later installer that writes there (kvarn/install.sh).
     """
-    touched = {p for patch in read_series(series) for p in patch.paths}
+    touched = {p for patch in read_series(series) for p in patch.paths} | set(also)
     site = vllm_dir.parent
 
     def build(src: Path, rel: str) -> None:

@@ -1,0 +1,244 @@
+# SPDX-License-Identifier: Apache-2.0
+"""KVARN attention backend: the KVarN 4/2-bit paged KV cache (onecard, issue 9).
+
+Installed by onecard's kvarn/install.sh as vllm/v1/attention/backends/kvarn_attn.py; the
+kernels, format and stage planner are copied verbatim from onecard/kvarn/ into
+vllm/v1/attention/ops/kvarn/. Selected for --kv-cache-dtype kvarn_k4v2_g128 / kvarn_k4v4_g128 /
+kvarn_k4v2_g64 (no other backend accepts them).
+
+Cache of one layer: uint8 [num_blocks, block_size // tile, num_kv_heads, block_bytes] (a vLLM
+page of block_size tokens is block_size // tile KVarN tiles; block_size is a multiple of 128).
+Per step the metadata builder plans (onecard/kvarn/stage.py): which new rows go to the fp16
+stage (tile 0 and the tail; slots keyed by the tile's physical block), which tiles are full and
+get packed, and the pseudo-sequences (<= 16 queries) attention runs over. The forward then:
+rotates K/V (Walsh-Hadamard), writes the stage, packs full tiles (Triton), and runs the split-KV
+attention kernel for every query (decode, verify and prefill chunks alike; a prefill chunk's
+queries read its own tiles packed, the partial tile and the sink in fp16).
+
+Limits (one-line errors): decoder self-attention only; no sliding window, ALiBi, soft cap,
+KV sharing, sinks, or fp8 output quantization. CUDA graphs: never (attention runs eager inside
+piecewise graphs); the builder reads seq_lens and the block table on the host (two syncs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm.config.cache import CacheDType
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.attention.ops.kvarn import format as kvarn_format
+from vllm.v1.attention.ops.kvarn import kernels as kvarn_kernels
+from vllm.v1.attention.ops.kvarn import stage as kvarn_stage
+
+logger = init_logger(__name__)
+
+KVARN_CACHE_DTYPES = tuple(p.cache_dtype for p in kvarn_format.PRESETS.values())
+PAGE_ALIGN = 128  # block sizes are multiples of the largest tile
+_ACTIVE: dict[str, str] = {}  # "cache_dtype": the kvarn dtype of this process
+
+
+def is_kvarn(cache_dtype: str | None) -> bool:
+    return isinstance(cache_dtype, str) and cache_dtype.startswith("kvarn_")
+
+
+def bytes_per_token_head(cache_dtype: str, head_size: int) -> int:
+    """Bytes one token of one kv head occupies in the paged cache (exact for valid shapes)."""
+    p = kvarn_format.get_preset(cache_dtype)
+    blk = p.layout(head_size).block_bytes
+    if blk % p.tile:
+        raise ValueError(f"KVarN {cache_dtype} with head_size {head_size} has {blk} bytes per "
+                         f"{p.tile}-token block, not a whole number per token; valid head_size: "
+                         f"a power of two >= 64")
+    return blk // p.tile
+
+
+def _resolve(cache_dtype_str: str | None) -> str:
+    if is_kvarn(cache_dtype_str):
+        return cache_dtype_str  # type: ignore[return-value]
+    if "cache_dtype" in _ACTIVE:
+        return _ACTIVE["cache_dtype"]
+    from vllm.config import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    if cfg is not None and is_kvarn(cfg.cache_config.cache_dtype):
+        return cfg.cache_config.cache_dtype
+    raise ValueError(f"KVARN backend without a kvarn cache dtype; valid: {', '.join(KVARN_CACHE_DTYPES)}")
+
+
+class KvarnAttentionBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(KVARN_CACHE_DTYPES)  # type: ignore[assignment]
+
+    @staticmethod
+    def get_name() -> str:
+        return "KVARN"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        return [MultipleOf(PAGE_ALIGN)]
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype: CacheDType | None) -> bool:
+        return kv_cache_dtype in KVARN_CACHE_DTYPES
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size >= 64 and head_size & (head_size - 1) == 0
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return True
+
+    @staticmethod
+    def get_impl_cls() -> type["KvarnAttentionImpl"]:
+        return KvarnAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["KvarnMetadataBuilder"]:
+        return KvarnMetadataBuilder
+
+    @staticmethod
+    def use_cascade_attention(*args, **kwargs) -> bool:
+        return False
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        p = kvarn_format.get_preset(_resolve(cache_dtype_str))
+        if block_size % p.tile:
+            raise ValueError(f"KVarN block_size {block_size} is not valid; valid: a multiple of {p.tile}")
+        return (num_blocks, block_size // p.tile, num_kv_heads, p.layout(head_size).block_bytes)
+
+
+@dataclass
+class KvarnMetadata(AttentionMetadata):
+    plan: kvarn_stage.StepPlan  # on the device
+    block_table: torch.Tensor  # [pseudo-sequences, pages]
+    num_actual_tokens: int
+    tiles_per_page: int
+
+
+class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.preset = kvarn_format.get_preset(vllm_config.cache_config.cache_dtype)
+        self.tiles_per_page = kv_cache_spec.block_size // self.preset.tile
+        self.planner = kvarn_stage.StagePlanner(
+            self.preset, kvarn_stage.default_num_slots(vllm_config.scheduler_config.max_num_seqs),
+            self.tiles_per_page)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> KvarnMetadata:
+        cam = common_attn_metadata
+        n = cam.num_reqs
+        seq = cam.seq_lens[:n].to("cpu").tolist()  # exact lengths (async spec-decode safe)
+        qsl = cam.query_start_loc_cpu[: n + 1].tolist()
+        ctx = [s - (qsl[i + 1] - qsl[i]) for i, s in enumerate(seq)]
+        bt_cpu = cam.block_table_tensor[:n].to("cpu")
+        cols = {r: self.planner.tile_cols(ctx[r], seq[r]) for r in range(n)}
+        tb = kvarn_stage.tile_block_ids(bt_cpu, cols, self.tiles_per_page)
+        plan = self.planner.plan(ctx, seq, qsl[:n], tb, null_page_blocks=self.tiles_per_page)
+        dev_plan = plan.to(self.device)
+        bt = cam.block_table_tensor[:n].index_select(0, dev_plan.req_index)
+        return KvarnMetadata(plan=dev_plan, block_table=bt, num_actual_tokens=cam.num_actual_tokens,
+                             tiles_per_page=self.tiles_per_page)
+
+
+class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, sinks=None, **kwargs) -> None:
+        bad = [name for name, val in (("alibi_slopes", alibi_slopes), ("sliding_window", sliding_window),
+                                      ("logits_soft_cap", logits_soft_cap or None),
+                                      ("kv_sharing_target_layer_name", kv_sharing_target_layer_name),
+                                      ("sinks", sinks)) if val is not None]
+        if bad or attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"KVARN attention does not support {', '.join(bad) or attn_type}; "
+                                      f"valid: decoder self-attention without them")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.preset = kvarn_format.get_preset(kv_cache_dtype)
+        self.layout = self.preset.layout(head_size)
+        _ACTIVE["cache_dtype"] = self.preset.cache_dtype
+        from vllm.config import get_current_vllm_config_or_none
+
+        cfg = get_current_vllm_config_or_none()
+        max_seqs = cfg.scheduler_config.max_num_seqs if cfg is not None else 8
+        self.num_slots = kvarn_stage.default_num_slots(max_seqs)
+
+    def _stage(self, layer, device):
+        st = getattr(layer, "_kvarn_stage", None)
+        if st is None or st[0].device != device:
+            shape = (self.num_slots * self.preset.tile, self.num_kv_heads, self.head_size)
+            st = (torch.zeros(shape, dtype=torch.float16, device=device),
+                  torch.zeros(shape, dtype=torch.float16, device=device))
+            layer._kvarn_stage = st
+        return st
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None,
+                output_scale=None, output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("KVARN attention does not support fused output quantization; "
+                                      "valid: unquantized output")
+        assert output is not None
+        stage_k, stage_v = self._stage(layer, query.device)  # allocated in the profile run
+        if attn_metadata is None:
+            return output
+        n = attn_metadata.num_actual_tokens
+        plan = attn_metadata.plan
+        if n == 0 or plan.num_tokens == 0:
+            return output
+        if plan.num_tokens != n:
+            raise RuntimeError(f"KVarN plan covers {plan.num_tokens} tokens, batch has {n}")
+        h, d = self.num_kv_heads, self.head_size
+        tpp = attn_metadata.tiles_per_page
+        if kv_cache.shape[1] != tpp or kv_cache.stride(0) != tpp * kv_cache.stride(1):
+            raise NotImplementedError(f"KVarN cache layout {tuple(kv_cache.shape)} strides "
+                                      f"{kv_cache.stride()} is not valid; valid: contiguous pages "
+                                      f"of {tpp} tiles")
+        cache = kv_cache.flatten(0, 1)
+        hn = kvarn_kernels._hadamard(d, query.device)
+        k_rot = (key[:n].reshape(-1, d).float() @ hn).to(torch.float16).view(n, h, d)
+        v_rot = (value[:n].reshape(-1, d).float() @ hn).to(torch.float16).view(n, h, d)
+        kvarn_stage.apply_write(plan, k_rot, v_rot, stage_k, stage_v, cache, self.preset,
+                                kvarn_kernels.kvarn_pack_rows)
+        q = query[:n].view(n, self.num_heads, d)
+        out = output[:n].view(n, self.num_heads, d)
+        kvarn_kernels.kvarn_attention_rows(
+            q, cache, stage_k, stage_v, out, cu_seqlens_q=plan.cu_seqlens_q,
+            seq_lens=plan.seq_lens, packed_tiles=plan.packed_tiles, sink_rows=plan.sink_rows,
+            tail_rows=plan.tail_rows, ring=self.preset.tile, block_table=attn_metadata.block_table,
+            max_query_len=plan.max_query_len, softmax_scale=self.scale, preset=self.preset,
+            tiles_per_page=tpp, max_packed_tiles=plan.max_packed_tiles)
+        return output

@@ -1,0 +1,160 @@
+"""kvarn/install.sh (onecard.kvarn.installer) on a patched view of the pinned vLLM 0.27.1:
+install puts files + patch + marker in, a second install is a no-op, uninstall gives back the
+exact bytes; the patched vLLM accepts the kvarn dtypes and computes our bytes per token."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from onecard import memory, patching
+from onecard.kvarn import format as fmt
+from onecard.kvarn import installer as kin
+
+REPO = Path(__file__).resolve().parent.parent
+KVARN_PATCH = patching.read_series(kin.SERIES)
+
+
+def _also() -> tuple[str, ...]:
+    return tuple({p for patch in KVARN_PATCH for p in patch.paths} | set(kin.sources()) | {kin.MARKER})
+
+
+def _snapshot(root: Path) -> dict[str, object]:
+    """Every entry under root without following links: file bytes or link targets."""
+    out: dict[str, object] = {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = ("link", os.readlink(p))
+            elif p.is_file():
+                out[rel] = p.read_bytes()
+            else:
+                out[rel] = "dir"
+    return out
+
+
+@pytest.fixture
+def site(vllm_dir, tmp_path):
+    return patching.overlay(vllm_dir, tmp_path / "site", also=_also())
+
+
+def test_series_and_patch_are_well_formed():
+    assert [p.name for p in KVARN_PATCH] == ["0001-kvarn-kv-cache.patch"]
+    assert not [f for f in patching.HEADER_FIELDS if not KVARN_PATCH[0].header.get(f)]
+    main = {p for patch in patching.read_series() for p in patch.paths}
+    assert not main & set(KVARN_PATCH[0].paths)  # no file in both series
+    assert (REPO / "kvarn" / "install.sh").stat().st_mode & 0o111
+
+
+def test_install_idempotent_uninstall_exact(site, vllm_dir, capsys):
+    vdir = site / "vllm"
+    before = _snapshot(vdir)
+    st = kin.state(vdir)
+    assert st["patch"] == patching.NOT_APPLIED and st["marker"] == "missing"
+    assert kin.main(["--vllm-dir", str(vdir), "--dry-run"]) == 0
+    assert _snapshot(vdir) == before
+    assert kin.main(["--vllm-dir", str(vdir)]) == 0
+    st = kin.state(vdir)
+    assert st["patch"] == patching.APPLIED and st["marker"] == "ok"
+    assert set(st["files"].values()) == {"ok"}  # kernels copied verbatim (byte-equal)
+    for rel, src in kin.sources().items():
+        assert (site / rel).read_bytes() == src.read_bytes()
+    assert kin.main(["--vllm-dir", str(vdir), "--status"]) == 0
+    installed = _snapshot(vdir)
+    capsys.readouterr()
+    assert kin.main(["--vllm-dir", str(vdir)]) == 0  # second install: no-op
+    assert "already installed" in capsys.readouterr().out
+    assert _snapshot(vdir) == installed
+    # the main series is still exactly applied; the audit knows the kvarn series
+    assert patching.status(vdir).all_applied
+    assert patching.audit(vdir, extra=(kin.SERIES,)) == []
+    assert any("cache.py" in p for p in patching.audit(vdir))
+    # the real test-venv vLLM was never written through a link
+    assert not (vllm_dir / "kvarn_installed.txt").exists()
+    assert not (vllm_dir / "v1/attention/ops/kvarn").exists()
+    assert kin.main(["--vllm-dir", str(vdir), "--uninstall"]) == 0
+    assert _snapshot(vdir) == before
+    capsys.readouterr()
+    assert kin.main(["--vllm-dir", str(vdir), "--uninstall"]) == 0
+    assert "not installed" in capsys.readouterr().out
+    assert kin.main(["--vllm-dir", str(vdir), "--status"]) == 1
+
+
+def test_failed_patch_leaves_nothing(site, monkeypatch, capsys):
+    vdir = site / "vllm"
+    before = _snapshot(vdir)
+
+    def boom(*a, **k):
+        raise patching.PatchError("simulated failure")
+
+    monkeypatch.setattr(patching, "apply", boom)
+    assert kin.main(["--vllm-dir", str(vdir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nothing was left changed" in err
+    assert _snapshot(vdir) == before
+
+
+def test_patch_that_does_not_fit_is_one_line(site, capsys):
+    vdir = site / "vllm"
+    cache_py = site / "vllm/config/cache.py"
+    cache_py.write_text(cache_py.read_text().replace('    "nvfp4",\n]', '    "nvfp4", "x",\n]'))
+    before = _snapshot(vdir)
+    assert kin.main(["--vllm-dir", str(vdir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not fit" in err and "valid:" in err
+    assert _snapshot(vdir) == before
+
+
+_PROBE = r"""
+import json, torch, pydantic
+from vllm.config.cache import CacheConfig
+from vllm.v1.attention.backends.kvarn_attn import KvarnAttentionBackend, bytes_per_token_head
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.kv_cache_interface import TQFullAttentionSpec
+from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+out = {}
+for d in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
+    assert CacheConfig(cache_dtype=d).cache_dtype == d
+    spec = TQFullAttentionSpec(block_size=256, num_kv_heads=4, head_size=256, head_size_v=256,
+                               dtype=STR_DTYPE_TO_TORCH_DTYPE[d], tq_slot_size=bytes_per_token_head(d, 256))
+    out[d] = {"page": spec.page_size_bytes,
+              "shape": KvarnAttentionBackend.get_kv_cache_shape(10, 256, 4, 256, d),
+              "supported": KvarnAttentionBackend.supports_kv_cache_dtype(d)}
+try:
+    CacheConfig(cache_dtype="kvarn_k3v3_g128")
+    out["bogus"] = "accepted"
+except pydantic.ValidationError as e:
+    out["bogus"] = str(e).splitlines()[0]
+out["enum"] = AttentionBackendEnum.KVARN.get_path()
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+out["triton_takes_kvarn"] = TritonAttentionBackend.supports_kv_cache_dtype("kvarn_k4v2_g128")
+print("JSON" + json.dumps(out))
+"""
+
+
+def test_patched_vllm_accepts_dtypes_and_page_size_matches(site):
+    vdir = site / "vllm"
+    assert kin.main(["--vllm-dir", str(vdir)]) == 0
+    env = {**os.environ, "PYTHONPATH": f"{site}:{REPO}", "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env,
+                       cwd=site, timeout=600)
+    line = [l for l in r.stdout.splitlines() if l.startswith("JSON")]
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    out = json.loads(line[0][4:])
+    g = memory.QWEN38_27B
+    for d in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
+        per_token_layer = out[d]["page"] // 256
+        assert per_token_layer == fmt.bytes_per_token_layer(4, 256, d) == memory.attn_bytes_per_token(g, d)
+        p = fmt.get_preset(d)
+        assert out[d]["shape"] == [10, 256 // p.tile, 4, p.layout(256).block_bytes]
+        assert out[d]["supported"]
+    assert out["kvarn_k4v2_g128"]["page"] == 840 * 256
+    assert out["bogus"] != "accepted" and "validation error" in out["bogus"]
+    assert out["enum"].endswith("kvarn_attn.KvarnAttentionBackend")
+    assert out["triton_takes_kvarn"] is False
