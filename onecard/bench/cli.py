@@ -7,7 +7,8 @@
   onecard bench perplexity --prompts prose
   onecard bench spec --prompts prose,code,copy
   onecard bench run CONFIG.yaml                     (declarative: every run in the file)
-  onecard bench suite single|batch [--prefill] [--long]   (bench/run_benchmarks.sh; + report)
+  onecard bench suite single|batch [--prefill] [--long] [--size smoke] [--label L]
+                                                    (bench/run_benchmarks.sh; + report)
   onecard bench ab --knob ONECARD_X --a 0 --b 1 --boots 2 [--server-cmd "bash start_qwen.sh"]
   onecard bench compare A.json B.json [--knob NAME] (the contract's verdict on a comparison)
   onecard bench report RESULTS_DIR... --md report.md [--plot ladder.png]
@@ -90,6 +91,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("mode", choices=("single", "batch"))
     p.add_argument("--prefill", action="store_true", help="add the context-depth / TTFT slope axis")
     p.add_argument("--long", action="store_true", help="add 64k-128k depth, long needle, 96k turns")
+    p.add_argument("--size", default="default", help="default | smoke (every axis, small: test models)")
+    p.add_argument("--label", default=None, help="result label (default: the mode)")
     p.add_argument("--url", default=os.environ.get("ONECARD_BENCH_URL", "http://127.0.0.1:8000"))
     p.add_argument("--model", default=None)
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
@@ -175,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
             from .report import write_report
             model = args.model or _first_model(args)
             cfg = config.suite(args.mode, args.url, model, args.results, args.prefill, args.long,
-                               args.endpoint, args.api_key_env)
+                               args.endpoint, args.api_key_env, args.size, args.label)
             t = config.target_from(cfg, argv=list(sys.argv))
             results = config.execute(cfg, t)
             rcs = [_done(r) for r in results]

@@ -123,13 +123,36 @@ def execute(cfg: dict, target: Target) -> list[dict]:
     return results
 
 
+SIZES = ("default", "smoke")
+
+
 def suite(mode: str, url: str, model: str, out_dir: str, prefill: bool = False, long: bool = False,
-          endpoint: str = "completions", api_key_env: str | None = "ONECARD_API_KEY") -> dict:
-    """The named suites of bench/run_benchmarks.sh, as a config (validated like a file)."""
+          endpoint: str = "completions", api_key_env: str | None = "ONECARD_API_KEY",
+          size: str = "default", label: str | None = None) -> dict:
+    """The named suites of bench/run_benchmarks.sh, as a config (validated like a file).
+
+    ``size="smoke"``: every axis of the single-user suite at sizes a small test model answers in
+    about a minute and that fit an 8,192-token context (SmolLM2's) even with a small-vocabulary
+    tokenizer (~2.6 chars/token: 4,000 estimated tokens ~ 6,200 real ones); not with --long."""
     if mode not in ("single", "batch"):
         raise ConfigError(f"suite {mode!r} invalid; valid: single, batch")
+    if size not in SIZES:
+        raise ConfigError(f"suite size {size!r} invalid; valid: {', '.join(SIZES)}")
+    if size == "smoke" and (mode != "single" or long):
+        raise ConfigError("suite size smoke is the single-user suite without --long; valid: single [--prefill] --size smoke")
     runs: list[dict] = []
-    if mode == "single":
+    if size == "smoke":
+        runs += [
+            {"kind": "ladder", "prompts": "prose", "n": [1, 2, 4, 8], "max_tokens": 64, "reps": 1},
+            {"kind": "ladder", "prompts": "code", "n": [1], "max_tokens": 64, "reps": 1},
+            {"kind": "spec", "prompts": ["prose", "code", "copy"], "max_tokens": 64},
+            {"kind": "perplexity", "prompts": "prose"},
+            {"kind": "prefix_turns", "context_tokens": 2000, "turns": 3, "max_tokens": 16},
+            {"kind": "needle", "contexts": [2000], "depths": [0.1, 0.5, 0.9]},
+        ]
+        if prefill:
+            runs.append({"kind": "depth", "contexts": [256, 1024, 4000], "max_tokens": 32})
+    elif mode == "single":
         runs += [
             {"kind": "ladder", "prompts": "prose", "n": [1, 2, 4, 8], "max_tokens": 256, "reps": 2},
             {"kind": "ladder", "prompts": "code", "n": [1], "max_tokens": 256, "reps": 2},
@@ -143,7 +166,7 @@ def suite(mode: str, url: str, model: str, out_dir: str, prefill: bool = False, 
             {"kind": "ladder", "prompts": "chat", "n": [1, 2, 4, 8, 16, 32], "max_tokens": 256, "reps": 1},
             {"kind": "ladder", "prompts": "prose", "n": [8, 16], "max_tokens": 256, "reps": 1, "shared": True},
         ]
-    if prefill:
+    if prefill and size == "default":
         runs.append({"kind": "depth", "contexts": [1000, 4000, 16000, 32000], "max_tokens": 64})
     if long:
         runs += [
@@ -153,6 +176,6 @@ def suite(mode: str, url: str, model: str, out_dir: str, prefill: bool = False, 
         ]
     cfg = {"server": {"url": url, "model": model, "endpoint": endpoint,
                       **({"api_key_env": api_key_env} if api_key_env else {})},
-           "out_dir": out_dir, "label": mode, "runs": runs}
+           "out_dir": out_dir, "label": label or mode, "runs": runs}
     validate(cfg, f"suite {mode}")
     return cfg

@@ -159,7 +159,8 @@ def plot_ladders(results: list[dict], path: str | Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in ladders:
         lv = r["data"]["levels"]
-        name = (r.get("label") or (r["provenance"].get("prompt_set") or {}).get("id") or "run")
+        pid = (r["provenance"].get("prompt_set") or {}).get("id")
+        name = " ".join(x for x in (r.get("label"), pid) if x) or "run"  # e.g. "smol prose", "smol code"
         ns = [x["n"] for x in lv]
         ax.plot(ns, [x.get("aggregate_tps") or 0 for x in lv], marker="o", label=f"{name} aggregate")
         ax.plot(ns, [x.get("per_stream_decode_tps") or 0 for x in lv], marker="x", ls="--",
