@@ -146,6 +146,45 @@ def proposer_extend():
             plain.tolist()]
 
 
+def proposer_sample():
+    """DFlash2Proposer._sample_draft_tokens (lm_head -> top-k -> walk) on a fake model equals
+    onecard.dflash.select.draft_from_pass per request (greedy), and the sampled walk's q rows
+    sum to 1 with the draft inside its support."""
+    from vllm.v1.spec_decode.dflash2 import DFlash2Proposer
+
+    cfg = DrafterConfig.load(ARGS["drafter"])
+    w = ref_drafter.load_weights(ARGS["drafter"], cfg, dtype=torch.float32)
+    v, hsz, rows, b = cfg.vocab_size, cfg.hidden_size, 7, 3
+    lm_head = torch.randn(v, hsz) / hsz ** 0.5
+    sel = types.SimpleNamespace(
+        hidden_projection=lambda h: h @ w["candidate_selector.hidden_projection.weight"].T,
+        predecessor_codebook=w["candidate_selector.predecessor_codebook"],
+        successor_codebook=w["candidate_selector.successor_codebook"])
+    p = object.__new__(DFlash2Proposer)
+    p.model = types.SimpleNamespace(compute_logits=lambda h: h @ lm_head.T,
+                                    model=types.SimpleNamespace(candidate_selector=sel))
+    p.selector_top_k = cfg.selector_top_k
+    p.num_speculative_tokens = rows
+    p._enable_probabilistic_draft_probs = False
+    anchors = torch.randint(0, v, (b,))
+    p._anchors = anchors.to(torch.int32)
+    hidden = torch.randn(b * rows, hsz)
+    md = types.SimpleNamespace(all_greedy=True, temperature=None)
+    toks, probs = p._sample_draft_tokens(hidden, md)
+    ok = probs is None and list(toks.shape) == [b * rows]
+    for i in range(b):
+        h_i = torch.cat([torch.zeros(1, hsz), hidden[i * rows:(i + 1) * rows]])
+        ref = ref_select.draft_from_pass(cfg, w, h_i, h_i[1:] @ lm_head.T, int(anchors[i]))
+        ok = ok and toks[i * rows:(i + 1) * rows].tolist() == ref.tokens.tolist()
+    p._enable_probabilistic_draft_probs = True
+    md = types.SimpleNamespace(all_greedy=False, temperature=torch.tensor([0.0, 0.8, 1.0]))
+    toks, probs = p._sample_draft_tokens(hidden, md)
+    ok = ok and list(probs.shape) == [b * rows, v]
+    ok = ok and torch.allclose(probs.sum(-1), torch.ones(b * rows), atol=1e-5)
+    ok = ok and bool((probs.gather(1, toks.unsqueeze(1)) > 0).all())
+    return ok
+
+
 def spec_config():
     import vllm.config.device as device
 
@@ -193,6 +232,7 @@ check("lanebook", lanebook)
 check("assemble", assemble)
 check("conv_equal", conv_equal)
 check("proposer_extend", proposer_extend)
+check("proposer_sample", proposer_sample)
 if ARGS.get("target"):
     check("spec_config", spec_config)
 print("PATCH_CHECK " + json.dumps(R, default=str))

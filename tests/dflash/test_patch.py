@@ -140,6 +140,10 @@ def test_block_assembly(checks):
     assert plain == [[12, 13, 14, 14, 14], [7, 7, 8, 8, 8]]
 
 
+def test_proposer_walk_from_logits_equals_reference(checks):
+    assert checks["proposer_sample"] is True
+
+
 def test_block_conv_equals_reference(checks):
     assert checks["conv_equal"] is True
 

@@ -52,6 +52,7 @@ def _unwrap(model):
 class DFlash2Proposer(DFlashProposer):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
+        self.runner = runner  # the base class does not keep it; the lookup lane reads it
         sc = self.speculative_config
         dc = self.dflash_config
         self.block_rows = int(dc["block_size"]) - 1
@@ -175,7 +176,7 @@ class DFlash2Proposer(DFlashProposer):
         """lm_head on the mask rows -> top-k -> selector walk -> drafts (+ q rows)."""
         assert self._anchors is not None
         rows = self.num_speculative_tokens
-        b = self._anchors.shape[0]
+        b = hidden_states.shape[0] // rows
         sel = self._selector()
         logits = self.model.compute_logits(hidden_states)
         unary, cand = torch.topk(logits.float(), self.selector_top_k, dim=-1)
