@@ -385,7 +385,8 @@ class Reference:
             for spec in tier.spec:
                 for b in range(tier.boots):
                     for arm in arms:
-                        if not self.fits(f"{arm.name} SPEC={spec} boot {b + 1}", self.max_boot_s + 45):
+                        # a verify boot = a boot + one short spec run (~10 s) + the stop
+                        if not self.fits(f"{arm.name} SPEC={spec} boot {b + 1}", self.max_boot_s + 20):
                             continue
                         self.boot(arm, tier.ctx, spec, b, False, self.verify_step)
         for ctx in tier.pool_ctx:
@@ -784,6 +785,14 @@ def markdown(doc: dict) -> str:
     L += [""]
     if doc.get("skipped"):
         L += ["## Skipped", ""] + [f"- {s['what']}: {s['reason']}" for s in doc["skipped"]] + [""]
+    booted = [b for b in doc.get("boots", []) if not b.get("skipped")]
+    if booted:
+        L += ["## Boots", "", "| boot | healthy after s | wall s (boot + runs + stop) | pool tokens | block | result |",
+              "|---|---|---|---|---|---|"]
+        for b in booted:
+            L.append(f"| {b['name']} | {_f(b.get('boot_s'))} | {_f(b.get('wall_s'))} | {_f(b.get('pool_tokens'), 'tokens')} "
+                     f"| {b.get('block_size') or '—'} | {'ok' if b.get('ok') and not b.get('error') else 'FAILED'} |")
+        L += [""]
     failed = [b for b in doc.get("boots", []) if b.get("error")]
     if failed:
         L += ["## Failed boots", ""] + [f"- {b['name']}: {_esc(b['error'])} (log `{Path(b.get('log') or '').name}`)"
@@ -797,6 +806,11 @@ def markdown(doc: dict) -> str:
           "- roofline = bytes one step must read / measured copy bandwidth (`onecard/bench/roofline.py`); "
           "for C>1 the aggregate. Prefill is compute-bound: no roofline. Step rows: % = roofline ms / measured ms.",
           "- ms per step = 1000 x tokens per step (server spec counters, 1 without drafts) / decode tok/s at C1.",
+          "- The verify roofline adds k x (MTP module + lm_head): the drafter's k passes each compute logits. A "
+          "checkpoint without model prep (e.g. the 27B geometry: bf16 lm_head, no draft vocabulary) pays the full "
+          "vocabulary k times, so its verify/plain ratio is an upper bound for the prepared model.",
+          "- Pools: vLLM's `GPU KV cache size` line from each boot's log against `onecard.memory`'s prediction for "
+          "the same plan (KV_MEM pinned as on a 3090, so the pool does not depend on the larger GPU).",
           ""]
     return "\n".join(L)
 
