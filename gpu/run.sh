@@ -2,6 +2,9 @@
 # Drive one GPU session from a copied wheelhouse: install, patch, run gpu/jobs/*, pack results.
 # Usage: bash gpu/run.sh [--detach] [JOB-PREFIX ...]   (contract and layout: gpu/README.md)
 #   With prefixes, the matching jobs run in the order the prefixes are given.
+#   A prefix group joined by '+' (e.g. 10+70+61) runs those jobs at the same time on the one GPU:
+#   each gets GPU_SHARED=<jobs in the group> and GPU_UTIL=<0.8 / jobs> (servers must size
+#   themselves from GPU_UTIL); only correctness jobs belong in a group, never timings.
 #   --detach: run in its own session (survives the calling command's time limit); follow it with
 #   `bash gpu/wait.sh SECONDS`, which waits, prints progress and packs the results into $OUT.
 set -uo pipefail
@@ -29,6 +32,10 @@ fi
 export PYTHONPATH="$repo:$SITE" STOCK_PYTHONPATH="$repo:$STOCK:$SITE"
 export VLLM="python3 -m vllm.entrypoints.cli.main" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
   VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
+# FlashInfer's sampling module is JIT-built with nvcc at a server's first sampler warm-up (cold:
+# minutes; seen killing a 150 s boot on 2026-12-02). A lease starts on a bare machine every time,
+# so the jobs use vLLM's own PyTorch top-k/top-p sampler unless a job asks otherwise.
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 if [ ! -f "$STOCK/vllm/__init__.py" ]; then
   mkdir -p "$STOCK" && cp -a "$SITE/vllm" "$STOCK/" || exit 2
 fi
@@ -46,26 +53,52 @@ pack() {
   tar -czf "$OUT/results.tgz.tmp" -C "$OUTROOT" . && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
   cp "$summary" "$OUT/summary.txt"
 }
-jobs=()
+# groups: one entry per step; a step is one job or several joined by '+' (run concurrently)
+steps=()
+match() { local j; for j in "$JOBS_DIR"/"$1"*.sh; do [ -f "$j" ] && echo "$j"; done; }
 if [ $# -eq 0 ]; then
-  jobs=("$JOBS_DIR"/*.sh)
+  for j in "$JOBS_DIR"/*.sh; do steps+=("$j"); done
 else
   for p in "$@"; do
-    for job in "$JOBS_DIR"/"$p"*.sh; do [ -f "$job" ] && jobs+=("$job"); done
+    step=""
+    IFS='+' read -ra parts <<< "$p"
+    for part in "${parts[@]}"; do
+      for j in $(match "$part"); do step="${step:+$step+}$j"; done
+    done
+    [ -n "$step" ] && steps+=("$step")
   done
 fi
-for job in "${jobs[@]}"; do
+run_job() {  # run_job JOB SHARED: runs one job with its timeout; prints its summary line
+  local job=$1 shared=$2 name limit t0 rc dt
   name="$(basename "$job" .sh)"
   limit=$(sed -n 's/^# timeout: *\([0-9]*\).*/\1/p' "$job" | head -1); limit=${limit:-300}
-  export JOB_OUT="$OUTROOT/$name"; mkdir -p "$JOB_OUT"
-  say "job $name (timeout ${limit}s)"
+  mkdir -p "$OUTROOT/$name"
+  say "job $name (timeout ${limit}s${shared:+, sharing the GPU with $((shared - 1)) other jobs})"
   t0=$(date +%s)
-  (cd "$repo" && timeout -k 15 "$limit" bash "$job") > "$JOB_OUT/log.txt" 2>&1
+  if [ -n "$shared" ]; then
+    (cd "$repo" && export JOB_OUT="$OUTROOT/$name" GPU_SHARED="$shared" \
+       GPU_UTIL="$(python3 -c "print(round(0.8 / $shared, 3))")" \
+     && timeout -k 15 "$limit" bash "$job") > "$OUTROOT/$name/log.txt" 2>&1
+  else
+    (cd "$repo" && export JOB_OUT="$OUTROOT/$name" && timeout -k 15 "$limit" bash "$job") \
+      > "$OUTROOT/$name/log.txt" 2>&1
+  fi
   rc=$?; dt=$(( $(date +%s) - t0 ))
+  printf '%-28s rc=%-4s %5ss%s\n' "$name" "$rc" "$dt" "${shared:+  (shared GPU, $shared jobs)}" | tee -a "$summary"
+  tail -n 25 "$OUTROOT/$name/log.txt" | sed "s/^/  [$name] /"
+}
+for step in "${steps[@]}"; do
+  IFS='+' read -ra group <<< "$step"
+  if [ ${#group[@]} -eq 1 ]; then
+    run_job "${group[0]}" ""
+  else
+    pids=()
+    for job in "${group[@]}"; do run_job "$job" "${#group[@]}" & pids+=($!); done
+    wait "${pids[@]}"
+  fi
+  # no server may outlive its step (a job killed by its timeout cannot clean up)
   pkill -f "vllm.entrypoints" 2>/dev/null; sleep 1; pkill -9 -f "vllm.entrypoints" 2>/dev/null
-  printf '%-28s rc=%-4s %5ss\n' "$name" "$rc" "$dt" | tee -a "$summary"
-  tail -n 25 "$JOB_OUT/log.txt" | sed "s/^/  [$name] /"
-  pack  # after every job, so a call cut off at its time limit still brings back what ran
+  pack  # after every step, so a call cut off at its time limit still brings back what ran
 done
 say "summary"; cat "$OUTROOT/gpu.txt" "$summary"
 pack

@@ -70,3 +70,22 @@ def test_detach_then_wait(env):
     waited = subprocess.run(["bash", str(REPO / "gpu" / "wait.sh"), "5"], env=env, capture_output=True, text=True)
     assert "driver finished" in waited.stdout
     assert (Path(env["OUT"]) / "results.tgz").is_file()
+
+
+def test_a_plus_group_runs_its_jobs_at_the_same_time_with_a_gpu_share(env):
+    jobs = Path(env["JOBS_DIR"])
+    # each job waits for the other's marker: only concurrent execution lets both finish in time
+    for me, other in (("41-a", "42-b"), ("42-b", "41-a")):
+        (jobs / f"{me}.sh").write_text(
+            "# timeout: 20\n"
+            'echo "share=$GPU_SHARED util=$GPU_UTIL"; touch "$JOB_OUT/../started-' + me + '"\n'
+            'for i in $(seq 100); do [ -f "$JOB_OUT/../started-' + other + '" ] && exit 0; sleep 0.1; done; exit 9\n')
+    out = run(["10", "41+42"], env)
+    assert out.returncode == 0, out.stderr
+    summary = (Path(env["OUT"]) / "summary.txt").read_text().splitlines()
+    assert summary[0].split()[0] == "10-ok" and "shared" not in summary[0]
+    group = {l.split()[0]: l for l in summary[1:]}
+    assert set(group) == {"41-a", "42-b"}
+    assert all("rc=0" in l and "shared GPU, 2 jobs" in l for l in group.values())
+    log = (Path(env["OUTROOT"]) / "41-a" / "log.txt").read_text()
+    assert "share=2 util=0.4" in log

@@ -34,7 +34,10 @@ ls -la "$M" 2>/dev/null | head -20
 df -h "$MODELS" | tail -1
 
 rc_serve=1
-if [ $rc_build -eq 0 ]; then
+# GEOM_SERVE=0: build only (job 40 boots it anyway; saves a 27B boot in a short lease)
+if [ "${GEOM_SERVE:-1}" = "0" ] && [ $rc_build -eq 0 ]; then
+  echo "== serve skipped (GEOM_SERVE=0)"; rc_serve=0
+elif [ $rc_build -eq 0 ]; then
   echo "== serve (patched vLLM, --language-model-only, eager, 4k context)"
   timeout 250 python3 gpu/lib/serve_probe.py --model "$M" --out "$JOB_OUT/serve.json" \
       --log "$JOB_OUT/serve.log" --pidfile "$JOB_OUT/server.pid" --port 8321 --boot-timeout 220 --max-tokens 16 ${PROBE_EXTRA:-} -- \
