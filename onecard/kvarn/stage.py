@@ -21,7 +21,8 @@ Per step, for every request (context ``c`` committed tokens, ``s`` after this st
 * A query run longer than ``MAX_QUERY_LEN`` (a prefill chunk) is split into pseudo-sequences
   of 16 queries; pseudo-sequence i ends at ``c + 16 (i + 1)`` and reads the tile holding its
   last key packed (masked by causality) unless that tile is the partial one.
-* Slots of tiles that are committed and not tile 0 (``(t + 1) * tile <= c``) are released;
+* Slots of tiles that are committed and not tile 0 (``(t + 1) * tile <= c - STAGE_LAST``: a
+  drafter's build may pass unverified positions as context) are released;
   others age out LRU (sinks first). Running out of slots is an error, never a silent reuse.
 """
 
@@ -117,29 +118,36 @@ class StagePlanner:
         T = self.tile
         first_w, last_w = ctx // T, (seq - 1) // T
         need = {0, *range(first_w, last_w + 1)}
-        need.update(t for t in (first_w - 1, first_w - 2) if t >= 1)
+        need.update(t for t in (first_w - 1, first_w - 2, first_w - 3) if t >= 1)
         return sorted(t for t in need if t * T < max(seq, 1))
 
     def plan(self, ctx_lens: list[int], seq_lens: list[int], q_starts: list[int],
-             tile_block: dict) -> StepPlan:
+             tile_block: dict, null_page_blocks: int = 0) -> StepPlan:
         """``tile_block[(r, t)]`` = block id of tile t of request r for every t in
-        ``tile_cols(ctx_lens[r], seq_lens[r])``."""
+        ``tile_cols(ctx_lens[r], seq_lens[r])``. A request with a tile in a block below
+        ``null_page_blocks`` (vLLM's null page 0: dummy and profile runs) writes nothing and
+        reads its tiles packed (garbage in, garbage out, nothing staged)."""
         T = self.tile
         self.step += 1
         used: set[int] = set()
         st_src, st_dst, p1r, p1b, p2r, p2b = [], [], [], [], [], []
         req, cu, sl_, pk, sink, tail = [], [0], [], [], [], []
         max_q = 1
-        # release committed, non-sink tiles first so allocation has room
+        # release committed, non-sink tiles first so allocation has room. A drafter's metadata
+        # build passes unverified positions as context (at most STAGE_LAST ahead of what the
+        # target committed), so a tile counts as committed only STAGE_LAST tokens later.
         for r, (c, s) in enumerate(zip(ctx_lens, seq_lens)):
-            for t in (c // T - 1, c // T - 2):
-                if t >= 1 and (t + 1) * T <= c and (r, t) in tile_block:
+            for t in (c // T - 1, c // T - 2, c // T - 3):
+                if t >= 1 and (t + 1) * T <= c - STAGE_LAST and (r, t) in tile_block:
                     self._release(tile_block[(r, t)])
         for r, (c, s, q0) in enumerate(zip(ctx_lens, seq_lens, q_starts)):
             q_len = s - c
             if q_len <= 0:
                 continue
+            null = any(b < null_page_blocks for (rr, _), b in tile_block.items() if rr == r)
             for t in range(c // T, (s - 1) // T + 1):
+                if null:
+                    break
                 blk = tile_block[(r, t)]
                 lo, hi = max(c, t * T), min(s, (t + 1) * T)
                 staged = t == 0 or (c % T and t == c // T) or (t + 1) * T > s - STAGE_LAST
@@ -166,16 +174,16 @@ class StagePlanner:
                     p2r.append(q0 + lo - c)
                     p2b.append(blk)
             # attention pseudo-sequences
-            sink_sl = self.slot_of.get(tile_block.get((r, 0), -1)) if s >= T else None
+            sink_sl = self.slot_of.get(tile_block.get((r, 0), -1)) if s >= T and not null else None
             if sink_sl is not None:
                 used.add(sink_sl)
                 self.last_use[sink_sl] = self.step
             part_t = s // T  # the partial tile (if s % T)
-            tail_sl = self.slot_of.get(tile_block[(r, part_t)]) if s % T else None
+            tail_sl = self.slot_of.get(tile_block[(r, part_t)]) if s % T and not null else None
             for i0 in range(0, q_len, MAX_QUERY_LEN):
                 n = min(MAX_QUERY_LEN, q_len - i0)
                 si = c + i0 + n
-                if s % T and si > part_t * T:
+                if s % T and si > part_t * T and not null:
                     pk_i, tail_i = part_t, tail_sl * T
                 else:
                     pk_i, tail_i = -(-si // T), -1
