@@ -199,3 +199,29 @@ def test_copy_bandwidth_runs_on_cpu():
     pytest.importorskip("torch")
     bw = roofline.copy_bandwidth(1 << 20, reps=2)
     assert bw["gbps_read_plus_write"] > 0 and bw["device"] in ("cpu", "cuda")
+
+
+def test_sigterm_stops_the_server_and_keeps_the_table(tmp_path, geom_dir):
+    import signal
+    import socket
+    import time
+    pp = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    out, md = tmp_path / "ref", tmp_path / "p.md"
+    env = {**os.environ, "PYTHONPATH": pp, "FAKE_DELAY": "0.05", "FAKE_VLLM_LOG": "1"}
+    cmd = [sys.executable, "-m", "onecard.bench.reference", "--tier", "quick", "--model", str(geom_dir),
+           "--out", str(out), "--md", str(md), "--server-cmd", f"exec {sys.executable} {FAKE}",
+           "--bandwidth-gbs", "4000", "--arm", f"stock={pp}", "--arm", f"patched={pp}"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t0 = time.monotonic()
+    while not list(out.glob("patched/ladder-*.json")) and time.monotonic() - t0 < 60:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, text
+    doc = json.loads(next(out.glob("reference-quick-*.json")).read_text())
+    assert doc["verdict"] == "INVALID" and "interrupted" in doc["verdict_reasons"][0]
+    assert doc["boots"][0]["wall_s"] is not None  # the boot's finally ran: server stopped
+    port = int(doc["url"].rsplit(":", 1)[1])
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
+    assert "interrupted" in md.read_text()

@@ -38,7 +38,7 @@ args=(--tier "${REF_TIER:-quick}" --model "$M" --out "$JOB_OUT/results" --md "$J
 [ -n "${REF_SERVER_CMD:-}" ] && args+=(--server-cmd "$REF_SERVER_CMD")
 [ -n "${REF_BANDWIDTH:-}" ] && args+=(--bandwidth-gbs "$REF_BANDWIDTH")
 t0=$(date +%s)
-timeout -k 20 860 bash bench/reference.sh "${args[@]}" > "$JOB_OUT/reference.txt" 2>&1
+timeout -k 45 820 bash bench/reference.sh "${args[@]}" > "$JOB_OUT/reference.txt" 2>&1
 rc=$?
 wall=$(( $(date +%s) - t0 ))
 

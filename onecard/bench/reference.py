@@ -236,7 +236,7 @@ class Reference:
                                "pool_only": pool_only, "results": {}, "ok": False}
         self.boots.append(rec)
         env = self.env_for(arm, ctx, spec)
-        rec["plan"] = self.plan(env)
+        rec["plan"] = self.plan({**os.environ, **env})  # exactly what the launcher child will read
         if "error" in rec["plan"]:
             rec["skipped"] = f"the launcher refuses this plan: {rec['plan']['error']}"
             self.skip(name, rec["skipped"])
@@ -340,9 +340,8 @@ class Reference:
         self.doc["path"] = str(self.rf.path)
         try:
             self._measure()
-        except KeyboardInterrupt:
-            self.rf.abort("interrupted")
-            raise
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (job timeout): the table of what was measured
+            self.doc["error"] = "interrupted (SIGINT/SIGTERM)"
         except Exception as exc:  # noqa: BLE001 - keep what was measured
             self.doc["error"] = f"{type(exc).__name__}: {exc}"
         self.build()
@@ -919,6 +918,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"reference: {e}", file=sys.stderr)
         return 2
+    import signal
+
+    def _term(signum, frame):  # a job timeout sends SIGTERM: stop the server, keep the table
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _term)
     doc = Reference(cfg).run()
     print(summary(doc))
     if cfg.md:
