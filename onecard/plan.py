@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import stat
 import sys
 from dataclasses import dataclass, field
@@ -400,7 +401,38 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
         plan.child_env.update(profiles.TP_CHILD_ENV)  # NVLink multicast off (profiles.TP_CHILD_ENV says why)
     # WIDE_VERIFY's only reader in the server is patch 0070 (triton_attn.py, ONECARD_WIDE_VERIFY)
     plan.child_env["ONECARD_WIDE_VERIFY"] = str(plan.get("WIDE_VERIFY"))
+    if check_paths:  # a real launch: look at this machine (dry runs stay machine-independent)
+        env, note = flashinfer_sampler(environ)
+        plan.child_env.update(env)
+        if note:
+            plan.notes.append(note)
     return plan
+
+
+def flashinfer_sampler(environ: Mapping[str, str], which=shutil.which, find_spec=None) -> tuple[dict, str | None]:
+    """vLLM 0.27.1 samples top-k/top-p with FlashInfer on CUDA, and FlashInfer builds that kernel
+    with nvcc at the server's first sampler warm-up (minutes on a bare machine, then cached under
+    ~/.cache/flashinfer). Without nvcc and without the prebuilt `flashinfer_jit_cache` package the
+    build cannot happen, so the server would die in its warm-up: use vLLM's PyTorch sampler
+    instead, and say so. An explicit VLLM_USE_FLASHINFER_SAMPLER is always respected."""
+    if environ.get("VLLM_USE_FLASHINFER_SAMPLER", "") != "":
+        return {}, None
+    if find_spec is None:
+        import importlib.util
+        find_spec = importlib.util.find_spec
+    try:
+        prebuilt = find_spec("flashinfer_jit_cache") is not None
+    except (ImportError, ValueError):
+        prebuilt = False
+    if prebuilt:
+        return {}, None
+    cuda_home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH") or "/usr/local/cuda"
+    if which("nvcc") or Path(cuda_home, "bin", "nvcc").is_file():
+        return {}, ("FlashInfer builds its sampling kernel with nvcc at the first boot of this machine "
+                    "(minutes, once; cached in ~/.cache/flashinfer)")
+    return ({"VLLM_USE_FLASHINFER_SAMPLER": "0"},
+            "no nvcc and no flashinfer-jit-cache: FlashInfer's sampler cannot be built here, so vLLM's "
+            "PyTorch top-k/top-p sampler is used (VLLM_USE_FLASHINFER_SAMPLER=1 forces FlashInfer)")
 
 
 def format_table(plan: ServePlan) -> str:

@@ -225,3 +225,31 @@ def test_missing_model_checked_only_when_launching(root):
     with pytest.raises(P.PlanError, match="no config.json"):
         P.make_plan({"MODEL": str(root / "nope")}, root, python="python3", check_paths=True)
     mk({"MODEL": str(root / "nope")}, root)  # dry-run: fine
+
+
+# ---------------------------------------------------------------- FlashInfer sampler at launch
+
+def test_flashinfer_sampler_left_alone_when_nvcc_or_prebuilt_cache_exists(tmp_path):
+    from onecard.plan import flashinfer_sampler
+    no_spec = lambda name: None  # noqa: E731
+    env, note = flashinfer_sampler({"CUDA_HOME": str(tmp_path)}, which=lambda n: "/usr/bin/nvcc", find_spec=no_spec)
+    assert env == {} and "first boot" in note
+    env, note = flashinfer_sampler({}, which=lambda n: None, find_spec=lambda n: object())
+    assert env == {} and note is None
+
+
+def test_flashinfer_sampler_off_without_nvcc_and_cache(tmp_path):
+    from onecard.plan import flashinfer_sampler
+    env, note = flashinfer_sampler({"CUDA_HOME": str(tmp_path)}, which=lambda n: None, find_spec=lambda n: None)
+    assert env == {"VLLM_USE_FLASHINFER_SAMPLER": "0"} and "PyTorch" in note
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    env, _ = flashinfer_sampler({"CUDA_HOME": str(tmp_path)}, which=lambda n: None, find_spec=lambda n: None)
+    assert env == {}
+
+
+def test_flashinfer_sampler_respects_an_explicit_setting():
+    from onecard.plan import flashinfer_sampler
+    for v in ("0", "1"):
+        assert flashinfer_sampler({"VLLM_USE_FLASHINFER_SAMPLER": v}, which=lambda n: None,
+                                  find_spec=lambda n: None) == ({}, None)
