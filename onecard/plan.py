@@ -346,6 +346,11 @@ def build_argv(plan: ServePlan, python: str = sys.executable, model_path: str | 
         argv += ["--gpu-memory-utilization", str(v("GPU_UTIL"))]
     else:
         argv += ["--kv-cache-memory-bytes", str(v("KV_MEM"))]
+        if plan.values["GPU_UTIL"].source != "default":
+            # with a byte pin vLLM uses gpu_memory_utilization only to refuse a boot when less
+            # than that fraction of the card is free: an explicit GPU_UTIL lowers that bar
+            # (a desktop holding VRAM, or several servers sharing one GPU in a test lease)
+            argv += ["--gpu-memory-utilization", str(v("GPU_UTIL"))]
     tp = int(plan.values["TP"].value) if "TP" in plan.values else 1
     if tp > 1 and _tp_in_extra(list(v("EXTRA_ARGS"))) is None:
         argv += ["--tensor-parallel-size", str(tp)]

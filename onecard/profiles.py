@@ -91,7 +91,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("PREFIX_CACHE", "1", "0|1", "prefix caching (+ --mamba-cache-mode align)", BOOL),
     Knob("MAX_SEQS", "", "1..256", "max concurrent sequences; default per profile"),
     Knob("KV_MEM", "", "bytes, or with K/M/G suffix, or 'auto'", "KV pool pin (--kv-cache-memory-bytes); 'auto' uses GPU_UTIL"),
-    Knob("GPU_UTIL", "0.92", "0.10..0.99", "gpu_memory_utilization when KV_MEM=auto"),
+    Knob("GPU_UTIL", "0.92", "0.10..0.99", "gpu_memory_utilization when KV_MEM=auto; with a KV_MEM pin, only the free-memory bar vLLM checks at boot"),
     Knob("TP", "1", "1|2|4|8", "GPUs of one host through vLLM's own tensor parallelism (--tensor-parallel-size; "
          "or -tp in EXTRA_ARGS); >1 drops the KV_MEM pin and sizes the pool from GPU_UTIL (docs/multi-gpu.md)",
          ("1", "2", "4", "8")),

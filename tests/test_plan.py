@@ -253,3 +253,12 @@ def test_flashinfer_sampler_respects_an_explicit_setting():
     for v in ("0", "1"):
         assert flashinfer_sampler({"VLLM_USE_FLASHINFER_SAMPLER": v}, which=lambda n: None,
                                   find_spec=lambda n: None) == ({}, None)
+
+
+def test_explicit_gpu_util_is_passed_beside_a_kv_pin_as_the_boot_free_memory_bar(tmp_path):
+    from onecard.plan import make_plan
+    argv = make_plan({"CTX": "fast"}, tmp_path).argv
+    assert "--kv-cache-memory-bytes" in argv and "--gpu-memory-utilization" not in argv
+    argv = make_plan({"CTX": "fast", "GPU_UTIL": "0.2"}, tmp_path).argv
+    assert "--kv-cache-memory-bytes" in argv
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.2"
