@@ -77,7 +77,7 @@ run_job() {  # run_job JOB SHARED: runs one job with its timeout; prints its sum
   t0=$(date +%s)
   if [ -n "$shared" ]; then
     (cd "$repo" && export JOB_OUT="$OUTROOT/$name" GPU_SHARED="$shared" \
-       GPU_UTIL="$(python3 -c "print(round(0.8 / $shared, 3))")" \
+       GPU_UTIL="$(python3 -c "print(max(0.1, round(0.8 / $shared, 3)))")" \
      && timeout -k 15 "$limit" bash "$job") > "$OUTROOT/$name/log.txt" 2>&1
   else
     (cd "$repo" && export JOB_OUT="$OUTROOT/$name" && timeout -k 15 "$limit" bash "$job") \
