@@ -137,8 +137,9 @@ class Installer:
             return
         if not script.is_file():
             raise StepFailed("kvarn", "the KVarN cache is not part of this release yet", "run without --kvarn (CTX=fast|long work without it)")
-        self.sh("kvarn", ["bash", script], "see kvarn/README.md", env={"VENV": str(self.venv)})
-        self.note("kvarn", "installed")
+        self.sh("kvarn", ["bash", script], "see kvarn/README.md; kvarn/install.sh --uninstall restores stock",
+                env={"VENV": str(self.venv)})
+        self.note("kvarn", "installed", "idempotent; state: kvarn/install.sh --status")
 
     def step_model(self) -> None:
         if not self.model:

@@ -145,7 +145,8 @@ KV_DTYPES: dict[str, KVDtype] = {
     "int4_per_token_head": KVDtype("int4_per_token_head", 1, 2, 8, "uint8 2xint4 (RHT, asym zp) + fp32 K/V scale per token-head"),
     # KVarN (issue 9): 4-bit K, 2-bit V in tiles of 128 tokens with fp16 scales, zero points
     # and normalizers; bytes per token come from onecard.kvarn.format (attn_bytes_per_token).
-    # The fp16 stage (sink tile + 2-tile ring per sequence) is outside this per-token figure.
+    # The fp16 stage (kvarn.stage: 3 * MAX_SEQS + 4 slots of one tile per layer) is outside
+    # this per-token figure (~5 MiB per layer at MAX_SEQS 2, taken from outside the KV pin).
     "kvarn": KVDtype("kvarn_k4v2_g128", 1, 1, 0, "KVarN k4v2_g128 (onecard.kvarn.format)"),
 }
 
@@ -176,7 +177,9 @@ def attention_block_size(geom: ModelGeometry, kv: str, num_spec: int = 0, ssm_st
     if kv == "kvarn" or kv.startswith("kvarn_"):
         from onecard.kvarn import format as kvarn_format
 
-        align = kvarn_format.get_preset(kv if kv != "kvarn" else None).tile  # a page = whole tiles
+        # a page = whole tiles; the KVARN backend asks vLLM for multiples of 128 (its largest
+        # tile) for every preset (kvarn/vllm/kvarn_attn.py PAGE_ALIGN)
+        align = max(128, kvarn_format.get_preset(kv if kv != "kvarn" else None).tile)
     return align * cdiv(gdn_state_bytes(geom, num_spec, ssm_state_bytes), align * per_tok)
 
 

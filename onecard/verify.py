@@ -94,13 +94,49 @@ def check_unexpected(ctx) -> Result:
 
     try:
         vllm_dir = patching.locate_vllm(ctx.get("vllm_dir"))
-        problems = patching.audit(vllm_dir, ctx.get("series", patching.DEFAULT_SERIES))
+        problems = patching.audit(vllm_dir, ctx.get("series", patching.DEFAULT_SERIES), extra=_kvarn_series(vllm_dir))
     except patching.PatchError as exc:
         return Result(WARN, "vllm files", str(exc))
     if problems:
         more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
         return Result(FAIL, "vllm files", "; ".join(problems[:3]) + more + "; reinstall vllm and re-run ./install.sh")
     return Result(PASS, "vllm files", "every .py file equals the wheel's RECORD plus the series")
+
+
+def _kvarn_series(vllm_dir) -> tuple:
+    """kvarn/series when its patch is on this vLLM (then the audit unwinds it too)."""
+    from onecard import patching
+    from onecard.kvarn import installer as kin
+
+    try:
+        applied = patching.status(vllm_dir, kin.SERIES).all_applied
+    except patching.PatchError:
+        return ()
+    return (kin.SERIES,) if applied else ()
+
+
+def check_kvarn(ctx) -> Result:
+    """KVarN (CTX=huge): not installed, installed (patch + files equal to this checkout's +
+    marker), or half-installed / stale (FAIL with the fix)."""
+    from onecard import patching
+    from onecard.kvarn import installer as kin
+
+    try:
+        vllm_dir = patching.locate_vllm(ctx.get("vllm_dir"))
+        st = kin.state(vllm_dir)
+    except patching.PatchError as exc:
+        return Result(WARN, "kvarn", str(exc))
+    files = st["files"].values()
+    if st["patch"] != patching.APPLIED and st["marker"] == "missing" and all(f == "missing" for f in files):
+        return Result(PASS, "kvarn", "not installed (CTX=huge needs ./install.sh --kvarn)")
+    if st["patch"] == patching.APPLIED and st["marker"] == "ok" and all(f == "ok" for f in files):
+        return Result(PASS, "kvarn", f"installed: kvarn_k4v2_g128/k4v4_g128/k4v2_g64, {len(st['files'])} files "
+                                     f"equal to this checkout, patch applied, marker ok")
+    bad = [f"patch {st['patch']}"] if st["patch"] != patching.APPLIED else []
+    bad += [f"marker {st['marker']}"] if st["marker"] != "ok" else []
+    bad += [f"{rel.rsplit('/', 1)[-1]} {s}" for rel, s in st["files"].items() if s != "ok"]
+    return Result(FAIL, "kvarn", "half-installed or stale: " + ", ".join(bad)
+                  + "; run kvarn/install.sh (or kvarn/install.sh --uninstall)")
 
 
 def check_flashinfer(ctx) -> Result:
@@ -257,6 +293,7 @@ OFFLINE_CHECKS: list[Callable[[dict], Result | None]] = [
     check_vllm_version,
     check_patches,
     check_unexpected,
+    check_kvarn,
     check_flashinfer,
     check_triton,
     check_model,

@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""Job 61's helpers (KVarN served by vLLM, issue 9).
+
+  setup --src /var/tmp/site/vllm --site /var/tmp/site-kvarn
+      a private view of the patched vLLM (onecard.patching.overlay: symlinks, real copies of
+      what kvarn writes), then kvarn/install.sh's installer on it; the shared tree is untouched.
+  needle --url URL --model NAME --json PATH [--chars N]
+      one passphrase in a haystack (~N characters, at 40% depth), greedy 12 tokens: found or not.
+  quality --dir DIR --max-delta PCT
+      reads DIR/compare.json (32-kv-quality.py compare): kvarn's perplexity delta vs bf16 and
+      int8; exit 1 if kvarn is missing or its delta exceeds PCT (a sanity bound; the issue's
+      goal, <= 0.5 %, is printed as met / not met).
+  huge --out DIR --models ROOT --deadline EPOCH_S
+      boots $MODELS/qwen38-27b-geom with CTX=huge (SPEC=mtp default) through
+      `python3 -m onecard.launch`, prints vLLM's "GPU KV cache size" vs onecard.memory's
+      prediction and the attention block size, waits for health, measures C1 decode tok/s at an
+      8k prompt (usage-counted, streamed), kills the server; then, if the deadline allows, the
+      same decode on CTX=long (int8). Exit 1 if the huge boot or the pool check (1 %) failed.
+Writes are atomic JSON files under the given directories.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "gpu" / "lib"))
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------ setup
+
+
+def setup(a) -> int:
+    import shutil
+
+    from onecard import patching
+    from onecard.kvarn import installer as kin
+
+    site = Path(a.site)
+    if site.exists():
+        shutil.rmtree(site)  # ours: symlinks and copies only (rmtree does not follow links)
+    also = tuple({p for patch in patching.read_series(kin.SERIES) for p in patch.paths}
+                 | set(kin.sources()) | {kin.MARKER})
+    patching.overlay(Path(a.src), site, also=also)
+    for m in kin.install(site / "vllm"):
+        print(m)
+    st = kin.state(site / "vllm")
+    print(f"KVarN on {site / 'vllm'}: patch {st['patch']}, marker {st['marker']}, files "
+          f"{sorted(set(st['files'].values()))}")
+    src_marker = Path(a.src) / "kvarn_installed.txt"
+    if src_marker.exists():
+        print(f"note: {src_marker} exists in the shared tree (not written by this job)")
+    return 0 if st["patch"] == patching.APPLIED and st["marker"] == "ok" else 1
+
+
+# ----------------------------------------------------------------------------------------- needle
+
+
+def needle(a) -> int:
+    from onecard.bench.client import Client
+
+    hay = (REPO / "bench" / "prompts" / "haystack.txt").read_text()
+    body = (hay + "\n") * (a.chars // len(hay) + 1)
+    body = body[: a.chars]
+    cut = body.rfind(". ", 0, int(0.4 * len(body))) + 2
+    secret = "PELICAN-7"
+    text = (body[:cut] + f"The secret passphrase is {secret}. Remember it. " + body[cut:]
+            + "\n\nQuestion: what is the secret passphrase?\nAnswer: The secret passphrase is")
+    c = Client(a.url, a.model, timeout=120)
+    js = c.complete({"temperature": 0.0}, text, max_tokens=12)
+    c.close()
+    out = js["choices"][0]["text"]
+    found = secret.split("-")[0] in out
+    rec = {"found": found, "answer": out, "prompt_chars": len(text),
+           "prompt_tokens": (js.get("usage") or {}).get("prompt_tokens")}
+    write_json(Path(a.json), rec)
+    print(f"needle ({rec['prompt_tokens']} prompt tokens): {'FOUND' if found else 'missed'}: {out!r}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- quality
+
+
+def quality(a) -> int:
+    p = Path(a.dir) / "compare.json"
+    if not p.is_file():
+        print(f"no {p}: nothing to judge")
+        return 1
+    arms = json.load(open(p))["arms"]
+    k = arms.get("kvarn")
+    if not k or k.get("delta_ppl_pct") is None:
+        print("kvarn arm missing from the comparison")
+        return 1
+    d = k["delta_ppl_pct"]
+    line = f"kvarn perplexity {k['ppl']:.4f} vs bf16 {k['base_ppl']:.4f}: {d:+.3f} %"
+    i8 = arms.get("int8")
+    if i8 and i8.get("ppl"):
+        line += f"; int8 {i8['ppl']:.4f} ({i8['delta_ppl_pct']:+.3f} %), kvarn vs int8 {100 * (k['ppl'] / i8['ppl'] - 1):+.3f} %"
+    print(line)
+    print(f"goal |delta| <= 0.5 % vs bf16: {'MET' if abs(d) <= 0.5 else 'NOT MET'}; first greedy "
+          f"divergence vs bf16: {k.get('first_divergence_min')}")
+    return 0 if abs(d) <= a.max_delta else 1
+
+
+# ------------------------------------------------------------------------------------------- huge
+
+
+def _launch(env_over: dict, log_path: Path, deadline: float, need_health: bool):
+    import pools  # gpu/lib/pools.py: regexes, stop(), free_port(), predict()
+
+    env = {**os.environ, **env_over, "PORT": str(pools.free_port())}
+    url = f"http://127.0.0.1:{env['PORT']}"
+    rec: dict = {"env": env_over}
+    try:
+        rec.update(pools.predict(env_over, REPO))
+    except Exception as e:  # noqa: BLE001
+        rec["error"] = f"plan: {e}"
+        return rec, None, url
+    t0 = time.monotonic()
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "onecard.launch"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    (log_path.parent / "server.pid").write_text(str(proc.pid))
+    healthy = False
+    import urllib.request
+
+    while time.time() < deadline:
+        time.sleep(1)
+        text = log_path.read_text(errors="replace")
+        if proc.poll() is not None:
+            break
+        if pools.RE_POOL.search(text) and not need_health:
+            break
+        if pools.RE_POOL.search(text):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                healthy = True
+                break
+            except OSError:
+                pass
+    text = log_path.read_text(errors="replace")
+    rec["boot_s"] = round(time.monotonic() - t0, 1)
+    rec["healthy"] = healthy
+    m = pools.RE_POOL.search(text)
+    rec["pool_tokens"] = int(m.group(1).replace(",", "")) if m else None
+    b = pools.RE_BLOCK.findall(text)
+    rec["block_size"] = int(b[-1]) if b else None
+    backend = [ln.strip()[-160:] for ln in text.splitlines() if "KVARN" in ln or "attention backend" in ln.lower()]
+    rec["backend_lines"] = backend[:3]
+    if not healthy:
+        errs = [ln.strip() for ln in text.splitlines() if pools.RE_ERRLINE.search(ln)]
+        rec["error"] = (errs[-1] if errs else f"not healthy after {rec['boot_s']} s")[:400]
+    return rec, proc, url
+
+
+def _decode(url: str, model: str, prompt_tokens: int) -> dict:
+    from onecard.bench.client import Client
+
+    hay = (REPO / "bench" / "prompts" / "haystack.txt").read_text()
+    words = (hay + " ") * (prompt_tokens * 6 // len(hay) + 2)
+    c = Client(url, model, timeout=300)
+    res = []
+    for i in range(2):  # the first run after a boot reads low: keep the second
+        # a fresh prefix each time (no prefix-cache hit): the run index leads the prompt
+        r = c.stream(f"Run {i}. " + " ".join(words.split()[: int(prompt_tokens * 0.75)]), 128,
+                     {"temperature": 0.0, "ignore_eos": True}, keep_text=False)
+        res.append(r)
+    c.close()
+    r = res[-1]
+    return {"ok": r.ok, "error": r.error, "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens, "ttft_s": r.ttft, "decode_tps": r.decode_tps,
+            "first_run_decode_tps": res[0].decode_tps}
+
+
+def huge(a) -> int:
+    import signal
+
+    import pools
+
+    def _term(signum, frame):  # timeout's SIGTERM: unwind so `finally` stops the server
+        raise SystemExit(1)
+
+    signal.signal(signal.SIGTERM, _term)
+
+    out = Path(a.out)
+    geom = Path(a.models) / "qwen38-27b-geom"
+    if not (geom / "config.json").is_file():
+        print(f"no {geom}: the 27B-geometry part is skipped (job 20 builds it)")
+        write_json(out / "huge.json", {"skipped": f"no {geom}"})
+        return 0
+    common = {"MODEL": str(geom), "GDN_PREFILL": "triton", "HOST": "127.0.0.1", "TOOLS": "0",
+              "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
+              "EXTRA_ARGS": "--enforce-eager --disable-log-stats --seed 0"}
+    recs = {}
+    status = 0
+    for arm, ctx in (("kvarn-huge", "huge"), ("int8-long", "long")):
+        left = a.deadline - time.time()
+        if arm != "kvarn-huge" and left < 100:
+            print(f"{arm}: skipped ({left:.0f} s left)")
+            break
+        rec, proc, url = _launch({**common, "CTX": ctx}, out / f"server-{arm}.log", a.deadline - 25, True)
+        try:
+            if rec.get("healthy"):
+                served = rec.get("values", {}).get("SERVED_NAME", {}).get("value") or "qwen"
+                rec["decode_8k"] = _decode(url, served, 8192)
+        except Exception as e:  # noqa: BLE001
+            rec["decode_error"] = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            if proc is not None:
+                pools.stop(proc)
+        recs[arm] = rec
+        p = (rec.get("prediction") or {})
+        pv, vv = p.get("pool_tokens"), rec.get("pool_tokens")
+        dev = None if not (pv and vv) else (pv - vv) / vv * 100
+        d = rec.get("decode_8k") or {}
+        print(f"{arm}: GPU KV cache size {vv} tokens vs predicted {pv} ({'-' if dev is None else f'{dev:+.2f} %'}), "
+              f"block {rec.get('block_size')} (predicted {p.get('block_size')}), boot {rec.get('boot_s')} s, "
+              f"healthy {rec.get('healthy')}, C1 decode at 8k: "
+              + ("-" if d.get("decode_tps") is None else f"{d['decode_tps']:.1f} tok/s")
+              + (f"  ERROR {rec['error']}" if rec.get("error") else "")
+              + (f"  DECODE {rec['decode_error']}" if rec.get("decode_error") else ""))
+        if arm == "kvarn-huge":
+            goal = vv is not None and vv >= 268_169
+            print(f"  goal pool >= 268,169 tokens at 245,760: {'MET' if goal else 'NOT MET'}")
+            if vv is None or dev is None or abs(dev) > 1.0 or not rec.get("healthy"):
+                status = 1
+    write_json(out / "huge.json", recs)
+    return status
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("setup")
+    s.add_argument("--src", default="/var/tmp/site/vllm")
+    s.add_argument("--site", default="/var/tmp/site-kvarn")
+    n = sub.add_parser("needle")
+    n.add_argument("--url", required=True)
+    n.add_argument("--model", required=True)
+    n.add_argument("--json", required=True)
+    n.add_argument("--chars", type=int, default=9000)
+    q = sub.add_parser("quality")
+    q.add_argument("--dir", required=True)
+    q.add_argument("--max-delta", type=float, default=5.0)
+    h = sub.add_parser("huge")
+    h.add_argument("--out", required=True)
+    h.add_argument("--models", default=os.environ.get("MODELS", "/var/tmp/models"))
+    h.add_argument("--deadline", type=float, required=True)
+    a = ap.parse_args(argv)
+    return {"setup": setup, "needle": needle, "quality": quality, "huge": huge}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
