@@ -39,7 +39,7 @@ CONFIG = "config.json"
 GROUP_TARGETS = {
     "lm_head": ["re:.*lm_head$"],
     "embed": ["re:.*embed_tokens$"],
-    "mtp": ["re:^mtp\\..*(_proj|\\.fc)$"],
+    "mtp": ["re:^mtp\\.(.+_proj|fc)$"],   # mtp.fc has no dot before "fc" (vLLM's name)
 }
 
 
@@ -116,6 +116,11 @@ def validate(ckpt) -> list[str]:
         for name in smap:
             if name.endswith(".weight") and select(name, {"shape": [1, 1], "dtype": "BF16"}, target):
                 problems.append(f"{name} is unquantized but config group {gname} says packed")
+    for gname, g in onecard_groups.items():
+        target = gname[len("onecard_"):]
+        if target in GROUP_TARGETS and list(g.get("targets") or []) != GROUP_TARGETS[target]:
+            problems.append(f"config group {gname} targets {g.get('targets')} differ from {GROUP_TARGETS[target]} "
+                            "(written by an older onecard; --restore and requantize again)")
     for name in smap:
         if name.endswith(".weight_packed"):
             mod = name[: -len(".weight_packed")]
