@@ -158,3 +158,75 @@ def test_patched_vllm_accepts_dtypes_and_page_size_matches(site):
     assert out["bogus"] != "accepted" and "validation error" in out["bogus"]
     assert out["enum"].endswith("kvarn_attn.KvarnAttentionBackend")
     assert out["triton_takes_kvarn"] is False
+
+
+_GLUE = r"""
+import json, math, types
+import torch
+from vllm.v1.attention.backends.kvarn_attn import (KvarnAttentionBackend, KvarnAttentionImpl,
+                                                    KvarnMetadataBuilder)
+from onecard.kvarn import reference as R
+
+torch.manual_seed(0)
+DT, D, H, HQ, T, BS = "kvarn_k4v2_g64", 64, 2, 4, 64, 128
+cfg = types.SimpleNamespace(cache_config=types.SimpleNamespace(cache_dtype=DT),
+                            scheduler_config=types.SimpleNamespace(max_num_seqs=2))
+builder = KvarnMetadataBuilder(types.SimpleNamespace(block_size=BS), ["l0"], cfg, torch.device("cpu"))
+impl = KvarnAttentionImpl(HQ, D, D ** -0.5, H, kv_cache_dtype=DT)
+shape = KvarnAttentionBackend.get_kv_cache_shape(8, BS, H, D, "auto")  # preset from the impl
+kv_cache = torch.randint(0, 256, shape, dtype=torch.uint8)
+layer = torch.nn.Module()
+bt = torch.tensor([[3, 5, 2, 0], [6, 1, 7, 0]], dtype=torch.int32)
+K = [torch.zeros(0, H, D) for _ in range(2)]
+V = [torch.zeros(0, H, D) for _ in range(2)]
+errs = []
+for step in ([(0, 150), (0, 40)], [(150, 1), (40, 4)], [(151, 4), (42, 16)]):
+    ql = [s for _, s in step]
+    n = sum(ql)
+    q = (torch.randn(n, HQ, D) * 1.2).bfloat16()
+    k = (torch.randn(n, H, D) * 1.5 + 0.3).bfloat16()
+    v = torch.randn(n, H, D).bfloat16()
+    cu = [0]
+    for r, (c, m) in enumerate(step):
+        K[r] = torch.cat([K[r][:c], k[cu[-1]:cu[-1] + m].float()])
+        V[r] = torch.cat([V[r][:c], v[cu[-1]:cu[-1] + m].float()])
+        cu.append(cu[-1] + m)
+    cam = types.SimpleNamespace(num_reqs=2, seq_lens=torch.tensor([c + m for c, m in step]),
+                                query_start_loc_cpu=torch.tensor(cu), block_table_tensor=bt,
+                                num_actual_tokens=n)
+    md = builder.build(0, cam)
+    out = torch.full((n + 3, HQ * D), float("nan"), dtype=torch.bfloat16)  # padded like vLLM
+    pad = lambda x: torch.cat([x.reshape(n, -1), torch.zeros(3, x[0].numel(), dtype=x.dtype)])
+    impl.forward(layer, pad(q), pad(k), pad(v), kv_cache, md, output=out)
+    for r, (c, m) in enumerate(step):
+        s = c + m
+        kr = R.rotate(K[r][:s].half(), torch.float32).half()
+        vr = R.rotate(V[r][:s].half(), torch.float32).half()
+        ks, vs = [kr[:T].double()], [vr[:T].double()]  # the sink stays fp16
+        for t in range(1, s // T):
+            qt = R.quantize_tile(kr[t * T:(t + 1) * T].float(), vr[t * T:(t + 1) * T].float(), DT)
+            a, b = R.dequant_tile(qt)
+            ks.append(a); vs.append(b)
+        if s // T == 0:
+            ks, vs = [], []
+        ks.append(kr[s // T * T:].double()); vs.append(vr[s // T * T:].double())
+        ref = R.attention_f64(q[cu[r]:cu[r] + m].float(), R.rotate(torch.cat(ks)), R.rotate(torch.cat(vs)), D ** -0.5)
+        got = out[cu[r]:cu[r] + m].view(m, HQ, D).double()
+        errs.append(float(((got - ref).abs() / ref.abs().clamp_min(1)).max()))
+print("JSON" + json.dumps({"errs": errs, "shape": list(shape), "finite": bool(torch.isfinite(out[:n]).all())}))
+"""
+
+
+def test_backend_glue_against_reference(site):
+    """KvarnMetadataBuilder.build + KvarnAttentionImpl.forward (as vLLM calls them, padded
+    batch, bf16) over three steps: prefill chunk / decode / verify, 2 requests."""
+    vdir = site / "vllm"
+    assert kin.main(["--vllm-dir", str(vdir)]) == 0
+    env = {**os.environ, "PYTHONPATH": f"{site}:{REPO}", "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", _GLUE], capture_output=True, text=True, env=env,
+                       cwd=site, timeout=900)
+    line = [l for l in r.stdout.splitlines() if l.startswith("JSON")]
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    out = json.loads(line[0][4:])
+    assert out["shape"] == [8, 2, 2, fmt.get_preset("k4v2_g64").layout(64).block_bytes]
+    assert out["finite"] and max(out["errs"]) < 3e-2, out["errs"]  # bf16 output rounding
