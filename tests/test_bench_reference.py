@@ -23,7 +23,7 @@ BYTES = {"I32": 4, "BF16": 2, "F32": 4, "I64": 8}
 TINY_TIER = reference.Tier(
     "test", decode=((50, (1, 2)),), decode_tokens=8, reps=1, prefill=(100,), verify_context=50,
     verify_tokens=9, spec=("mtp", "dflash2"), prefix_context=100, prefix_tokens=6, pool_ctx=("long", "huge"),
-    boots=1, budget_s=300, essential=("pool fast/off", "decode 50 C1", "decode 50 C2", "prefill 100",
+    boots=1, budget_s=300, verify_ctx=("fast", "long"), essential=("pool fast/off", "decode 50 C1", "decode 50 C2", "prefill 100",
                                       "prefix 100 turn2/turn1", "verify mtp/plain"))
 
 
@@ -88,6 +88,12 @@ def test_reference_run_makes_the_table(tmp_path, geom_dir):
     skipped = " ".join(f"{x['what']}: {x['reason']}" for x in doc["skipped"])
     assert "dflash2" in skipped and "kvarn" in skipped  # plan refusals are rows with their reason
     assert "pool long/off" in [r["key"] for r in doc["rows"]]
+    # verify rows per CTX: the long profile's plain and mtp steps come from their own boots
+    long_v = _row(doc, "verify mtp/plain long")["arms"]["patched"]
+    assert long_v["value"] is not None and long_v["verdict"]["status"] == "UNRESOLVED"
+    assert _row(doc, "step mtp long")["metric"].startswith("ms per verify step (CTX=long, SPEC=mtp, k=3)")
+    assert [g["row"] for g in doc["goals"] if g["goal"].startswith("verify")][::2] == ["verify mtp/plain",
+                                                                                     "verify mtp/plain long"]
     md = (tmp_path / "performance.md").read_text()
     assert "| decode 50 C1 (" in md and "UNRESOLVED" in md and "## Goals" in md
     assert "copy bandwidth 4000.0 GB/s" in md and "pools within 1%" in md
@@ -166,6 +172,8 @@ def test_cli_bad_input_is_one_line(tmp_path, geom_dir, capsys):
     assert "valid: quick, full" in err and err.count("\n") == 1
     assert reference.main(["--model", str(tmp_path)]) == 2
     assert "not a checkpoint" in capsys.readouterr().err
+    assert reference.main(["--model", str(geom_dir), "--verify-ctx", "fast,wide"]) == 2
+    assert "valid: comma-separated fast, long, huge" in capsys.readouterr().err
     r = subprocess.run(["bash", str(REPO / "bench" / "reference.sh"), "--tier", "nope", "--model", str(geom_dir)],
                        capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
     assert r.returncode == 2 and "valid: quick, full" in r.stderr

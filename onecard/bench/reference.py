@@ -68,6 +68,11 @@ class Tier:
     ctx: str = "fast"
     prefill_tokens: int = 8
     doc: str = ""
+    verify_ctx: tuple[str, ...] = ()  # CTX profiles of the verify rows (default: ctx)
+
+    @property
+    def vctxs(self) -> tuple[str, ...]:
+        return self.verify_ctx or (self.ctx,)
 
 
 # Sizes are real tokens (calibrated to the checkpoint's tokenizer, see calibrate()). The "64k"
@@ -84,11 +89,13 @@ TIERS: dict[str, Tier] = {
     "full": Tier(
         "full", decode=((1000, (1, 2, 4, 8)), (32000, (1, 2, 4, 8))), decode_tokens=256, reps=2,
         prefill=(1000, 16000, 60000), verify_context=1000, verify_tokens=128, spec=("mtp", "dflash2"),
-        prefix_context=60000, prefix_tokens=16, pool_ctx=("long", "huge"), boots=2, budget_s=3600.0,
+        prefix_context=60000, prefix_tokens=16, pool_ctx=("huge",), boots=2, budget_s=3600.0,
+        verify_ctx=("fast", "long"),
         essential=("pool fast/off", "decode 1k C1", "decode 1k C4", "decode 32k C1", "prefill 16k",
                    "prefill 60k", "prefix 60k turn2/turn1", "verify mtp/plain"),
-        doc="2 boots per arm (boot floor measured): C1/C2/C4/C8 at 1k and 32k, prefill 1k/16k/~64k, "
-            "SPEC=mtp and dflash2 verify, prefix 2 turns at ~64k, pools of every CTX profile"),
+        doc="2 boots per arm (boot floor measured): C1/C2/C4/C8 at 1k and 32k, prefill 1k/16k/60k, "
+            "SPEC=mtp and dflash2 verify on CTX=fast and CTX=long (TRITON_ATTN: where the wide-verify patch "
+            "acts), prefix 2 turns at 60k, pools of every CTX profile"),
 }
 
 
@@ -230,12 +237,12 @@ class Reference:
 
     # -- boots ----------------------------------------------------------------------------
     def boot(self, arm: Arm, ctx: str, spec: str, idx: int, pool_only: bool,
-             steps: Callable[[Target, dict], None] | None) -> dict:
+             steps: Callable[[Target, dict], None] | None, extra_env: dict | None = None) -> dict:
         name = f"{arm.name}-{ctx}-{spec}-b{idx}"
         rec: dict[str, Any] = {"name": name, "arm": arm.name, "ctx": ctx, "spec": spec, "boot": idx,
                                "pool_only": pool_only, "results": {}, "ok": False}
         self.boots.append(rec)
-        env = self.env_for(arm, ctx, spec)
+        env = {**self.env_for(arm, ctx, spec), **(extra_env or {})}
         rec["plan"] = self.plan({**os.environ, **env})  # exactly what the launcher child will read
         if "error" in rec["plan"]:
             rec["skipped"] = f"the launcher refuses this plan: {rec['plan']['error']}"
@@ -375,23 +382,47 @@ class Reference:
         except (ValueError, OSError) as e:
             self.doc["step_bytes"] = {"error": str(e)}
         self.save()
+        specs = ("off", *tier.spec) if tier.verify_context else ("off",)
+        pin = {c: self.common_max_len(arms, c, specs) for c in {tier.ctx, *tier.vctxs}} if arms else {}
         for b in range(tier.boots):
             for arm in arms:
                 if b > 0 and not self.fits(f"boot {b + 1} of {arm.name}", self.max_boot_s + 60):
                     continue
-                self.boot(arm, tier.ctx, "off", b, False, self.plain_steps)
+                self.boot(arm, tier.ctx, "off", b, False, self.plain_steps, pin.get(tier.ctx))
         if tier.verify_context:
-            for spec in tier.spec:
-                for b in range(tier.boots):
-                    for arm in arms:
-                        # a verify boot = a boot + one short spec run (~10 s) + the stop
-                        if not self.fits(f"{arm.name} SPEC={spec} boot {b + 1}", self.max_boot_s + 20):
-                            continue
-                        self.boot(arm, tier.ctx, spec, b, False, self.verify_step)
+            for vctx in tier.vctxs:
+                if vctx != tier.ctx:  # the plain step of another profile needs its own plain boot
+                    for b in range(tier.boots):
+                        for arm in arms:
+                            if self.fits(f"{arm.name} CTX={vctx} SPEC=off boot {b + 1}", self.max_boot_s + 20):
+                                self.boot(arm, vctx, "off", b, False, self.verify_step, pin.get(vctx))
+                for spec in tier.spec:
+                    for b in range(tier.boots):
+                        for arm in arms:
+                            # a verify boot = a boot + one short spec run (~10 s) + the stop
+                            if not self.fits(f"{arm.name} CTX={vctx} SPEC={spec} boot {b + 1}", self.max_boot_s + 20):
+                                continue
+                            self.boot(arm, vctx, spec, b, False, self.verify_step, pin.get(vctx))
         for ctx in tier.pool_ctx:
             for arm in arms:
                 if self.fits(f"{arm.name} CTX={ctx} pool boot", self.max_boot_s + 10):
                     self.boot(arm, ctx, "off", 0, True, None)
+
+    def common_max_len(self, arms: list[Arm], ctx: str, specs: tuple[str, ...]) -> dict:
+        """The preflight caps MAX_LEN when a method's state slots shrink the pool (CTX=long with MTP on a
+        float32-state checkpoint); a verify step and its plain step must then run at the same MAX_LEN,
+        or the contract calls the comparison CONFOUNDED. Returns {"MAX_LEN": min} when the plans differ."""
+        lens = {}
+        for spec in specs:
+            p = self.plan({**os.environ, **self.env_for(arms[0], ctx, spec)})
+            if "error" not in p:
+                lens[spec] = p["server_config"].get("MAX_LEN")
+        if len(set(lens.values())) <= 1:
+            return {}
+        low = min(lens.values())
+        self.doc.setdefault("pinned", []).append(
+            {"ctx": ctx, "MAX_LEN": low, "why": f"plans differ by SPEC {lens}: every CTX={ctx} boot runs at the smallest"})
+        return {"MAX_LEN": str(low)}
 
     def save(self) -> None:
         if self.rf is None:
@@ -499,11 +530,11 @@ def fig_turn_ratio(r: dict) -> float | None:
     return b / a if a and b is not None else None
 
 
-def _cell(boots: list[dict], results: dict, arm: str, spec: str, key: str, fn) -> dict:
+def _cell(boots: list[dict], results: dict, arm: str, spec: str, key: str, fn, ctx: str | None = None) -> dict:
     """Per-boot figures of one arm (VALID results only) and the mean."""
     per, res, notes = [], [], []
     for b in boots:
-        if b["arm"] != arm or b["spec"] != spec or b["pool_only"]:
+        if b["arm"] != arm or b["spec"] != spec or b["pool_only"] or (ctx and b["ctx"] != ctx):
             continue
         r = _res(results, b, key)
         v = fn(r) if _valid(r) else None
@@ -540,8 +571,8 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
     sbytes = roofline.StepBytes(**sb) if sb and "error" not in sb else None
     rows: list[dict] = []
 
-    def add(key, metric, unit, higher, spec, rkey, fn, roof=None, compare_arms=True, extra=None):
-        cells = {a: _cell(boots, results, a, spec, rkey, fn) for a in arms}
+    def add(key, metric, unit, higher, spec, rkey, fn, roof=None, compare_arms=True, extra=None, ctx=tier.ctx):
+        cells = {a: _cell(boots, results, a, spec, rkey, fn, ctx) for a in arms}
         row = {"key": key, "metric": metric, "unit": unit, "higher_is_better": higher, "arms": cells,
                "roofline": roof, **(extra or {})}
         if compare_arms and "stock" in cells and "patched" in cells:
@@ -617,18 +648,19 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
         add(f"prefix {pc} turn2", f"TTFT turn 2 (prefix cache), ~{pc} document", "s", False, "off", "prefix",
             lambda r: fig_turn(r, 2))
         add(f"prefix {pc} turn2/turn1", "TTFT ratio turn 2 / turn 1", "ratio", False, "off", "prefix", fig_turn_ratio)
-    if tier.verify_context:
-        vc = _k(tier.verify_context)
-        plain_roof = (1000.0 * sbytes.decode(1, tier.verify_context) / (bw * 1e9) * 1e0) if bw and sbytes else None
-        plain = add("step plain", f"ms per plain decode step (SPEC=off), C1, ~{vc} prompt", "ms", False, "off",
-                    "verify", fig_step_ms, plain_roof)
+    for vctx in (tier.vctxs if tier.verify_context else ()):
+        vc, sfx = _k(tier.verify_context), ("" if vctx == tier.ctx else f" {vctx}")
+        plain_roof = (1000.0 * sbytes.decode(1, tier.verify_context) / (bw * 1e9)) if bw and sbytes else None
+        plain = add(f"step plain{sfx}", f"ms per plain decode step (CTX={vctx}, SPEC=off), C1, ~{vc} prompt", "ms",
+                    False, "off", "verify", fig_step_ms, plain_roof, ctx=vctx)
         for spec in tier.spec:
-            ks = [((b.get("plan") or {}).get("spec_k")) for b in boots if b["spec"] == spec and b.get("plan")]
+            ks = [((b.get("plan") or {}).get("spec_k")) for b in boots
+                  if b["spec"] == spec and b["ctx"] == vctx and b.get("plan")]
             k = next((x for x in ks if x), None)
             roof = (1000.0 * sbytes.verify(1, tier.verify_context, k) / (bw * 1e9)) if bw and sbytes and k else None
-            v = add(f"step {spec}", f"ms per verify step (SPEC={spec}, k={k}), C1, ~{vc} prompt", "ms", False,
-                    spec, "verify", fig_step_ms, roof)
-            if not any(b["spec"] == spec for b in boots):
+            v = add(f"step {spec}{sfx}", f"ms per verify step (CTX={vctx}, SPEC={spec}, k={k}), C1, ~{vc} prompt",
+                    "ms", False, spec, "verify", fig_step_ms, roof, ctx=vctx)
+            if not any(b["spec"] == spec and b["ctx"] == vctx for b in boots):
                 for c in v["arms"].values():
                     c["note"] = "not booted (see skipped)"
             # within each arm: verify / plain, the SPEC knob declared
@@ -639,7 +671,7 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
                 ok = verdict["status"] in ("OK", "UNRESOLVED", "RESOLVED")
                 cells[a] = {"value": vv / pv if ok and pv and vv else None, "verdict": verdict,
                             "note": None if ok else f"{verdict['status']}: {'; '.join(verdict['reasons'])}"[:240]}
-            row = {"key": f"verify {spec}/plain", "metric": f"verify step / plain step (SPEC={spec} vs off)",
+            row = {"key": f"verify {spec}/plain{sfx}", "metric": f"verify step / plain step (CTX={vctx}, SPEC={spec} vs off)",
                    "unit": "ratio", "higher_is_better": False, "arms": cells, "roofline": None}
             s, p = cells.get("stock", {}).get("value"), cells.get("patched", {}).get("value")
             row["ratio"] = p / s if s and p is not None else None
@@ -653,7 +685,7 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
 
 GOALS = (
     ("decode C1 >= 80% of roofline", "decode", "pct_roofline", lambda v: v >= 80.0, "{:.1f} %"),
-    ("verify step <= 1.3x plain", "verify mtp/plain", "value", lambda v: v <= 1.3, "{:.2f}x"),
+    ("verify step <= 1.3x plain", "verify", "value", lambda v: v <= 1.3, "{:.2f}x"),
     ("prefix turn 2 <= 2.5% of turn 1", "prefix", "value", lambda v: v <= 0.025, "{:.2%}"),
 )
 
@@ -664,8 +696,13 @@ def goals(rows: list[dict], tier: Tier) -> list[dict]:
     by = {r["key"]: r for r in rows}
     prefix_key = f"prefix {_k(tier.prefix_context)} turn2/turn1" if tier.prefix_context else None
     decode_key = f"decode {_k(tier.decode[0][0])} C1" if tier.decode else None
+    goal_rows = []
     for name, key, field_, test, fmt in GOALS:
-        key = {"decode": decode_key, "prefix": prefix_key}.get(key, key)
+        if key == "verify":  # one goal row per verify CTX and method that has a row
+            goal_rows += [(name, r["key"], field_, test, fmt) for r in rows if r["key"].startswith("verify ")]
+        else:
+            goal_rows.append((name, {"decode": decode_key, "prefix": prefix_key}.get(key, key), field_, test, fmt))
+    for name, key, field_, test, fmt in goal_rows:
         row = by.get(key or "")
         g = {"goal": name, "row": key}
         for arm in ("patched", "stock"):
@@ -782,6 +819,10 @@ def markdown(doc: dict) -> str:
         L.append(f"| {g['goal']} (`{g['row']}`) | " + " | ".join(
             f"**{g[a]['status']}** {g[a]['shown'] or ''}" for a in ("patched", "stock")) + " |")
     L += [""]
+    for p in doc.get("pinned") or []:
+        L += [f"- pinned MAX_LEN={p['MAX_LEN']:,} for CTX={p['ctx']}: {p['why']}"]
+    if doc.get("pinned"):
+        L += [""]
     if doc.get("skipped"):
         L += ["## Skipped", ""] + [f"- {s['what']}: {s['reason']}" for s in doc["skipped"]] + [""]
     booted = [b for b in doc.get("boots", []) if not b.get("skipped")]
@@ -875,6 +916,8 @@ def configure(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--bandwidth-gbs", type=float, default=None, help="skip the copy measurement, use this")
     ap.add_argument("--boot-timeout", type=float, default=600.0)
     ap.add_argument("--budget-s", type=float, default=None, help="wall budget (default: the tier's)")
+    ap.add_argument("--verify-ctx", default=None,
+                    help="CTX profiles of the verify rows, comma-separated (default: the tier's; e.g. fast,long)")
 
 
 def from_args(a: argparse.Namespace) -> RefConfig:
@@ -884,13 +927,21 @@ def from_args(a: argparse.Namespace) -> RefConfig:
     if not (mdir / "config.json").is_file() or not any(mdir.glob("*.safetensors")):
         raise ValueError(f"--model {a.model}: not a checkpoint (needs config.json and *.safetensors); valid: "
                          "a built checkpoint, e.g. $MODELS/qwen38-27b-geom (gpu/jobs/20-geometry.sh builds it)")
+    tier = TIERS[a.tier]
+    if a.verify_ctx:
+        from onecard.profiles import CTX_PROFILES
+        vc = tuple(x.strip() for x in a.verify_ctx.split(",") if x.strip())
+        bad = [x for x in vc if x not in CTX_PROFILES]
+        if bad or not vc:
+            raise ValueError(f"--verify-ctx {a.verify_ctx!r} invalid; valid: comma-separated {', '.join(CTX_PROFILES)}")
+        tier = dataclasses.replace(tier, verify_ctx=vc)
     given = dict(a.arm)
     arms = []
     for name, env in (("patched", "PYTHONPATH"), ("stock", "STOCK_PYTHONPATH")):
         pp = given.get(name, os.environ.get(env))
         reason = None if pp is not None else f"${env} not set and no --arm {name}=PYTHONPATH"
         arms.append(Arm(name, pp, skip_reason=reason))
-    return RefConfig(model=str(mdir), tier=TIERS[a.tier], out_dir=Path(a.out), arms=arms,
+    return RefConfig(model=str(mdir), tier=tier, out_dir=Path(a.out), arms=arms,
                      md=Path(a.md) if a.md else None, server_cmd=a.server_cmd, port=a.port,
                      bandwidth_gbs=a.bandwidth_gbs, boot_timeout=a.boot_timeout, budget_s=a.budget_s,
                      argv=list(sys.argv))
