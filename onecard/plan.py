@@ -212,8 +212,11 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
         else:
             plan.set("SPEC_K", parse_int(plan.get("DFLASH_TOKENS"), "DFLASH_TOKENS", *spec.k_range),
                      plan.values["DFLASH_TOKENS"].source, "DFLASH_TOKENS")
-    if plan.get("LOOKUP") == "1" and spec.name != "dflash2":
+    if plan.values["LOOKUP"].source != "default" and plan.get("LOOKUP") == "1" and spec.name != "dflash2":
         raise PlanError("LOOKUP=1 needs SPEC=dflash2; valid otherwise: LOOKUP=0")
+    if spec.name == "dflash2" and int(plan.get("SPEC_K")) > DFLASH2_DRAFTER_ROWS and plan.get("LOOKUP") == "0":
+        plan.notes.append(f"DFLASH_TOKENS={plan.get('SPEC_K')} with LOOKUP=0: positions {DFLASH2_DRAFTER_ROWS + 1}.."
+                          f"{plan.get('SPEC_K')} repeat the last draft (verified, rarely accepted); LOOKUP=1 fills them")
 
     # sizes
     for name, default, lo, hi in (("MAX_LEN", ctx.max_len, 256, 1_048_576), ("MAX_SEQS", ctx.max_seqs, 1, 256)):
@@ -246,10 +249,14 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
     elif check_paths and not (Path(model) / "config.json").is_file():
         raise PlanError(f"MODEL={model} has no config.json; valid: a prepared checkpoint directory "
                         f"(install.sh prepares models/qwen38-27b) or MODEL=tiny")
-    if spec.name == "dflash2":
+    if spec.name == "dflash2" and model == "tiny" and plan.values["DRAFT"].source == "default":
+        plan.set("DRAFT", TINY_DRAFT, "profile", "MODEL=tiny: the tiny DFlash2 drafter, resolved at launch by ensure_tiny_drafter()")
+    elif spec.name == "dflash2":
         draft = Path(plan.get("DRAFT"))
         if not (draft / "config.json").is_file():
             raise PlanError(f"SPEC=dflash2 needs a drafter: DRAFT={draft} has no config.json; valid: DRAFT=<drafter dir with config.json>")
+        if check_paths:
+            check_drafter(draft, int(plan.get("SPEC_K")), None if model == "tiny" else Path(model))
     if plan.values["DRAFT"].source != "default" and spec.name != "dflash2":
         plan.notes.append(f"DRAFT is ignored with SPEC={spec.name}")
 
@@ -300,6 +307,43 @@ def _tp_in_extra(extra: list[str]) -> int | None:
                     raise PlanError(f"{flag} {text!r} in EXTRA_ARGS is not an integer; "
                                     f"valid: {'|'.join(profiles.KNOBS['TP'].choices)}") from None
     return None
+
+
+DFLASH2_DRAFTER_ROWS = 7  # the published DFlash2 drafters: block_size 8 = anchor + 7 drafts
+TINY_DRAFT = "tiny"  # DRAFT value: the tiny drafter beside the tiny model (MODEL=tiny)
+
+
+def check_drafter(draft: Path, k: int, model: Path | None) -> None:
+    """At launch (not in --dry-run): the drafter config parses, DFLASH_TOKENS fits its block
+    (drafter rows + up to 8 lookup positions) and it matches the target's text config."""
+    from onecard.dflash.config import DrafterConfig, DrafterConfigError
+
+    try:
+        cfg = DrafterConfig.load(draft)
+        if cfg.version != 2:
+            raise PlanError(f"DRAFT={draft} is a DFlash (v1) drafter; valid with SPEC=dflash2: a DFlash2DraftModel drafter")
+        lane = cfg.check_tokens(k)
+        if lane > 8:
+            raise PlanError(f"DFLASH_TOKENS={k} needs {lane} lookup positions past the drafter's {cfg.draft_tokens}; "
+                            f"valid: {cfg.draft_tokens}..{cfg.draft_tokens + 8}")
+        if model is not None and (model / "config.json").is_file():
+            cfg.check_target(json.loads((model / "config.json").read_text()))
+    except DrafterConfigError as e:
+        raise PlanError(f"DRAFT={draft}: {e}") from None
+
+
+def draft_path(plan: ServePlan, model_path: str | None) -> str:
+    """DRAFT as passed to vLLM. MODEL=tiny: the drafter beside the tiny model, built (once)
+    when the model path is known (launch), else where it will be (dry run)."""
+    draft = str(plan.get("DRAFT"))
+    if draft != TINY_DRAFT:
+        return draft
+    from onecard.dflash import tiny_drafter
+    from onecard.prepare.tiny import tiny_model_dir
+
+    if model_path is not None:
+        return str(tiny_drafter.ensure_tiny_drafter(Path(model_path)))
+    return str(tiny_drafter.tiny_drafter_dir(tiny_model_dir()))
 
 
 def tensor_parallel(extra: list[str]) -> int:
@@ -371,9 +415,9 @@ def build_argv(plan: ServePlan, python: str = sys.executable, model_path: str | 
     if spec.method:
         sc: dict = {"method": spec.method, "num_speculative_tokens": v("SPEC_K")}
         if spec.name == "dflash2":
-            sc["model"] = str(v("DRAFT"))
-            if v("LOOKUP") == "1":
-                sc["prompt_lookup"] = True
+            # fields of patches/0080-dflash2.patch's SpeculativeConfig
+            sc["model"] = draft_path(plan, model_path)
+            sc["dflash2_lookup"] = v("LOOKUP") == "1"
         argv += ["--speculative-config", json.dumps(sc, separators=(",", ":"))]
     if "CUDAGRAPH_SIZES" in plan.values:
         argv += ["-cc", json.dumps({"cudagraph_capture_sizes": plan.get("CUDAGRAPH_SIZES")}, separators=(",", ":"))]

@@ -54,11 +54,14 @@ SPEC_PROFILES: dict[str, SpecProfile] = {
     "off": SpecProfile("off", None, {"fast": 0, "long": 0, "huge": 0}, (0, 0), None, doc="no speculation"),
     "mtp": SpecProfile("mtp", "mtp", {"fast": 4, "long": 3, "huge": 3}, (1, 7), None,
                        doc="the checkpoint's MTP layer drafts k tokens"),
+    # method "dflash2" exists once patches/0080-dflash2.patch is applied (it also leaves the
+    # marker vllm/dflash2_installed.txt). DFLASH_TOKENS 8..15: the drafter fills 7 positions,
+    # the lookup lane (LOOKUP=1) the rest.
     "dflash2": SpecProfile(
-        "dflash2", "dflash", {"fast": 7, "long": 7, "huge": 7}, (7, 15), "dflash2",
+        "dflash2", "dflash2", {"fast": 7, "long": 7, "huge": 7}, (7, 15), "dflash2",
         kv_mem={"fast": memory.FAST_DFLASH_KV_MEM,
                 "long": memory.LONG_KV_MEM, "huge": memory.LONG_KV_MEM},
-        doc="DFlash2 block drafter (DRAFT path), DFLASH_TOKENS 7..15"),
+        doc="DFlash2 block drafter (DRAFT path), DFLASH_TOKENS 7..15 (8..15: lookup lane)"),
 }
 
 SINGLE_USER = {"CTX": "long", "KV": "int4_per_token_head", "MAX_LEN": "256000", "MAX_SEQS": "1",
@@ -82,7 +85,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("SPEC", "mtp", "off|mtp|dflash2", "speculative decoding method", tuple(SPEC_PROFILES)),
     Knob("SPEC_K", "", "1..7 (mtp)", "draft tokens per step; default per profile (mtp 4 fast / 3 long+huge)"),
     Knob("DFLASH_TOKENS", "", "7..15", "DFlash2 block size (draft tokens), default 7"),
-    Knob("LOOKUP", "0", "0|1", "DFlash2 prompt-lookup drafting on top of the drafter", BOOL),
+    Knob("LOOKUP", "1", "0|1", "DFlash2 lookup lane: with DFLASH_TOKENS 8..15, positions past the drafter's 7 "
+         "come from suffix matches in prompt + generated text (0: the last draft repeated)", BOOL),
     Knob("KV", "", "bf16|fp8|int8_per_token_head|int4_per_token_head", "override the profile's KV cache dtype",
          ("bf16", "fp8", "int8_per_token_head", "int4_per_token_head")),
     Knob("SSM_DTYPE", "auto", "auto|bfloat16|float32",
@@ -100,7 +104,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("HOST", "127.0.0.1", "address", "listen address; beyond loopback needs an API key"),
     Knob("MODEL", "models/qwen38-27b", "path, or 'tiny'", "checkpoint directory; 'tiny' builds the CPU-sized test model"),
     Knob("SERVED_NAME", "qwen3.8-27b", "name", "model name clients use"),
-    Knob("DRAFT", "models/dflash2-drafter", "path", "DFlash2 drafter checkpoint (SPEC=dflash2)"),
+    Knob("DRAFT", "models/dflash2-drafter", "path", "DFlash2 drafter checkpoint (SPEC=dflash2); with MODEL=tiny "
+         "the tiny DFlash2 drafter beside the tiny model"),
     Knob("VISION", "0", "0|1", "1: serve images too (loads the vision tower and its encoder cache, "
          "VRAM the KV pool then lacks); 0: --language-model-only, text only", BOOL),
     Knob("TOOLS", "1", "0|1", "auto tool choice", BOOL),

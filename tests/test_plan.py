@@ -183,7 +183,11 @@ def test_bad_dflash_tokens_and_missing_drafter(root, features):
 def test_dflash_lookup_and_tokens(root, features):
     plan = mk({"SPEC": "dflash2", "DFLASH_TOKENS": "9", "LOOKUP": "1", "DRAFT": str(features)}, root)
     sc = plan.argv[plan.argv.index("--speculative-config") + 1]
-    assert '"num_speculative_tokens":9' in sc and '"prompt_lookup":true' in sc and '"method":"dflash"' in sc
+    # fields of patches/0080-dflash2.patch's SpeculativeConfig (0.27.1 has no prompt_lookup for dflash)
+    assert '"num_speculative_tokens":9' in sc and '"dflash2_lookup":true' in sc and '"method":"dflash2"' in sc
+    plan = mk({"SPEC": "dflash2", "DFLASH_TOKENS": "9", "LOOKUP": "0", "DRAFT": str(features)}, root)
+    assert '"dflash2_lookup":false' in plan.argv[plan.argv.index("--speculative-config") + 1]
+    assert any("LOOKUP=0" in n for n in plan.notes)
 
 
 def test_format_table_lists_every_value(root):

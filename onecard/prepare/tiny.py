@@ -507,6 +507,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root", type=Path, default=None,
                         help="models root (default: $MODELS, $ONECARD_HOME/models, <repo>/models)")
     parser.add_argument("--force", action="store_true", help="rebuild even if it exists")
+    parser.add_argument("--drafter", action="store_true",
+                        help="also write the tiny DFlash2 drafter beside the model (<out>-dflash2)")
     for f in fields(TinySpec):
         opt = "--" + f.name.replace("_", "-")
         parser.add_argument(opt, type=int, default=f.default, help=f"(default {f.default})")
@@ -524,11 +526,16 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or tiny_model_dir(args.root, spec)
     if out.exists() and not args.force and (out / "model.safetensors").is_file():
         print(f"tiny model exists: {out} (use --force to rebuild)")
-        return 0
-    t0 = time.monotonic()
-    build_tiny_model(out, spec, force=out.exists())
-    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
-    print(f"tiny model: {out}  {size / 2**20:.1f} MiB  built in {time.monotonic() - t0:.1f} s")
+    else:
+        t0 = time.monotonic()
+        build_tiny_model(out, spec, force=out.exists())
+        size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+        print(f"tiny model: {out}  {size / 2**20:.1f} MiB  built in {time.monotonic() - t0:.1f} s")
+    if getattr(args, "drafter", False):
+        from onecard.dflash.tiny_drafter import ensure_tiny_drafter
+
+        draft = ensure_tiny_drafter(out)  # DFlash2 format, rebuilt when the target changed
+        print(f"tiny DFlash2 drafter: {draft}")
     return 0
 
 
