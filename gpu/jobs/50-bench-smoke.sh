@@ -13,7 +13,7 @@
 # machine the tiny boot pays the Triton JIT (~190 s): up to ~7 min.
 # Writes: $JOB_OUT/{report.md,ladder.png,ladder-depth.png,results/{smol,tiny-mtp}/*.json,
 #         results/*/runs.jsonl,server-*.log,metrics-*.txt,summary.txt}
-# Exit 0 only if every result of both suites is VALID with all seven kinds present, the ladder's
+# Exit 0 only if every result of both suites is VALID with all six kinds present (7 runs), the ladder's
 # usage tokens add up to N x max_tokens per level, the tiny+MTP spec run saw drafts in the
 # server's counters, and report.md + ladder.png were written.
 # Dry run on a CPU box (fake server instead of vLLM): BENCH_SMOKE_FAKE=1 bash gpu/jobs/50-bench-smoke.sh
