@@ -819,10 +819,9 @@ def markdown(doc: dict) -> str:
         L.append(f"| {g['goal']} (`{g['row']}`) | " + " | ".join(
             f"**{g[a]['status']}** {g[a]['shown'] or ''}" for a in ("patched", "stock")) + " |")
     L += [""]
-    for p in doc.get("pinned") or []:
-        L += [f"- pinned MAX_LEN={p['MAX_LEN']:,} for CTX={p['ctx']}: {p['why']}"]
     if doc.get("pinned"):
-        L += [""]
+        L += ["## Pinned", ""] + [f"- MAX_LEN={p['MAX_LEN']:,} for CTX={p['ctx']}: {p['why']}"
+                                  for p in doc["pinned"]] + [""]
     if doc.get("skipped"):
         L += ["## Skipped", ""] + [f"- {s['what']}: {s['reason']}" for s in doc["skipped"]] + [""]
     booted = [b for b in doc.get("boots", []) if not b.get("skipped")]
