@@ -35,12 +35,11 @@ def _fixed_commit(monkeypatch):
     monkeypatch.setattr(provenance, "git_info", lambda *a: {"commit": "fixed", "dirty": False})
 
 
-@pytest.fixture(scope="module")
-def geom_dir(tmp_path_factory):
+def write_geometry_checkpoint(d: Path) -> Path:
     """The 27B-geometry checkpoint as config.json + a header-only safetensors file (the memory
-    model and the roofline read headers, never tensor data)."""
+    model and the roofline read headers, never tensor data) + the borrowed tiny tokenizer."""
     from onecard.prepare import geometry, tiny
-    d = tmp_path_factory.mktemp("geom")
+    d.mkdir(parents=True, exist_ok=True)
     spec = geometry.spec_for("27b")
     (d / "config.json").write_text(json.dumps(tiny.make_config(spec, defaultdict(int))))
     header, off = {}, 0
@@ -52,6 +51,11 @@ def geom_dir(tmp_path_factory):
     (d / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
     tiny.build_tokenizer(tiny.DEFAULT_SPEC.vocab).save(str(d / "tokenizer.json"))  # as job 20 borrows it
     return d
+
+
+@pytest.fixture(scope="module")
+def geom_dir(tmp_path_factory):
+    return write_geometry_checkpoint(tmp_path_factory.mktemp("geom"))
 
 
 def _cfg(tmp_path, geom_dir, stock_env=None, tier=TINY_TIER, **kw):
