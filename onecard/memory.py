@@ -162,6 +162,18 @@ def attn_bytes_per_token(geom: ModelGeometry, kv: str) -> int:
     return KV_DTYPES[kv].bytes_per_token_layer(geom.num_kv_heads, geom.head_dim)
 
 
+def kvarn_stage_bytes(geom: ModelGeometry, kv: str, max_seqs: int, attn_layers: int | None = None) -> int:
+    """VRAM of the KVarN fp16 stage outside the KV pin: per attention layer (+1 for MTP by
+    default) ``3 * max_seqs + 4`` slots of one tile of K and V (onecard.kvarn.stage)."""
+    from onecard.kvarn import format as kvarn_format
+    from onecard.kvarn.stage import default_num_slots
+
+    p = kvarn_format.get_preset(kv if kv != "kvarn" else None)
+    layers = attn_layers if attn_layers is not None else geom.num_full_attention + geom.mtp_layers
+    slot = p.tile * geom.num_kv_heads * geom.head_dim * 2 * 2
+    return layers * default_num_slots(max_seqs) * slot
+
+
 def gdn_state_bytes(geom: ModelGeometry, num_spec: int = 0, ssm_state_bytes: int | None = None) -> int:
     """One GDN layer's state page (conv + recurrent) for one sequence slot."""
     conv_dim = geom.linear_key_head_dim * geom.linear_num_key_heads * 2 + geom.linear_value_head_dim * geom.linear_num_value_heads

@@ -188,3 +188,12 @@ def test_planner_null_page_dummy_runs():
     assert not p.slot_of and plan.stage_dst.numel() == 0 and plan.pack_stage_rows.numel() == 0
     assert plan.pack_new_rows.numel() == 0 and set(plan.tail_rows.tolist()) == {-1}
     assert plan.num_tokens == 3 + 130 + 4 and set(plan.sink_rows.tolist()) == {-1}
+    assert plan.all_null and not p.plan([0], [3], [0], {(0, 0): 7}, null_page_blocks=2).all_null
+
+
+def test_memory_model_stage_reserve():
+    from onecard import memory
+
+    g = memory.QWEN38_27B
+    # 17 layers x (3*2+4) slots x 128 rows x 4 heads x 256 x K,V x fp16
+    assert memory.kvarn_stage_bytes(g, "kvarn", 2) == 17 * 10 * 128 * 4 * 256 * 4 == 89_128_960

@@ -67,6 +67,7 @@ class StepPlan:
     max_query_len: int
     max_packed_tiles: int
     num_tokens: int
+    all_null: bool = False  # every request sits on vLLM's null page (a dummy run)
 
     def to(self, device) -> "StepPlan":
         kw = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
@@ -133,6 +134,7 @@ class StagePlanner:
         st_src, st_dst, p1r, p1b, p2r, p2b = [], [], [], [], [], []
         req, cu, sl_, pk, sink, tail = [], [0], [], [], [], []
         max_q = 1
+        nulls = []
         # release committed, non-sink tiles first so allocation has room. A drafter's metadata
         # build passes unverified positions as context (at most STAGE_LAST ahead of what the
         # target committed), so a tile counts as committed only STAGE_LAST tokens later.
@@ -145,6 +147,7 @@ class StagePlanner:
             if q_len <= 0:
                 continue
             null = any(b < null_page_blocks for (rr, _), b in tile_block.items() if rr == r)
+            nulls.append(null)
             for t in range(c // T, (s - 1) // T + 1):
                 if null:
                     break
@@ -202,7 +205,8 @@ class StagePlanner:
             pack_new_rows=i32(p2r), pack_new_blocks=i32(p2b),
             req_index=i64(req), cu_seqlens_q=i32(cu), seq_lens=i32(sl_), packed_tiles=i32(pk),
             sink_rows=i32(sink), tail_rows=i32(tail), max_query_len=max_q,
-            max_packed_tiles=max(pk, default=0), num_tokens=cu[-1])
+            max_packed_tiles=max(pk, default=0), num_tokens=cu[-1],
+            all_null=bool(nulls) and all(nulls))
 
 
 def tile_block_ids(block_table_cpu: torch.Tensor, cols: dict, tiles_per_page: int) -> dict:
