@@ -1,52 +1,84 @@
-"""GPU suite plumbing: one vLLM server at a time on 127.0.0.1, booted per named config.
+"""GPU suite plumbing: one vLLM server per configuration, all booted at once, shared by every
+test that needs it, killed at the end of the session.
 
-Tests ask ``servers.use("off")`` etc.; the pool stops the previous server first, so tests of
-one config should sit together (file order). Outputs that later tests compare against are
-cached in ``servers.cache``. Every server log goes to ``$JOB_OUT`` (else a temp dir) and a
-JSON record of what the suite saw is written to ``$JOB_OUT/gpu_suite.json``.
+Tiny-model configurations go through the product path, ``python3 -m onecard.launch`` (env knobs
+-> plan -> preflight -> exec vllm serve), with the CTX / SPEC profiles as shipped (prefix caching
++ ``--mamba-cache-mode align``, the profile's MTP k, vLLM's default CUDA graphs) and a few
+test-only values: a small KV pin, MAX_LEN 2048, ``--seed 0``, ``--logprobs-mode raw_logits``
+(the exactness rule reads raw logits), a small ``--gpu-memory-utilization`` so all servers fit
+on one GPU at once, no reasoning parser, whitespace-free forced JSON. The float32 strict-mode
+servers add ``--dtype float32``, ``TRITON_F32_DEFAULT=ieee`` and tests/gpu/fp32_shim (see its
+docstring: vLLM 0.27.1's FLA GDN prefill refuses float32). SmolLM2 is served directly (a
+Llama checkpoint, not what the launcher is for).
 
-Knobs: ONECARD_GPU_EAGER=1 boots everything with --enforce-eager (faster boots);
-ONECARD_GPU_BOOT_TIMEOUT (default 420 s); ONECARD_GPU_MEM (default 0.30).
+Tests name the servers they use with ``@pytest.mark.uses("off", "mtp")``; the session boots the
+union of those (or ``ONECARD_GPU_CONFIGS=off,mtp,...``) in parallel as soon as it starts, and a
+test waits only for its own servers. Every server log goes to ``$JOB_OUT/server-<name>.log``;
+the record of the session (boots, argv, per-test wall time, results) to
+``$JOB_OUT/gpu_suite.json`` (atomic writes).
+
+Knobs: ONECARD_GPU_EAGER=1 (all servers --enforce-eager), ONECARD_GPU_BOOT_TIMEOUT (default
+400 s, from launch), ONECARD_GPU_MEM (per-server gpu_memory_utilization, default 0.06),
+ONECARD_GPU_CONFIGS (comma list, overrides what the collected tests ask for).
 """
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 HOST = "127.0.0.1"
-BOOT_TIMEOUT = float(os.environ.get("ONECARD_GPU_BOOT_TIMEOUT", "420"))
-GPU_MEM = os.environ.get("ONECARD_GPU_MEM", "0.30")
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+BOOT_TIMEOUT = float(os.environ.get("ONECARD_GPU_BOOT_TIMEOUT", "400"))
+GPU_MEM = os.environ.get("ONECARD_GPU_MEM", "0.06")
 EAGER = os.environ.get("ONECARD_GPU_EAGER", "") not in ("", "0")
+SHIM_DIR = HERE / "fp32_shim"
+STRUCTURED = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
 
-COMMON = ["--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0",
-          "--gpu-memory-utilization", GPU_MEM]
-GRAPHS = ["-cc", json.dumps({"cudagraph_capture_sizes": [1, 2, 4, 8]})]
-TINY = ["--language-model-only",
-        "--additional-config", json.dumps({"gdn_prefill_backend": "triton"}),
-        "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
-        # a random model must not pad forced-JSON tool calls with whitespace until max_tokens
-        "--structured-outputs-config",
-        json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
-MTP = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
-INT8 = ["--kv-cache-dtype", "int8_per_token_head", "--attention-backend", "TRITON_ATTN"]
 
-# name -> (model key, served name, extra args)
-CONFIGS: dict[str, tuple[str, str, list[str]]] = {
-    "off": ("tiny", "tiny", TINY),
-    "mtp": ("tiny", "tiny", TINY + MTP),
-    # eager: int8 vs bf16 is report-only, and a third compile boot costs ~100 s of device time
-    "int8": ("tiny", "tiny", TINY + INT8 + ["--enforce-eager"]),
-    "smol": ("smol", "smol", ["--enforce-eager"]),
-}
+@dataclass(frozen=True)
+class Config:
+    name: str
+    model: str                 # "tiny" | "smol"
+    ctx: str = "fast"          # launcher CTX profile (tiny)
+    spec: str = "off"          # launcher SPEC profile (tiny)
+    dtype: str = "bfloat16"    # activation dtype: bfloat16 | float32 (strict mode)
+    extra: tuple = field(default=())
+
+    @property
+    def kv(self) -> str:
+        from onecard.profiles import CTX_PROFILES
+
+        return CTX_PROFILES[self.ctx].kv
+
+
+CONFIGS: dict[str, Config] = {c.name: c for c in [
+    Config("off", "tiny", "fast", "off"),
+    Config("mtp", "tiny", "fast", "mtp"),
+    Config("int8", "tiny", "long", "off"),
+    Config("int8-mtp", "tiny", "long", "mtp"),
+    Config("fp32", "tiny", "fast", "off", "float32"),
+    Config("fp32-mtp", "tiny", "fast", "mtp", "float32"),
+    Config("fp32-int8", "tiny", "long", "off", "float32"),
+    Config("fp32-int8-mtp", "tiny", "long", "mtp", "float32"),
+    Config("smol", "smol"),
+]}
+
+# Launcher knobs every tiny server gets (the rest are the CTX / SPEC profile defaults).
+TINY_KNOBS = {"SERVED_NAME": "tiny", "HOST": HOST, "MAX_LEN": "2048", "KV_MEM": "512M",
+              "GDN_PREFILL": "triton", "REASONING_PARSER": "none"}
 
 
 def out_dir() -> Path:
@@ -62,52 +94,116 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    def __init__(self, name: str, model: Path, served: str, args: list[str]):
-        self.name, self.model, self.served = name, model, served
-        self.port = free_port()
-        self.url = f"http://{HOST}:{self.port}"
-        self.log_path = out_dir() / f"server-{name}.log"
-        mode = ["--enforce-eager"] if EAGER else GRAPHS
-        if "--enforce-eager" in args:
-            mode = []
-        self.argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
-                     "--host", HOST, "--port", str(self.port), "--served-model-name", served,
-                     *COMMON, *mode, *args]
-        self.proc: subprocess.Popen | None = None
-        self.boot_s: float | None = None
+def tiny_knobs(cfg: Config, model: Path, port: int) -> dict[str, str]:
+    """The launcher environment of a tiny-model configuration."""
+    extra = ["--seed", "0", "--gpu-memory-utilization", GPU_MEM, "--logprobs-mode", "raw_logits",
+             "--structured-outputs-config", STRUCTURED]
+    if cfg.dtype == "float32":
+        extra += ["--dtype", "float32"]
+    if EAGER:
+        extra += ["--enforce-eager"]
+    return {**TINY_KNOBS, "MODEL": str(model), "PORT": str(port), "CTX": cfg.ctx,
+            "SPEC": cfg.spec, "EXTRA_ARGS": shlex.join([*extra, *cfg.extra])}
 
-    def start(self) -> None:
-        print(f"[gpu-suite] boot {self.name}: {' '.join(self.argv)}", flush=True)
+
+def tiny_plan(cfg: Config, model: Path, port: int, root: Path):
+    """What `python3 -m onecard.launch` will exec for this configuration (same call as launch)."""
+    from onecard import memory
+    from onecard.plan import make_plan
+
+    return make_plan(tiny_knobs(cfg, model, port), root, sys.executable, None,
+                     memory.ModelGeometry.from_model_dir(model), check_paths=True)
+
+
+def child_env(cfg: Config, knobs: dict[str, str]) -> dict[str, str]:
+    from onecard.profiles import KNOBS
+
+    env = {k: v for k, v in os.environ.items() if k not in KNOBS}   # no stray knobs
+    env.update(knobs)
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "2")   # many servers compile at once
+    if cfg.dtype == "float32":
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM_DIR), str(REPO),
+                                                        env.get("PYTHONPATH", "")) if p)
+        env["TRITON_F32_DEFAULT"] = "ieee"     # Triton dots in true fp32, not tf32
+    else:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def smol_argv(model: Path, port: int) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+            "--host", HOST, "--port", str(port), "--served-model-name", "smol",
+            "--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0",
+            "--gpu-memory-utilization", GPU_MEM, "--kv-cache-memory-bytes", str(1 << 30),
+            "--enforce-eager"]
+
+
+class Server:
+    """One server process in its own session (process group): launch, wait healthy, stop."""
+
+    def __init__(self, name: str, argv: list[str], served: str, port: int | None = None,
+                 env: dict | None = None, vllm_argv: list[str] | None = None):
+        self.name, self.argv, self.served, self.env = name, argv, served, env
+        self.port = port or free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.vllm_argv = vllm_argv or argv
+        self.log_path = out_dir() / f"server-{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.t_launch: float | None = None
+        self.boot_s: float | None = None
+        self.error: str | None = None
+        self._log = None
+        self._lock = threading.Lock()
+        self._client_lock = threading.Lock()
+        self._client = None
+
+    def launch(self) -> None:
+        print(f"[gpu-suite] launch {self.name}: {shlex.join(self.argv)}", flush=True)
         self._log = open(self.log_path, "w")
-        self._log.write(" ".join(self.argv) + "\n\n")
+        self._log.write(shlex.join(self.vllm_argv) + "\n\n")
         self._log.flush()
-        t0 = time.monotonic()
-        # Own session: stop() signals this process group only (ours).
+        self.t_launch = time.monotonic()
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env=self.env, cwd=str(REPO))
         with open(out_dir() / "server.pids", "a") as f:   # for the job's leftover cleanup
             f.write(f"{self.proc.pid}\n")
+
+    def wait(self, timeout: float = BOOT_TIMEOUT) -> None:
+        """Block until /health answers 200 (timeout counted from launch); raise with the log
+        tail if the process dies or the time runs out (and stop it)."""
         import httpx
 
-        while True:
-            if self.proc.poll() is not None:
-                rc = self.proc.returncode
-                self.stop()
-                raise RuntimeError(f"server {self.name} exited rc={rc} during "
-                                   f"boot; log tail:\n{self.tail()}")
-            if time.monotonic() - t0 > BOOT_TIMEOUT:
-                self.stop()
-                raise RuntimeError(f"server {self.name} not healthy after {BOOT_TIMEOUT:.0f} s; "
-                                   f"log tail:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.boot_s = time.monotonic() - t0
-        print(f"[gpu-suite] {self.name} healthy after {self.boot_s:.1f} s", flush=True)
+        with self._lock:
+            if self.boot_s is not None:
+                return
+            if self.error is not None:
+                raise RuntimeError(self.error)
+            if self.proc is None:
+                self.launch()
+            while True:
+                if self.proc.poll() is not None:
+                    rc = self.proc.returncode
+                    self.stop()
+                    self.error = (f"server {self.name} exited rc={rc} during boot; "
+                                  f"log tail:\n{self.tail()}")
+                    raise RuntimeError(self.error)
+                if time.monotonic() - self.t_launch > timeout:
+                    self.stop()
+                    self.error = (f"server {self.name} not healthy {timeout:.0f} s after launch; "
+                                  f"log tail:\n{self.tail()}")
+                    raise RuntimeError(self.error)
+                try:
+                    if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            self.boot_s = time.monotonic() - self.t_launch
+            print(f"[gpu-suite] {self.name} healthy {self.boot_s:.1f} s after launch", flush=True)
+
+    def start(self) -> None:
+        self.launch()
+        self.wait()
 
     def tail(self, n: int = 60) -> str:
         try:
@@ -115,31 +211,59 @@ class Server:
         except OSError:
             return "(no log)"
 
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def terminate(self) -> None:
+        """SIGTERM the process group without waiting (Pool.close signals all, then waits)."""
+        if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
                 try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    os.killpg(self.proc.pid, sig)
                 except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=10)
+                    break
+                try:
+                    self.proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if self.proc is not None:
+            try:   # the group may outlive its leader (engine core, compile workers)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.proc = None
-        self._log.close()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     # --- requests -------------------------------------------------------------------------
-    def post(self, path: str, payload: dict, timeout: float = 120) -> dict:
+    def client(self):
+        """One pooled HTTP client per server, shared by the threads of a concurrent sweep."""
         import httpx
 
-        r = httpx.post(self.url + path, json=payload, timeout=timeout)
-        assert r.status_code == 200, f"{path} -> {r.status_code}: {r.text[:500]}"
+        with self._client_lock:
+            if self._client is None:
+                self._client = httpx.Client(limits=httpx.Limits(max_connections=256,
+                                                                max_keepalive_connections=256))
+            return self._client
+
+    def post(self, path: str, payload: dict, timeout: float = 120) -> dict:
+        r = self.client().post(self.url + path, json=payload, timeout=timeout)
+        assert r.status_code == 200, f"{self.name} {path} -> {r.status_code}: {r.text[:500]}"
         return r.json()
 
     def stream(self, path: str, payload: dict, timeout: float = 120) -> list[dict]:
@@ -147,7 +271,7 @@ class Server:
 
         chunks = []
         with httpx.stream("POST", self.url + path, json=payload, timeout=timeout) as r:
-            assert r.status_code == 200, f"{path} -> {r.status_code}"
+            assert r.status_code == 200, f"{self.name} {path} -> {r.status_code}"
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -157,14 +281,22 @@ class Server:
                 chunks.append(json.loads(data))
         return chunks
 
+    def metrics(self) -> str:
+        import httpx
+
+        return httpx.get(self.url + "/metrics", timeout=10).text
+
 
 class Pool:
+    """Every configuration's server, launched together; ``get(name)`` waits for one."""
+
     def __init__(self):
-        self.current: Server | None = None
+        self.servers: dict[str, Server] = {}
         self.cache: dict = {}
-        self.record: dict = {"boots": {}, "eager": EAGER}
+        self.record: dict = {"boots": {}, "tests": {}, "eager": EAGER, "gpu_mem": GPU_MEM}
         self._models: dict[str, Path] = {}
-        self.failed: dict[str, str] = {}
+        self._root = Path(tempfile.mkdtemp(prefix="onecard-launch-root-"))  # no stray .env
+        self.t0 = time.monotonic()
 
     def model(self, key: str) -> Path:
         if key not in self._models:
@@ -179,30 +311,53 @@ class Pool:
                   f"({time.monotonic() - t0:.1f} s to ensure)", flush=True)
         return self._models[key]
 
-    def use(self, name: str) -> Server:
-        if self.current is not None and self.current.name == name:
-            return self.current
-        self.close()
-        if name in self.failed:   # one failed boot per config, not one per test
-            pytest.fail(f"server {name} failed to boot earlier: {self.failed[name][:300]}")
-        key, served, args = CONFIGS[name]
-        try:
-            server = Server(name, self.model(key), served, args)
-            server.start()
-        except Exception as e:
-            self.failed[name] = str(e)
-            self.record["boots"][name] = {"error": str(e)[-2000:]}
-            self.save()
-            raise
-        self.current = server
-        self.record["boots"][name] = {"boot_s": round(server.boot_s or 0, 1), "argv": server.argv}
+    def make_server(self, name: str) -> Server:
+        if name not in CONFIGS:
+            raise ValueError(f"unknown GPU-suite config {name!r}; valid: {', '.join(CONFIGS)}")
+        cfg = CONFIGS[name]
+        port = free_port()
+        model = self.model(cfg.model)
+        if cfg.model == "smol":
+            return Server(name, smol_argv(model, port), "smol", port)
+        plan = tiny_plan(cfg, model, port, self._root)     # recorded; launch re-plans the same
+        argv = [sys.executable, "-m", "onecard.launch", "--root", str(self._root)]
+        return Server(name, argv, "tiny", port, env=child_env(cfg, tiny_knobs(cfg, model, port)),
+                      vllm_argv=plan.argv)
+
+    def launch_all(self, names) -> None:
+        for name in names:
+            if name in self.servers:
+                continue
+            try:
+                s = self.make_server(name)
+                self.servers[name] = s
+                s.launch()
+                self.record["boots"][name] = {"argv": s.vllm_argv, "via": s.argv[:3]}
+            except Exception as e:     # a bad plan fails that config's tests, not the session
+                self.record["boots"][name] = {"error": f"launch: {e}"}
         self.save()
-        return server
+
+    def get(self, name: str) -> Server:
+        if name not in self.servers:
+            self.launch_all([name])
+        s = self.servers.get(name)
+        if s is None:
+            pytest.fail(f"server {name} could not be launched: {self.record['boots'][name]}")
+        try:
+            s.wait()
+        except RuntimeError as e:
+            self.record["boots"][name]["error"] = str(e)[-2000:]
+            self.save()
+            pytest.fail(f"server {name} failed to boot: {str(e)[:3000]}")
+        self.record["boots"][name]["boot_s"] = round(s.boot_s or 0, 1)
+        self.save()
+        return s
 
     def close(self) -> None:
-        if self.current is not None:
-            self.current.stop()
-            self.current = None
+        for s in self.servers.values():
+            s.terminate()
+        for s in self.servers.values():
+            s.stop()
 
     def save(self) -> None:
         path = out_dir() / "gpu_suite.json"
@@ -211,21 +366,61 @@ class Pool:
         os.replace(tmp, path)
 
 
+_POOL: Pool | None = None
+_NEEDED: list[str] = []
+
+
 def _sigterm_to_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _gpu_run(config) -> bool:
+    m = config.getoption("-m") or ""
+    return "gpu" in m and "not gpu" not in m
+
+
 def pytest_configure(config):
-    # `timeout` sends SIGTERM: turn it into an interrupt so fixture teardown stops the server.
-    if config.getoption("-m") and "gpu" in config.getoption("-m") and "not gpu" not in config.getoption("-m"):
+    config.addinivalue_line("markers", "uses(*configs): GPU-suite servers a test needs")
+    # `timeout` sends SIGTERM: turn it into an interrupt so fixture teardown stops the servers.
+    if _gpu_run(config):
         signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    wanted = os.environ.get("ONECARD_GPU_CONFIGS", "")
+    if wanted:
+        names = [n.strip() for n in wanted.split(",") if n.strip()]
+    else:
+        names = []
+        for item in items:
+            for mark in item.iter_markers("uses"):
+                names += [n for n in mark.args if n not in names]
+    _NEEDED[:] = names
+
+
+def pytest_runtest_logreport(report):
+    if _POOL is None or report.when not in ("setup", "call"):
+        return
+    rec = _POOL.record["tests"].setdefault(report.nodeid.split("::")[-1], {"wall_s": 0.0})
+    rec["wall_s"] = round(rec["wall_s"] + report.duration, 1)
+    if report.when == "call" or report.failed:
+        rec["outcome"] = report.outcome
+    if report.when == "call" or report.failed:
+        print(f"\n[gpu-suite] time {report.nodeid.split('::')[-1]}: {rec['outcome']} "
+              f"{rec['wall_s']:.1f} s", flush=True)
+    _POOL.save()
 
 
 @pytest.fixture(scope="session")
 def servers():
+    global _POOL
     pool = Pool()
+    _POOL = pool
     try:
+        pool.launch_all(_NEEDED)
         yield pool
     finally:
         pool.close()
+        pool.record["session_wall_s"] = round(time.monotonic() - pool.t0, 1)
         pool.save()
+        _POOL = None

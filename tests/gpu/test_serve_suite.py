@@ -1,12 +1,19 @@
-"""GPU smoke suite: the tiny Qwen3.5 model under each SPEC / KV config, and SmolLM2.
+"""GPU suite: the tiny Qwen3.5 model under each SPEC / KV / dtype configuration, and SmolLM2.
 
-Order matters (one server at a time, see conftest): off → mtp → int8 → smol.
+All servers boot at once (conftest); each test waits only for the ones it names in
+``@pytest.mark.uses``. Greedy exactness, SPEC=mtp against SPEC=off (gpu_suite_lib.judge):
+float32 (strict mode) must match token for token; bfloat16 may diverge only at a near-tie of
+SPEC=off's own raw logits (top-2 gap <= 2 bf16 ulps at that magnitude), each one reported.
 """
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from gpu_suite_lib import corpus_text, judge_all, residue_prompts, summarize, top2
 
 pytestmark = pytest.mark.gpu
 
@@ -18,60 +25,75 @@ PROMPTS = [
     "1, 2, 3, 4,",
 ]
 MAX_TOKENS = 48
+SWEEP_TOKENS = 20
+SWEEP_BASE = 512          # prompt lengths 512..639 tokens: every residue mod 128, > 1 KV block
+MODULUS = 128
 
 
-def greedy(server, prompts=PROMPTS, max_tokens=MAX_TOKENS, gaps: list | None = None) -> list[list[int]]:
-    """Greedy token ids per prompt; with ``gaps`` (a list), also the top-1 minus top-2 logprob
-    at every position, appended per prompt (to tell numerical near-ties from real bugs)."""
-    out = []
-    for p in prompts:
-        payload = {"model": server.served, "prompt": p, "max_tokens": max_tokens,
-                   "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
-        if gaps is not None:
-            payload.update(logprobs=2, return_tokens_as_token_ids=True)
-        r = server.post("/v1/completions", payload)
-        choice = r["choices"][0]
-        ids = choice.get("token_ids")
-        assert ids, f"no token_ids in response: {json.dumps(r)[:300]}"
-        assert r["usage"]["completion_tokens"] == max_tokens
-        out.append(list(ids))
-        if gaps is not None:
-            per_pos = []
-            for top in (choice.get("logprobs") or {}).get("top_logprobs") or []:
-                vals = sorted((v for v in (top or {}).values() if v is not None), reverse=True)
-                per_pos.append(vals[0] - vals[1] if len(vals) >= 2 else None)
-            gaps.append(per_pos)
+def say(msg: str) -> None:
+    for line in str(msg).splitlines():
+        print(f"[gpu-suite] {line}", flush=True)
+
+
+def complete(server, prompt, max_tokens: int, logprobs: bool) -> dict:
+    """One greedy completion: token ids, prompt token count, and (with ``logprobs``) SPEC=off's
+    top two (token, raw logit) per position."""
+    payload = {"model": server.served, "prompt": prompt, "max_tokens": max_tokens,
+               "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    if logprobs:
+        payload.update(logprobs=2, return_tokens_as_token_ids=True)
+    r = server.post("/v1/completions", payload)
+    choice = r["choices"][0]
+    ids = choice.get("token_ids")
+    assert ids, f"no token_ids in response: {json.dumps(r)[:300]}"
+    assert r["usage"]["completion_tokens"] == max_tokens, r["usage"]
+    out = {"ids": list(ids), "prompt_tokens": r["usage"]["prompt_tokens"]}
+    if logprobs:
+        out["top"] = [top2(t) for t in (choice.get("logprobs") or {}).get("top_logprobs") or []]
     return out
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+def greedy(server, prompts=PROMPTS, max_tokens=MAX_TOKENS, logprobs=False, workers=1) -> list[dict]:
+    if workers <= 1:
+        return [complete(server, p, max_tokens, logprobs) for p in prompts]
+    with ThreadPoolExecutor(workers) as ex:
+        return list(ex.map(lambda p: complete(server, p, max_tokens, logprobs), prompts))
+
+
+def ids(results: list[dict]) -> list[list[int]]:
+    return [r["ids"] for r in results]
+
+
+def tops(results: list[dict]) -> list:
+    return [r.get("top") for r in results]
+
+
+def prefix_cache_hits(server) -> float | None:
+    """Sum of vllm:prefix_cache_hits counters (None if the server exports none)."""
+    vals = [float(ln.rsplit(" ", 1)[1]) for ln in server.metrics().splitlines()
+            if ln.startswith("vllm:prefix_cache_hits") and not ln.startswith("#")]
+    return sum(vals) if vals else None
 
 
 # ------------------------------------------------------------------------------ SPEC off, bf16
 
-def test_off_boots_and_greedy_is_deterministic(servers):
-    s = servers.use("off")
-    first = greedy(s)
-    second = greedy(s)
-    gaps: list = []
-    third = greedy(s, gaps=gaps)      # asking for logprobs must not change the tokens
-    servers.cache["off"] = first
-    servers.cache["off_gaps"] = gaps
-    servers.record["off_greedy"] = first
-    servers.save()
-    for i, (a, b, c) in enumerate(zip(first, second, third)):
-        assert a == b, f"prompt {i}: greedy differs at token {first_divergence(a, b)}"
-        assert a == c, f"prompt {i}: greedy with logprobs differs at token {first_divergence(a, c)}"
+@pytest.mark.uses("off")
+def test_off_greedy_is_deterministic(servers):
+    s = servers.get("off")
+    first, second = greedy(s), greedy(s)
+    third = greedy(s, logprobs=True)      # asking for logprobs must not change the tokens
+    servers.cache["off"] = third
+    servers.record["off_greedy"] = ids(first)
+    for i, (a, b, c) in enumerate(zip(ids(first), ids(second), ids(third))):
+        assert a == b, f"prompt {i}: greedy differs between two passes: {a} vs {b}"
+        assert a == c, f"prompt {i}: greedy with logprobs differs: {a} vs {c}"
     # Random weights, but scaled so greedy output is varied, not one token repeated.
-    assert all(len(set(ids)) > 4 for ids in first), first
+    assert all(len(set(x)) > 4 for x in ids(first)), ids(first)
 
 
+@pytest.mark.uses("off")
 def test_off_chat_completion(servers):
-    s = servers.use("off")
+    s = servers.get("off")
     r = s.post("/v1/chat/completions", {
         "model": s.served, "max_tokens": 24, "temperature": 0.0,
         "messages": [{"role": "system", "content": "You are terse."},
@@ -83,8 +105,9 @@ def test_off_chat_completion(servers):
     servers.record["chat"] = {"content": msg.get("content"), "usage": r["usage"]}
 
 
+@pytest.mark.uses("off")
 def test_off_chat_streamed(servers):
-    s = servers.use("off")
+    s = servers.get("off")
     chunks = s.stream("/v1/chat/completions", {
         "model": s.served, "max_tokens": 24, "temperature": 0.0, "stream": True,
         "stream_options": {"include_usage": True},
@@ -113,8 +136,9 @@ TOOLS = [{
 }]
 
 
+@pytest.mark.uses("off")
 def test_off_tool_call(servers):
-    s = servers.use("off")
+    s = servers.get("off")
     messages = [{"role": "user", "content": "What's the weather in Paris?"}]
     # auto: the random model will not call, but the parser path must answer cleanly.
     r = s.post("/v1/chat/completions", {"model": s.served, "messages": messages, "tools": TOOLS,
@@ -127,93 +151,176 @@ def test_off_tool_call(servers):
                                         "temperature": 0.0})
     calls = r["choices"][0]["message"].get("tool_calls") or []
     servers.record["tool_call"] = calls
-    servers.save()
     assert calls, f"no tool_calls: {json.dumps(r)[:500]}"
     assert calls[0]["function"]["name"] == "get_weather"
     json.loads(calls[0]["function"]["arguments"])
 
 
-def divergence_report(ref: list[list[int]], got: list[list[int]], gaps: list) -> dict:
-    """Per prompt: the first position where `got` leaves `ref`, and off's top-1/top-2 logprob gap
-    there (None where identical or unknown)."""
-    report = {}
-    for i, (a, b) in enumerate(zip(ref, got)):
-        d = first_divergence(a, b)
-        gap = gaps[i][d] if d is not None and i < len(gaps) and d < len(gaps[i]) else None
-        report[i] = {"first_divergence": d, "off_top2_gap": gap}
-    return report
+# ------------------------------------------------------------------------------ SPEC=mtp, bf16
 
-
-# ------------------------------------------------------------------------------ SPEC=mtp
-
-# A divergence where SPEC=off's own top-1 / top-2 logprobs are closer than this is a bf16 near-tie
-# (verify and plain decode run different kernels), reported; anything wider fails the test.
-# ONECARD_GPU_STRICT_SPEC=1 demands exact equality.
-NEAR_TIE = 0.05
-
-
-def test_mtp_greedy_equals_off(servers):
-    import os
-
+def _off_reference(servers):
     if "off" not in servers.cache:
-        pytest.skip("SPEC=off outputs missing (its test failed)")
-    s = servers.use("mtp")
-    got = greedy(s)
-    again = greedy(s)
-    ref = servers.cache["off"]
-    report = divergence_report(ref, got, servers.cache.get("off_gaps") or [])
-    servers.record["mtp_greedy"] = got
-    servers.record["mtp_vs_off"] = report
-    servers.save()
-    print(f"[gpu-suite] SPEC=mtp vs SPEC=off first divergence per prompt: {report}")
-    assert got == again, "SPEC=mtp greedy output not deterministic"
-    if os.environ.get("ONECARD_GPU_STRICT_SPEC", "") not in ("", "0"):
-        assert got == ref, f"SPEC=mtp != SPEC=off: {report}"
-    bad = {i: r for i, r in report.items() if r["first_divergence"] is not None
-           and (r["off_top2_gap"] is None or r["off_top2_gap"] >= NEAR_TIE)}
-    assert not bad, f"SPEC=mtp != SPEC=off beyond bf16 near-ties: {bad}"
+        servers.cache["off"] = greedy(servers.get("off"), logprobs=True)
+    return servers.cache["off"]
 
 
+@pytest.mark.uses("off", "mtp")
+def test_mtp_greedy_equals_off(servers):
+    ref = _off_reference(servers)
+    s = servers.get("mtp")
+    got, again = greedy(s), greedy(s)
+    verdicts = judge_all(ids(ref), ids(got), tops(ref), "bfloat16")
+    lines, bad = summarize("SPEC=mtp vs SPEC=off, 4 prompts x 48 tokens, bf16", verdicts)
+    say("\n".join(lines))
+    servers.record["mtp_greedy"] = ids(got)
+    servers.record["mtp_vs_off"] = {k: v.as_dict() for k, v in verdicts.items()}
+    assert ids(got) == ids(again), "SPEC=mtp greedy output not deterministic"
+    assert not bad, "SPEC=mtp != SPEC=off beyond bf16 near-ties:\n" + "\n".join(lines)
+
+
+@pytest.mark.uses("mtp")
 def test_mtp_metrics_show_drafts(servers):
     """The drafter ran (reported, not asserted beyond 'drafts were proposed')."""
-    import httpx
-
-    s = servers.use("mtp")
-    text = httpx.get(s.url + "/metrics", timeout=10).text
-    lines = [ln for ln in text.splitlines()
+    s = servers.get("mtp")
+    if "mtp_greedy" not in servers.record:
+        greedy(s, prompts=PROMPTS[:1], max_tokens=8)
+    lines = [ln for ln in s.metrics().splitlines()
              if ln.startswith("vllm:spec_decode") and not ln.startswith("#")]
     servers.record["mtp_metrics"] = lines[:20]
-    servers.save()
     drafts = [float(ln.rsplit(" ", 1)[1]) for ln in lines
               if ln.startswith("vllm:spec_decode_num_draft_tokens")]
+    say(f"SPEC=mtp drafts proposed: {max(drafts) if drafts else 'none'}")
     assert drafts and max(drafts) > 0, lines[:20]
 
 
 # ------------------------------------------------------------------------------ int8 KV
 
+@pytest.mark.uses("int8", "off")
 def test_int8_kv_vs_bf16(servers):
-    s = servers.use("int8")
+    """int8 KV is deterministic; its first divergence from bf16 KV per prompt is reported."""
+    s = servers.get("int8")
     got = greedy(s)
-    assert got == greedy(s), "int8 KV greedy output not deterministic"
-    ref = servers.cache.get("off")
-    report = divergence_report(ref, got, servers.cache.get("off_gaps") or []) if ref else {}
-    servers.record["int8_first_divergence"] = report
-    servers.record["int8_greedy"] = got
-    servers.save()
-    print(f"[gpu-suite] int8 vs bf16 first divergence per prompt (None = identical "
-          f"over {MAX_TOKENS} tokens): {report}")
+    assert ids(got) == ids(greedy(s)), "int8 KV greedy output not deterministic"
+    ref = _off_reference(servers)
+    verdicts = judge_all(ids(ref), ids(got), tops(ref), "bfloat16")
+    servers.record["int8_greedy"] = ids(got)
+    servers.record["int8_vs_bf16"] = {k: v.as_dict() for k, v in verdicts.items()}
+    say(f"int8 vs bf16 KV first divergence per prompt (report only, None = identical over "
+        f"{MAX_TOKENS} tokens): { {k: v.position for k, v in verdicts.items()} }")
+
+
+# ------------------------------------------------------------------------------ 128 residues
+
+def _residue_prompts(servers):
+    if "residues" not in servers.cache:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(servers.model("tiny") / "tokenizer.json"))
+        enc = lambda t: tok.encode(t, add_special_tokens=False).ids  # noqa: E731
+        dec = lambda i: tok.decode(i, skip_special_tokens=False)     # noqa: E731
+        servers.cache["residues"] = residue_prompts(enc, dec, corpus_text(), SWEEP_BASE, MODULUS)
+    return servers.cache["residues"]
+
+
+def _two_passes(server, texts, logprobs):
+    """Every prompt sent concurrently, then every prompt again (prefix-cache hits)."""
+    passes, hits = [], []
+    for _ in range(2):
+        h0 = prefix_cache_hits(server)
+        passes.append(greedy(server, texts, SWEEP_TOKENS, logprobs, workers=len(texts)))
+        h1 = prefix_cache_hits(server)
+        hits.append(None if h0 is None or h1 is None else h1 - h0)
+    return passes, hits
+
+
+def residue_sweep(servers, off_name: str, mtp_name: str, dtype: str, label: str) -> None:
+    prompts = _residue_prompts(servers)
+    texts = [t for _, t, _ in prompts]
+    off, mtp = servers.get(off_name), servers.get(mtp_name)
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(2) as ex:
+        f_off = ex.submit(_two_passes, off, texts, True)
+        f_mtp = ex.submit(_two_passes, mtp, texts, False)
+        (off_p, off_hits), (mtp_p, mtp_hits) = f_off.result(), f_mtp.result()
+    wall = time.monotonic() - t0
+    residues = [r for r, _, _ in prompts]
+    lengths = {r: n for r, _, n in prompts}
+    for res in (off_p[0], off_p[1], mtp_p[0], mtp_p[1]):
+        wrong = {r: x["prompt_tokens"] for r, x in zip(residues, res) if x["prompt_tokens"] != lengths[r]}
+        assert not wrong, f"server counted other prompt lengths than the tokenizer: {wrong}"
+    assert {n % MODULUS for n in lengths.values()} == set(range(MODULUS))
+    comparisons = {
+        "mtp vs off (cold prefix)": judge_all(ids(off_p[0]), ids(mtp_p[0]), tops(off_p[0]), dtype, residues),
+        "mtp vs off (cached prefix)": judge_all(ids(off_p[1]), ids(mtp_p[1]), tops(off_p[1]), dtype, residues),
+        "off cached vs off cold": judge_all(ids(off_p[0]), ids(off_p[1]), tops(off_p[0]), dtype, residues),
+    }
+    say(f"== residue sweep {label} ({dtype}, {off_name} vs {mtp_name}): {MODULUS} prompts of "
+        f"{SWEEP_BASE}..{SWEEP_BASE + MODULUS - 1} tokens x 2 passes x {SWEEP_TOKENS} tokens, "
+        f"{wall:.1f} s; prefix-cache hit tokens in pass 2: off {off_hits[1]}, mtp {mtp_hits[1]}")
+    failing, rec = {}, {"wall_s": round(wall, 1), "prefix_cache_hit_tokens": {"off": off_hits, "mtp": mtp_hits}}
+    for name, verdicts in comparisons.items():
+        lines, bad = summarize(name, verdicts)
+        say("\n".join(lines))
+        div = sorted(r for r, v in verdicts.items() if v.position is not None)
+        rec[name] = {"diverged_residues": div, "failing_residues": bad,
+                     "divergences": {r: verdicts[r].as_dict() for r in div}}
+        if bad:
+            failing[name] = bad
+    servers.record[f"sweep_{label}"] = rec
+    for who, h in (("off", off_hits[1]), ("mtp", mtp_hits[1])):
+        assert h is None or h > 0, f"{label}: second pass on {who} hit no prefix-cache blocks"
+    assert not failing, f"{label}: divergences the {dtype} rule does not accept: {failing}"
+
+
+@pytest.mark.uses("off", "mtp")
+def test_residue_sweep_bf16_kv(servers):
+    residue_sweep(servers, "off", "mtp", "bfloat16", "bf16-kv")
+
+
+@pytest.mark.uses("int8", "int8-mtp")
+def test_residue_sweep_int8_kv(servers):
+    residue_sweep(servers, "int8", "int8-mtp", "bfloat16", "int8-kv")
+
+
+def _shim_report(servers, names) -> dict:
+    """Which GDN prefill precision the float32 servers ran (tests/gpu/fp32_shim markers)."""
+    out = {}
+    for n in names:
+        log = servers.servers[n].log_text() if n in servers.servers else ""
+        out[n] = ("fell back to bf16 prefill" if "FELL BACK" in log else
+                  "float32 prefill" if "prefill ran in float32" in log else
+                  "shim applied, no prefill seen" if "refusal lifted" in log else
+                  "shim NOT applied")
+    say(f"float32 GDN prefill: {out}")
+    return out
+
+
+@pytest.mark.uses("fp32", "fp32-mtp")
+def test_residue_sweep_fp32_strict(servers):
+    try:
+        residue_sweep(servers, "fp32", "fp32-mtp", "float32", "fp32-strict")
+    finally:
+        servers.record["fp32_prefill"] = _shim_report(servers, ["fp32", "fp32-mtp"])
+
+
+@pytest.mark.uses("fp32-int8", "fp32-int8-mtp")
+def test_residue_sweep_fp32_int8_strict(servers):
+    try:
+        residue_sweep(servers, "fp32-int8", "fp32-int8-mtp", "float32", "fp32-int8-strict")
+    finally:
+        servers.record["fp32_int8_prefill"] = _shim_report(servers, ["fp32-int8", "fp32-int8-mtp"])
 
 
 # ------------------------------------------------------------------------------ SmolLM2
 
+@pytest.mark.uses("smol")
 def test_smollm2_answers_france(servers):
-    s = servers.use("smol")
+    s = servers.get("smol")
     r = s.post("/v1/chat/completions", {
         "model": s.served, "max_tokens": 40, "temperature": 0.0,
         "messages": [{"role": "user", "content": "What is the capital of France?"}],
     })
     answer = r["choices"][0]["message"]["content"] or ""
     servers.record["smol_answer"] = answer
-    servers.save()
-    print(f"[gpu-suite] SmolLM2: {answer!r}")
+    say(f"SmolLM2: {answer!r}")
     assert "paris" in answer.lower(), answer
