@@ -223,6 +223,13 @@ def spec_config():
             lines = [ln for ln in str(e).splitlines() if "speculative_config:" in ln]
             errors[name] = lines[0].split("Value error, ", 1)[-1] if lines else str(e)
     out["errors"] = errors
+    # the speculative configs the launcher goldens and the GPU job emit, as vLLM builds them
+    built = []
+    for cfg in ARGS.get("configs", []):
+        sc = make(**{**cfg, "model": ARGS["drafter"]})
+        built.append([sc.method, sc.dflash2, sc.num_speculative_tokens, sc.dflash2_lookup,
+                      sc.draft_sample_method])
+    out["configs"] = built
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from onecard import patching
 REPO = Path(__file__).resolve().parents[2]
 NAME = "0080-dflash2.patch"
 PATCH = REPO / "patches" / NAME
+GOLDEN = REPO / "tests" / "golden" / "launch"
 NEW = {"vllm/v1/spec_decode/dflash2_lane.py", "vllm/v1/spec_decode/dflash2.py",
        "vllm/model_executor/models/qwen3_dflash2.py", "vllm/dflash2_installed.txt"}
 
@@ -113,7 +115,11 @@ def checks(overlay, tmp_path_factory):
         "rms_norm_eps": 1e-6, "rope_theta": 1e6, "torch_dtype": "bfloat16",
         "tie_word_embeddings": False, "hidden_act": "silu"}))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), str(REPO)]))
-    arg = json.dumps({"drafter": str(drafter), "target": str(fake)})
+    configs = [json.loads(shlex.split(g.read_text())[shlex.split(g.read_text()).index(
+        "--speculative-config") + 1]) for g in sorted(GOLDEN.glob("*-dflash2.txt"))]
+    configs.append({"method": "dflash2", "num_speculative_tokens": 15, "dflash2_lookup": True,
+                    "draft_sample_method": "probabilistic"})   # tests/gpu/test_dflash2.py d2k15
+    arg = json.dumps({"drafter": str(drafter), "target": str(fake), "configs": configs})
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("patch_check.py")), arg],
                           cwd=d, env=env, capture_output=True, text=True, timeout=900)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PATCH_CHECK ")), None)
@@ -162,3 +168,6 @@ def test_speculative_config_dflash2(checks):
     assert "dflash2_lookup needs method 'dflash2'" in errs["lookup_without_dflash2"]
     for msg in errs.values():
         assert "\n" not in msg and "valid" in msg
+    # the launcher goldens (fast/long/huge: k 7, lookup on) and the GPU job's d2k15 server
+    assert sc["configs"][:-1] == [["dflash", True, 7, True, "greedy"]] * 3
+    assert sc["configs"][-1] == ["dflash", True, 15, True, "probabilistic"]

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# timeout: 300
+# SPEC=dflash2 (patch 0080) on the tiny model vs SPEC=off: tests/gpu/test_dflash2.py boots three
+# servers at once through the launcher's plan (off; dflash2 DFLASH_TOKENS=7 greedy drafting;
+# dflash2 DFLASH_TOKENS=15 = 7 drafter rows + 8 lookup positions, probabilistic drafting),
+# prefix caching on, default CUDA graphs, GDN_PREFILL=triton, --language-model-only.
+# Checks: (1) greedy 128 prompt-length residues x 2 passes (2nd hits the prefix cache), 32
+# tokens, concurrent: d2k7 and d2k15 == off token for token, a divergence allowed only as a bf16
+# near-tie (spec token = off's top-2, raw-logit gap <= 2 bf16 ulps), each reported;
+# (2) /metrics spec_decode_num_accepted_tokens_per_pos shows positions 0..k-1 for k 7 and 15,
+# copy-task tokens/step 15 vs 7 (random drafter: plumbing, not speed); (3) if >= 40 s are left,
+# sampled chi-square (T=1, top_k 8) at tokens 2..4 vs off, p >= 1e-3.
+# Expected wall: boots 45-200 s (first boot of the DFlash drafter compiles), checks ~40 s;
+# the script stops itself at 270 s. Writes $JOB_OUT/{log of the run,dflash2.json,server-*.log,
+# summary.txt}. Exit 0 only if every check held. CPU dry run: python3 tests/gpu/test_dflash2.py
+# --dry-run (tests/dflash/test_gpu_dflash2_dry.py).
+set -u
+cd "$(dirname "$0")/../.."
+: "${JOB_OUT:=/var/tmp/out/70-dflash2}"
+: "${MODELS:=/var/tmp/models}"
+export JOB_OUT MODELS
+mkdir -p "$JOB_OUT" "$MODELS"
+summary="$JOB_OUT/summary.txt"
+: > "$summary"
+say() { echo "$*" | tee -a "$summary"; }
+say "== 70-dflash2 $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+python3 -c "import vllm, pathlib; p = pathlib.Path(vllm.__file__).parent / 'dflash2_installed.txt'; \
+print(f'vllm {vllm.__version__} at {p.parent}; dflash2 marker: {p.is_file()}')" 2>&1 | tail -1 | tee -a "$summary"
+
+# the tiny model and its DFlash2 drafter (CPU, cached in $MODELS across jobs)
+timeout 90 python3 -c "from onecard.prepare.tiny import main; raise SystemExit(main(['--drafter']))" \
+    > "$JOB_OUT/build.txt" 2>&1
+rc=$?
+tail -2 "$JOB_OUT/build.txt" | tee -a "$summary"
+if [ $rc -ne 0 ]; then say "tiny model/drafter build FAILED rc=$rc"; say "== 70-dflash2: FAIL"; exit 1; fi
+
+timeout -k 15 285 python3 tests/gpu/test_dflash2.py --out "$JOB_OUT" --deadline 265 \
+    > "$JOB_OUT/run.txt" 2>&1
+rc=$?
+grep '^\[dflash2\]' "$JOB_OUT/run.txt" | grep -v '^\[dflash2\] launch ' | tee -a "$summary"
+[ $rc -eq 0 ] || tail -20 "$JOB_OUT/run.txt" | tee -a "$summary"
+# the driver stops its servers; after a kill by timeout, end their process groups (each server
+# runs in its own session; the driver records the pids in server.pids)
+if [ -f "$JOB_OUT/server.pids" ]; then
+    while read -r pid; do
+        if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+            say "killing leftover server process group $pid"
+            kill -TERM -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
+        fi
+    done < "$JOB_OUT/server.pids"
+fi
+say "== 70-dflash2: $([ $rc -eq 0 ] && echo PASS || echo FAIL) (rc=$rc)"
+exit $rc
