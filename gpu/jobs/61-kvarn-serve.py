@@ -198,6 +198,7 @@ def huge(a) -> int:
     signal.signal(signal.SIGTERM, _term)
 
     out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     geom = Path(a.models) / "qwen38-27b-geom"
     if not (geom / "config.json").is_file():
         print(f"no {geom}: the 27B-geometry part is skipped (job 20 builds it)")
