@@ -170,3 +170,23 @@ def test_residue_prompts_bad_input(tiny_tokenizer):
         lib.residue_prompts(enc, dec, "too short", base=512, modulus=128)
     with pytest.raises(ValueError, match="valid: both >= 1"):
         lib.residue_prompts(enc, dec, lib.corpus_text(), base=0)
+
+
+def test_counter_reads_totals_not_created_timestamps(monkeypatch):
+    """The suite's /metrics reader: counter samples, never prometheus_client's _created series."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(REPO / "tests/gpu"))
+    spec = importlib.util.spec_from_file_location("_suite_c", REPO / "tests/gpu/test_serve_suite.py")
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    text = "\n".join([
+        "# TYPE vllm:prefix_cache_hits counter",
+        'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 416.0',
+        'vllm:prefix_cache_hits_created{engine="0",model_name="tiny"} 1.7643e+09',
+        'vllm:prefix_cache_hits_total{engine="1",model_name="tiny"} 4.0',
+        'vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 900.0',
+        'vllm:spec_decode_num_draft_tokens_created{engine="0"} 1.7643e+09',
+    ])
+    assert suite.counter(text, "vllm:prefix_cache_hits") == [416.0, 4.0]
+    assert suite.counter(text, "vllm:spec_decode_num_draft_tokens") == []

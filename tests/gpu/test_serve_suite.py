@@ -68,10 +68,20 @@ def tops(results: list[dict]) -> list:
     return [r.get("top") for r in results]
 
 
+def counter(text: str, name: str) -> list[float]:
+    """Values of a Prometheus counter's samples (``name`` or ``name_total``, any labels; not
+    the ``_created`` timestamps prometheus_client adds)."""
+    out = []
+    for ln in text.splitlines():
+        metric = ln.split("{", 1)[0].split(" ", 1)[0]
+        if metric in (name, name + "_total"):
+            out.append(float(ln.rsplit(" ", 1)[1]))
+    return out
+
+
 def prefix_cache_hits(server) -> float | None:
-    """Sum of vllm:prefix_cache_hits counters (None if the server exports none)."""
-    vals = [float(ln.rsplit(" ", 1)[1]) for ln in server.metrics().splitlines()
-            if ln.startswith("vllm:prefix_cache_hits") and not ln.startswith("#")]
+    """Sum of the vllm:prefix_cache_hits counters (None if the server exports none)."""
+    vals = counter(server.metrics(), "vllm:prefix_cache_hits")
     return sum(vals) if vals else None
 
 
@@ -184,11 +194,11 @@ def test_mtp_metrics_show_drafts(servers):
     s = servers.get("mtp")
     if "mtp_greedy" not in servers.record:
         greedy(s, prompts=PROMPTS[:1], max_tokens=8)
-    lines = [ln for ln in s.metrics().splitlines()
-             if ln.startswith("vllm:spec_decode") and not ln.startswith("#")]
+    text = s.metrics()
+    lines = [ln for ln in text.splitlines()
+             if ln.startswith("vllm:spec_decode") and "_created" not in ln]
     servers.record["mtp_metrics"] = lines[:20]
-    drafts = [float(ln.rsplit(" ", 1)[1]) for ln in lines
-              if ln.startswith("vllm:spec_decode_num_draft_tokens")]
+    drafts = counter(text, "vllm:spec_decode_num_draft_tokens")
     say(f"SPEC=mtp drafts proposed: {max(drafts) if drafts else 'none'}")
     assert drafts and max(drafts) > 0, lines[:20]
 
