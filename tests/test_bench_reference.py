@@ -176,6 +176,9 @@ def test_cli_bad_input_is_one_line(tmp_path, geom_dir, capsys):
     assert "valid: quick, full" in err and err.count("\n") == 1
     assert reference.main(["--model", str(tmp_path)]) == 2
     assert "not a checkpoint" in capsys.readouterr().err
+    from onecard.bench.cli import main as bench_main
+    assert bench_main(["reference", "--tier", "nope", "--model", str(geom_dir)]) == 2
+    assert "valid: quick, full" in capsys.readouterr().err
     assert reference.main(["--model", str(geom_dir), "--verify-ctx", "fast,wide"]) == 2
     assert "valid: comma-separated fast, long, huge" in capsys.readouterr().err
     r = subprocess.run(["bash", str(REPO / "bench" / "reference.sh"), "--tier", "nope", "--model", str(geom_dir)],

@@ -12,6 +12,7 @@
   onecard bench ab --knob ONECARD_X --a 0 --b 1 --boots 2 [--server-cmd "bash start_qwen.sh"]
   onecard bench compare A.json B.json [--knob NAME] (the contract's verdict on a comparison)
   onecard bench report RESULTS_DIR... --md report.md [--plot ladder.png]
+  onecard bench reference --tier quick|full ...     (bench/reference.sh: patched vs stock, one table)
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import os
 import sys
 
 SUBS = ("ladder", "depth", "prefix-turns", "needle", "perplexity", "spec", "run", "suite", "ab",
-        "compare", "report")
+        "compare", "report", "reference")
 
 
 def _ints(s: str) -> list[int]:
@@ -118,6 +119,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+")
     p.add_argument("--md", default=None, help="write the markdown here (default: print)")
     p.add_argument("--plot", default=None, help="ladder plot PNG (needs matplotlib)")
+    p = sub.add_parser("reference", help="patched vs stock reference run, one table (bench/reference.sh)")
+    from .reference import configure as reference_configure
+    reference_configure(p)
 
 
 def _first_model(args) -> str:
@@ -193,6 +197,9 @@ def run(args: argparse.Namespace) -> int:
             return _done(run_ab(t, args.server_cmd, args.knob, args.a, args.b, args.boots,
                                 P.load(args.prompts), tuple(args.n), args.out, 1, args.figure,
                                 args.boot_timeout))
+        if cmd == "reference":
+            from .reference import run_args
+            return run_args(args)
         if cmd == "compare":
             from .fairness import compare
             a, b = (json.loads(open(p, encoding="utf-8").read()) for p in (args.a, args.b))

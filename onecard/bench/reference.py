@@ -962,12 +962,17 @@ def summary(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench/reference.sh", description=__doc__.splitlines()[0])
     configure(ap)
-    a = ap.parse_args(argv)
     try:
-        cfg = from_args(a)
+        return run_args(ap.parse_args(argv))
     except ValueError as e:
         print(f"reference: {e}", file=sys.stderr)
         return 2
+
+
+def run_args(a: argparse.Namespace) -> int:
+    """Run from parsed options (bench/reference.sh and `onecard bench reference`); bad input
+    raises ValueError with one line."""
+    cfg = from_args(a)
     import signal
 
     def _term(signum, frame):  # a job timeout sends SIGTERM: stop the server, keep the table
