@@ -312,6 +312,7 @@ def depth(t: Target, contexts: list[int], max_tokens: int = 128) -> dict:
                   f"decode {_fmt(r.decode_tps)} tok/s{'' if r.ok else ' FAILED: ' + str(r.error)}")
     except Exception as exc:  # noqa: BLE001
         rf.abort(f"aborted: {type(exc).__name__}: {exc}")
+        result["path"] = str(rf.path)  # the partial result stays findable
         return result
     return _finish(rf, result)
 
@@ -351,6 +352,7 @@ def prefix_turns(t: Target, context_tokens: int = 4000, turns: int = 3, max_toke
             history = f"{prompt}{r.text}"
     except Exception as exc:  # noqa: BLE001
         rf.abort(f"aborted: {type(exc).__name__}: {exc}")
+        result["path"] = str(rf.path)  # the partial result stays findable
         return result
     return _finish(rf, result)
 
@@ -392,6 +394,7 @@ def needle(t: Target, contexts: list[int], depths: list[float], max_tokens: int 
     except Exception as exc:  # noqa: BLE001
         sampler.stop()
         rf.abort(f"aborted: {type(exc).__name__}: {exc}")
+        result["path"] = str(rf.path)  # the partial result stays findable
         return result
     return _finish(rf, result)
 
@@ -454,6 +457,7 @@ def perplexity(t: Target, pset: P.PromptSet) -> dict:
         result["traffic"]["failed"] += 1
         result["traffic"]["first_error"] = str(exc)
         rf.abort(f"aborted: {type(exc).__name__}: {exc}")
+        result["path"] = str(rf.path)  # the partial result stays findable
         return result
     result["traffic"]["completion_tokens"] = None  # echo requests: compare prompt tokens only
     return _finish(rf, result)
@@ -488,5 +492,6 @@ def spec(t: Target, psets: list[P.PromptSet], max_tokens: int = 128) -> dict:
                   f"{[round(x, 2) for x in sp.get('acceptance_per_position', [])]}")
     except Exception as exc:  # noqa: BLE001
         rf.abort(f"aborted: {type(exc).__name__}: {exc}")
+        result["path"] = str(rf.path)  # the partial result stays findable
         return result
     return _finish(rf, result)
