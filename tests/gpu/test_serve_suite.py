@@ -251,7 +251,12 @@ def residue_sweep(servers, off_name: str, mtp_name: str, dtype: str, label: str)
     with ThreadPoolExecutor(2) as ex:
         f_off = ex.submit(_two_passes, off, texts, True)
         f_mtp = ex.submit(_two_passes, mtp, texts, False)
-        (off_p, off_hits), (mtp_p, mtp_hits) = f_off.result(), f_mtp.result()
+        try:
+            (off_p, off_hits), (mtp_p, mtp_hits) = f_off.result(), f_mtp.result()
+        except Exception as e:   # a server that died mid-sweep: say so, with its log tail
+            dead = [f"{x.name} exited rc={x.proc.returncode}; log tail:\n{x.tail(30)}"
+                    for x in (off, mtp) if x.proc is not None and x.proc.poll() is not None]
+            raise AssertionError(f"{label}: sweep requests failed ({e!r})\n" + "\n".join(dead)) from e
     wall = time.monotonic() - t0
     residues = [r for r, _, _ in prompts]
     lengths = {r: n for r, _, n in prompts}
