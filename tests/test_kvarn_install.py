@@ -134,6 +134,12 @@ except pydantic.ValidationError as e:
 out["enum"] = AttentionBackendEnum.KVARN.get_path()
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 out["triton_takes_kvarn"] = TritonAttentionBackend.supports_kv_cache_dtype("kvarn_k4v2_g128")
+from vllm.platforms.interface import DeviceCapability
+kw = dict(dtype=torch.bfloat16, kv_cache_dtype="kvarn_k4v2_g128", use_mla=False, has_sink=False,
+          use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False, attn_type="decoder")
+out["invalid"] = {f"{hs}/{bs}/{cap}": KvarnAttentionBackend.validate_configuration(
+    head_size=hs, block_size=bs, device_capability=DeviceCapability(*cap), **kw)
+    for hs, bs, cap in ((256, None, (9, 0)), (64, None, (8, 6)), (256, 3968, (8, 6)), (256, 16, (9, 0)))}
 print("JSON" + json.dumps(out))
 """
 
@@ -158,6 +164,12 @@ def test_patched_vllm_accepts_dtypes_and_page_size_matches(site):
     assert out["bogus"] != "accepted" and "validation error" in out["bogus"]
     assert out["enum"].endswith("kvarn_attn.KvarnAttentionBackend")
     assert out["triton_takes_kvarn"] is False
+    inv = out["invalid"]
+    assert inv["256/None/(9, 0)"] == [] and inv["64/None/(8, 6)"] == [] and inv["256/3968/(8, 6)"] == []
+    assert inv["256/16/(9, 0)"] == ["block_size not supported"]
+    # CUDA's non-MLA priority lists end with KVARN (platforms.cuda needs libcuda to import)
+    cuda_py = (site / "vllm/platforms/cuda.py").read_text()
+    assert cuda_py.count("AttentionBackendEnum.TURBOQUANT,\n                AttentionBackendEnum.KVARN,") == 2
 
 
 _GLUE = r"""
