@@ -341,8 +341,9 @@ def test_suite_logic_against_fake_server(monkeypatch, tmp_path, tiny_dir):
         assert cold["diverged_residues"] and not cold["failing_residues"]
         assert sw["off cached vs off cold"]["diverged_residues"] == []
         assert sw["prefix_cache_hit_tokens"]["off"][1] > 0
-    for label in ("fp32-strict", "fp32-int8-strict"):
+    for label, bf in (("fp32-strict", "bf16-kv"), ("fp32-int8-strict", "int8-kv")):
         assert record[f"sweep_{label}"]["mtp vs off (cold prefix)"]["diverged_residues"] == []
+        assert record[f"sweep_{label}"][f"vs_{bf}"]["same_first_token"] == 16
     assert record["fp32_prefill"] == {"fp32": "shim NOT applied", "fp32-mtp": "shim NOT applied"}
 
 

@@ -243,7 +243,12 @@ def _two_passes(server, texts, logprobs):
     return passes, hits
 
 
-def residue_sweep(servers, off_name: str, mtp_name: str, dtype: str, label: str) -> None:
+def residue_sweep(servers, off_name: str, mtp_name: str, dtype: str, label: str,
+                  same_model_as: str | None = None) -> None:
+    """SPEC=mtp vs SPEC=off over the 128 residues (see the module docstring). With
+    ``same_model_as`` (the bf16 sweep of the same KV dtype), also check that this dtype computes
+    the same model: outputs not degenerate, and most prompts' first greedy token equal to the
+    bf16 server's (an all-wrong float32 path would otherwise pass "equal" by being equally wrong)."""
     prompts = _residue_prompts(servers)
     texts = [t for _, t, _ in prompts]
     off, mtp = servers.get(off_name), servers.get(mtp_name)
@@ -281,7 +286,24 @@ def residue_sweep(servers, off_name: str, mtp_name: str, dtype: str, label: str)
                      "divergences": {r: verdicts[r].as_dict() for r in div}}
         if bad:
             failing[name] = bad
+    servers.cache[f"sweep_{label}"] = ids(off_p[0])
+    varied = sum(len(set(x)) > 2 for x in ids(off_p[0]))   # NaN / garbage: one token repeated
+    rec["varied_outputs"] = varied
+    same_first = None
+    if same_model_as and f"sweep_{same_model_as}" in servers.cache:
+        other = servers.cache[f"sweep_{same_model_as}"]
+        same_first = sum(a[:1] == b[:1] for a, b in zip(ids(off_p[0]), other))
+        firsts = judge_all(other, ids(off_p[0]), None, "float32", residues)
+        rec[f"vs_{same_model_as}"] = {"same_first_token": same_first,
+                                      "first_divergence": {r: v.position for r, v in firsts.items()}}
+        say(f"{label} vs {same_model_as} (same model, other dtype; report): first token equal in "
+            f"{same_first}/{len(prompts)} prompts, identical outputs in "
+            f"{sum(v.position is None for v in firsts.values())}")
     servers.record[f"sweep_{label}"] = rec
+    assert varied >= len(prompts) // 2, f"{label}: degenerate outputs ({varied} varied)"
+    if same_first is not None:
+        assert same_first >= len(prompts) // 2, \
+            f"{label}: first token equals {same_model_as}'s in only {same_first} prompts"
     for who, h in (("off", off_hits[1]), ("mtp", mtp_hits[1])):
         assert h is None or h > 0, f"{label}: second pass on {who} hit no prefix-cache blocks"
     assert not failing, f"{label}: divergences the {dtype} rule does not accept: {failing}"
@@ -313,7 +335,7 @@ def _shim_report(servers, names) -> dict:
 @pytest.mark.uses("fp32", "fp32-mtp")
 def test_residue_sweep_fp32_strict(servers):
     try:
-        residue_sweep(servers, "fp32", "fp32-mtp", "float32", "fp32-strict")
+        residue_sweep(servers, "fp32", "fp32-mtp", "float32", "fp32-strict", "bf16-kv")
     finally:
         servers.record["fp32_prefill"] = _shim_report(servers, ["fp32", "fp32-mtp"])
 
@@ -321,7 +343,8 @@ def test_residue_sweep_fp32_strict(servers):
 @pytest.mark.uses("fp32-int8", "fp32-int8-mtp")
 def test_residue_sweep_fp32_int8_strict(servers):
     try:
-        residue_sweep(servers, "fp32-int8", "fp32-int8-mtp", "float32", "fp32-int8-strict")
+        residue_sweep(servers, "fp32-int8", "fp32-int8-mtp", "float32", "fp32-int8-strict",
+                      "int8-kv")
     finally:
         servers.record["fp32_int8_prefill"] = _shim_report(servers, ["fp32-int8", "fp32-int8-mtp"])
 
