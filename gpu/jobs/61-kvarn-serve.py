@@ -86,8 +86,14 @@ def needle(a) -> int:
     c.close()
     out = js["choices"][0]["text"]
     found = secret.split("-")[0] in out
+    from onecard.bench import provenance
+
     rec = {"found": found, "answer": out, "prompt_chars": len(text),
-           "prompt_tokens": (js.get("usage") or {}).get("prompt_tokens")}
+           "prompt_tokens": (js.get("usage") or {}).get("prompt_tokens"),
+           "provenance": provenance.build(
+               prompt_set={"id": "bench/prompts/haystack.txt repeated, passphrase at 40 %"},
+               sampling={"temperature": 0.0, "max_tokens": 12}, token_count_source="usage",
+               warmup={"policy": "none"}, server={"url": a.url, "model": a.model}, max_tokens=12)}
     write_json(Path(a.json), rec)
     print(f"needle ({rec['prompt_tokens']} prompt tokens): {'FOUND' if found else 'missed'}: {out!r}")
     return 0
@@ -240,6 +246,15 @@ def huge(a) -> int:
             print(f"  goal pool >= 268,169 tokens at 245,760: {'MET' if goal else 'NOT MET'}")
             if vv is None or dev is None or abs(dev) > 1.0 or not rec.get("healthy"):
                 status = 1
+    from onecard.bench import provenance
+
+    recs["provenance"] = provenance.build(
+        argv=(recs.get("kvarn-huge") or {}).get("argv"),
+        prompt_set={"id": "haystack words, ~8k tokens, 'Run i.' prefix (no prefix-cache hit)"},
+        sampling={"temperature": 0.0, "ignore_eos": True, "max_tokens": 128},
+        token_count_source="usage.completion_tokens (streamed, include_usage)",
+        warmup={"policy": "two runs after boot, the second kept"}, max_tokens=128)
+    recs["provenance"]["kvarn_series"] = str(REPO / "kvarn" / "series")
     write_json(out / "huge.json", recs)
     return status
 
