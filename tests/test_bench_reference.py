@@ -240,3 +240,19 @@ def test_sigterm_stops_the_server_and_keeps_the_table(tmp_path, geom_dir):
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
     assert "interrupted" in md.read_text()
+
+
+def test_rebuild_the_table_from_a_killed_run(tmp_path, geom_dir):
+    doc = reference.Reference(_cfg(tmp_path, geom_dir, stock_env={"FAKE_CRASH_AFTER": "4"})).run()
+    ref = Path(doc["path"])
+    killed = json.loads(ref.read_text())
+    for k in ("rows", "goals", "missing"):  # as if SIGKILLed before build()
+        killed.pop(k)
+    ref.write_text(json.dumps(killed))
+    md = tmp_path / "again.md"
+    assert reference.main(["--rebuild", str(ref), "--md", str(md)]) == 1  # INCOMPLETE, kept
+    again = reference.rebuild(ref)
+    assert [r["key"] for r in again["rows"]] == [r["key"] for r in doc["rows"]]
+    assert _row(again, "decode 50 C1")["arms"]["patched"]["value"] == _row(doc, "decode 50 C1")["arms"]["patched"]["value"]
+    assert again["missing"] == doc["missing"] and "| decode 50 C1 (" in md.read_text()
+    assert reference.main(["--rebuild", str(tmp_path / "nope.json")]) == 2

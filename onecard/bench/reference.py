@@ -436,16 +436,46 @@ class Reference:
     def build(self) -> None:
         self.doc["rows"] = rows = build_rows(self.boots, self.results, self.doc, self.cfg.tier)
         self.doc["goals"] = goals(rows, self.cfg.tier)
-        names = [a.name for a in self.cfg.arms]
-        missing = []
-        for key in self.cfg.tier.essential:
-            row = next((r for r in rows if r["key"] == key), None)
-            for arm in names:
-                if row is None or (row["arms"].get(arm) or {}).get("value") is None:
-                    why = ((row or {}).get("arms", {}).get(arm) or {}).get("note") or "not measured"
-                    missing.append(f"{key} [{arm}]: {why}")
-        self.doc["missing"] = missing
+        self.doc["missing"] = missing_rows(rows, self.cfg.tier, [a.name for a in self.cfg.arms])
         self.save()
+
+
+def missing_rows(rows: list[dict], tier: Tier, arm_names: list[str]) -> list[str]:
+    missing = []
+    for key in tier.essential:
+        row = next((r for r in rows if r["key"] == key), None)
+        for arm in arm_names:
+            if row is None or (row["arms"].get(arm) or {}).get("value") is None:
+                why = ((row or {}).get("arms", {}).get(arm) or {}).get("note") or "not measured"
+                missing.append(f"{key} [{arm}]: {why}")
+    return missing
+
+
+def rebuild(path: str | Path, md: str | Path | None = None) -> dict:
+    """The table again from a reference JSON and the result files it names, e.g. after the
+    driver was killed (SIGKILL) before it could write its table. The run's verdict is kept."""
+    import json as _json
+    doc = _json.loads(Path(path).read_text(encoding="utf-8"))
+    if doc.get("kind") != "reference":
+        raise ValueError(f"{path} is not a reference result (kind {doc.get('kind')!r}); valid: reference-*.json")
+    results = {}
+    for b in doc.get("boots", []):
+        for v in (b.get("results") or {}).values():
+            p = v.get("path")
+            if p and Path(p).is_file():
+                try:
+                    results[p] = _json.loads(Path(p).read_text(encoding="utf-8"))
+                except (OSError, ValueError):
+                    continue
+    tier = Tier(**{k: (tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v)
+                   for k, v in doc["tier"].items()})
+    doc["rows"] = rows = build_rows(doc.get("boots", []), results, doc, tier)
+    doc["goals"] = goals(rows, tier)
+    doc["missing"] = missing_rows(rows, tier, [a["name"] for a in doc.get("arms", [])])
+    doc["rebuilt"] = provenance.utc_now()
+    if md:
+        atomic_write_text(md, markdown(doc))
+    return doc
 
 
 def measure_bandwidth(pythonpath: str | None) -> dict:
@@ -915,6 +945,8 @@ def configure(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--bandwidth-gbs", type=float, default=None, help="skip the copy measurement, use this")
     ap.add_argument("--boot-timeout", type=float, default=600.0)
     ap.add_argument("--budget-s", type=float, default=None, help="wall budget (default: the tier's)")
+    ap.add_argument("--rebuild", default=None, metavar="REFERENCE_JSON",
+                    help="no run: write the table again from a reference JSON and its result files")
     ap.add_argument("--verify-ctx", default=None,
                     help="CTX profiles of the verify rows, comma-separated (default: the tier's; e.g. fast,long)")
 
@@ -972,6 +1004,12 @@ def main(argv: list[str] | None = None) -> int:
 def run_args(a: argparse.Namespace) -> int:
     """Run from parsed options (bench/reference.sh and `onecard bench reference`); bad input
     raises ValueError with one line."""
+    if a.rebuild:
+        if not Path(a.rebuild).is_file():
+            raise ValueError(f"--rebuild {a.rebuild}: no such file; valid: a reference-*.json of an earlier run")
+        doc = rebuild(a.rebuild, a.md or None)
+        print(summary(doc))
+        return 0 if doc.get("verdict") == "VALID" else 1
     cfg = from_args(a)
     import signal
 
