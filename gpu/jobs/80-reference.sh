@@ -48,6 +48,11 @@ for pid in $(pgrep -f "vllm.entrypoints.cli.main serve $M" 2>/dev/null); do
 done
 
 grep -E "^\[reference\]" "$JOB_OUT/reference.txt" | tail -30
+ref=$(ls -t "$JOB_OUT"/results/reference-*.json 2>/dev/null | head -1)
+if [ ! -f "$JOB_OUT/performance.md" ] && [ -n "$ref" ]; then  # driver killed before its table
+  say "no table from the driver (rc=$rc): rebuilding it from $ref"
+  timeout 60 bash bench/reference.sh --rebuild "$ref" --md "$JOB_OUT/performance.md" >> "$JOB_OUT/reference.txt" 2>&1
+fi
 if [ -f "$JOB_OUT/performance.md" ]; then
   sed -n '/^## Table/,/^## How to read/p' "$JOB_OUT/performance.md" | grep -v '^## How to read' | tee -a "$summary"
 else
