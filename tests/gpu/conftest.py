@@ -358,6 +358,9 @@ class Pool:
             s.terminate()
         for s in self.servers.values():
             s.stop()
+        import shutil
+
+        shutil.rmtree(self._root, ignore_errors=True)
 
     def save(self) -> None:
         path = out_dir() / "gpu_suite.json"
