@@ -61,6 +61,9 @@ out_dir = os.environ["JOB_OUT"]
 log_path = f"{out_dir}/serve-{name}.log"
 cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1",
        "--port", str(port), "--served-model-name", "probe", *extra]
+if os.environ.get("PROBE_SERVER_CMD"):  # CPU dry runs of this job: a fake server
+    import shlex
+    cmd = shlex.split(os.environ["PROBE_SERVER_CMD"].format(port=port))
 res = {"name": name, "cmd": cmd, "ok": False}
 t0 = time.monotonic()
 with open(log_path, "w") as logf:
@@ -163,9 +166,13 @@ echo "tiny base rc=$rc_tb, tiny rq rc=$rc_trq"
 [ $rc_trq -eq 0 ] || { ok=0; tail -n 20 "$JOB_OUT/serve-tiny-rq.log"; }
 
 echo "== summary 21-requant"
-python3 - "$JOB_OUT" "$ok" <<'PY'
+python3 - "$JOB_OUT" "$ok" "$R" <<'PY'
 import json, os, sys
 out, ok = sys.argv[1], sys.argv[2] == "1"
+try:
+    draft_rows = len(json.load(open(os.path.join(sys.argv[3], "draft_vocab.json")))["ids"])
+except Exception:
+    draft_rows = 0
 def load(n):
     try:
         return json.load(open(os.path.join(out, n)))
@@ -198,7 +205,7 @@ for name, s in (("27B base", b), ("27B rq", q)):
 if b.get("kv_cache_tokens") and q.get("kv_cache_tokens"):
     print(f"KV pool under a 24 GiB budget (SPEC=mtp): {b['kv_cache_tokens']:,} -> {q['kv_cache_tokens']:,} tokens "
           f"({q['kv_cache_tokens'] - b['kv_cache_tokens']:+,}); weights {b.get('model_load_gib')} -> {q.get('model_load_gib')} GiB "
-          "(rq includes its 40,960-row int8 draft head, ~0.2 GiB)")
+          f"(rq includes its {draft_rows:,}-row int8 draft head, {draft_rows * 5120 / 2**20:.0f} MiB at hidden 5120)")
 tb, tq = load("serve-tiny-base.json"), load("serve-tiny-rq.json")
 m0, m1 = tq.get("metrics_before", {}), tq.get("metrics_after", {})
 print(f"tiny rq : ok={tq.get('ok')} boot {tq.get('boot_s')} s (compile + CUDA graphs, SPEC=mtp k=2), drafts "
