@@ -319,6 +319,24 @@ def test_residue_sweep_int8_kv(servers):
     residue_sweep(servers, "int8", "int8-mtp", "bfloat16", "int8-kv")
 
 
+# ------------------------------------------------------------------------------ SmolLM2
+# (before the float32 sweeps: their servers are the newest path and likely the last to boot)
+
+@pytest.mark.uses("smol")
+def test_smollm2_answers_france(servers):
+    s = servers.get("smol")
+    r = s.post("/v1/chat/completions", {
+        "model": s.served, "max_tokens": 40, "temperature": 0.0,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    })
+    answer = r["choices"][0]["message"]["content"] or ""
+    servers.record["smol_answer"] = answer
+    say(f"SmolLM2: {answer!r}")
+    assert "paris" in answer.lower(), answer
+
+
+# ------------------------------------------------------------------------------ float32 strict
+
 def _shim_report(servers, names) -> dict:
     """Which GDN prefill precision the float32 servers ran (tests/gpu/fp32_shim markers)."""
     out = {}
@@ -347,18 +365,3 @@ def test_residue_sweep_fp32_int8_strict(servers):
                       "int8-kv")
     finally:
         servers.record["fp32_int8_prefill"] = _shim_report(servers, ["fp32-int8", "fp32-int8-mtp"])
-
-
-# ------------------------------------------------------------------------------ SmolLM2
-
-@pytest.mark.uses("smol")
-def test_smollm2_answers_france(servers):
-    s = servers.get("smol")
-    r = s.post("/v1/chat/completions", {
-        "model": s.served, "max_tokens": 40, "temperature": 0.0,
-        "messages": [{"role": "user", "content": "What is the capital of France?"}],
-    })
-    answer = r["choices"][0]["message"]["content"] or ""
-    servers.record["smol_answer"] = answer
-    say(f"SmolLM2: {answer!r}")
-    assert "paris" in answer.lower(), answer
