@@ -152,7 +152,7 @@ shutil.rmtree(rq, ignore_errors=True)
 shutil.copytree(base, rq)
 for t in ("lm_head", "embed", "mtp"):
     requant.requantize(rq, t, bits=8)
-draft_vocab.write(draft_vocab.build(rq, draft_vocab.builtin_corpus(), size=1024), rq / "draft_vocab.json")
+draft_vocab.write(draft_vocab.build(rq, draft_vocab.builtin_corpus()[:80], size=1024), rq / "draft_vocab.json")
 PY
 TINY=(--max-model-len 2048 --language-model-only --max-num-seqs 4 --gpu-memory-utilization 0.08
       --additional-config '{"gdn_prefill_backend":"triton"}')
