@@ -345,7 +345,7 @@ def run(out: Path, deadline_s: float, samples: int) -> int:
             servers[name] = srv
             say(f"launch {name}: {shlex.join(srv.argv)}")
         while not all(s.ready() for s in servers.values()):
-            if left() < 60:
+            if left() < 45:
                 raise RuntimeError("servers not healthy in time: " + ", ".join(
                     f"{n} {'up' if s.boot_s else 'booting'}" for n, s in servers.items()))
             time.sleep(1)
