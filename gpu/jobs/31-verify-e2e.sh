@@ -6,8 +6,10 @@
 # ms per engine step with SPEC=mtp (verify steps, WIDE_VERIFY=1) vs SPEC=off (plain decode
 # steps), from the server's counters (request_decode_time_seconds_sum / spec_decode_num_drafts)
 # and from the wall time between stream events; then SPEC=mtp with WIDE_VERIFY=0 when the
-# elapsed time leaves room for a third boot. Random weights: acceptance ~0, so every verify step
-# yields one token; what is compared is the cost of one step.
+# first two arms took < 170 s (THIRD_BOOT_IF_BEFORE_S), i.e. boots were warm and short.
+# Random weights: acceptance ~0, so every verify step yields one token; what is compared is the
+# cost of one step. Expected wall: 3-4.5 min for the two arms (two 27B boots + 2 x 114k tokens
+# of prefill), ~1.5 min more for the third.
 # Every boot goes through `python3 -m onecard.launch` (the launcher's argv and env).
 # Writes $JOB_OUT/{mtp-wide1,off,mtp-wide0}.json, server-*.log, table.txt, summary.txt.
 # Exit 0 when every arm that ran measured all depths validly (mtp-wide1 and off must run);
@@ -25,7 +27,7 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 M="$MODELS/qwen38-27b-geom"
 DEPTHS=${DEPTHS:-8192,32768,73728}
 OUT_TOK=${OUT_TOK:-48}
-THIRD_BOOT_IF_BEFORE_S=${THIRD_BOOT_IF_BEFORE_S:-230}  # start the WIDE_VERIFY=0 arm only before this
+THIRD_BOOT_IF_BEFORE_S=${THIRD_BOOT_IF_BEFORE_S:-170}  # start the WIDE_VERIFY=0 arm only before this
 SPID=""
 stop_server() {
   if [ -n "$SPID" ] && kill -0 "$SPID" 2>/dev/null; then
