@@ -172,3 +172,35 @@ def test_tied_embeddings_refused(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(requant.RequantError, match="tie_word_embeddings"):
         requant.requantize(d, "embed", log=lambda s: None)
+
+
+def test_group_targets_match_vllm_layer_names():
+    """The config-group regexes are matched by vLLM against its own layer names (re.match)."""
+    import re
+
+    names = {
+        "lm_head": ["language_model.lm_head", "lm_head"],
+        "embed": ["language_model.model.embed_tokens", "model.embed_tokens"],
+        "mtp": ["mtp.fc", "mtp.layers.0.self_attn.qkv_proj", "mtp.layers.0.self_attn.o_proj",
+                "mtp.layers.0.mlp.gate_up_proj", "mtp.layers.0.mlp.down_proj"],
+    }
+    never = ["mtp.norm", "mtp.pre_fc_norm_hidden", "language_model.model.layers.0.mlp.down_proj",
+             "language_model.model.layers.0.linear_attn.in_proj_qkvz", "visual.blocks.0.attn.qkv"]
+    for target, layer_names in names.items():
+        (pattern,) = requant.GROUP_TARGETS[target]
+        assert pattern.startswith("re:")
+        for n in layer_names:
+            assert re.match(pattern[3:], n), (target, n)
+        for n in never:
+            assert not re.match(pattern[3:], n), (target, n)
+
+
+def test_check_reports_group_targets_of_an_older_onecard(tmp_path):
+    make_ckpt(tmp_path, shards=1)
+    requant.requantize(tmp_path, "mtp", log=lambda *a: None)
+    assert requant.validate(tmp_path) == []
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["onecard_mtp"]["targets"] = ["re:^mtp\\..*(_proj|\\.fc)$"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    problems = requant.validate(tmp_path)
+    assert len(problems) == 1 and "onecard_mtp targets" in problems[0] and "--restore" in problems[0]
