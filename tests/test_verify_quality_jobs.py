@@ -197,3 +197,17 @@ def test_job_headers(job):
     assert int(text.splitlines()[1].split(":")[1]) <= 420
     r = subprocess.run(["bash", "-n", str(REPO / "gpu" / "jobs" / job)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_job31_table(tmp_path):
+    """The summary table job 31 prints last: ratio vs the plain step, goal MET/MISSED, texts."""
+    script = (REPO / "gpu/jobs/31-verify-e2e.sh").read_text()
+    block = script.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
+    (tmp_path / "t.py").write_text(block)
+    for label, ms, text in (("mtp-wide1", 20.0, "abd"), ("off", 16.0, "abc"), ("mtp-wide0", 40.0, "abc")):
+        rows = [{"depth": 8192, "server_ms_per_step": ms, "client_ms_per_step": ms + 1, "text": text}]
+        (tmp_path / f"{label}.json").write_text(json.dumps({"rows": rows}))
+    r = subprocess.run([sys.executable, str(tmp_path / "t.py"), str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "| 8192 | 16.00 / 17.00 | 20.00 / 21.00 | 1.25 | 40.00 / 41.00 | 2.50 | MET |" in r.stdout
+    assert "mtp-wide1: differs at char 2" in r.stdout and "mtp-wide0: same" in r.stdout

@@ -46,7 +46,7 @@ def step_row(before: metrics.Snapshot, after: metrics.Snapshot, res, out_tokens:
     gen = res.completion_tokens
     steps = d["spec_drafts"] if spec else ((gen or 0) - 1)
     row = {
-        "ok": bool(res.ok), "error": res.error, "completion_tokens": gen,
+        "ok": bool(res.ok), "error": res.error, "completion_tokens": gen, "text": res.text,
         "prompt_tokens": res.prompt_tokens, "chunks": res.chunks,
         "ttft_s": res.ttft, "client_decode_s": (res.t_last - res.t_first) if res.t_first and res.t_last else None,
         "server_decode_s": decode_s, "steps": steps,
@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
     rows = []
     for n in depths:
         before = metrics.scrape(a.url)
-        res = c.stream(ids[:n], a.out_tokens, sampling, keep_text=False)
+        res = c.stream(ids[:n], a.out_tokens, sampling, keep_text=True)
         time.sleep(0.3)  # let the engine publish the request's final stats
         after = metrics.scrape(a.url)
         row = {"label": a.label, "depth": n, **step_row(before, after, res, a.out_tokens, a.spec)}

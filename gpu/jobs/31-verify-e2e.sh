@@ -134,6 +134,19 @@ for d in depths:
     r1, r0 = ratio(w1), ratio(w0)
     goal = "-" if r1 is None else ("MET" if r1 <= 1.3 else "MISSED")
     print(f"| {d} | {cell(off)} | {cell(w1)} | {f(r1)} | {cell(w0)} | {f(r0)} | {goal} |")
+def first_diff(a, b):
+    if a is None or b is None:
+        return "-"
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"differs at char {i}"
+    return "same" if len(a) == len(b) else f"prefix-equal ({len(a)} vs {len(b)} chars)"
+print("greedy text vs SPEC=off (informative: random weights make near-ties, bf16 order can flip them):")
+for d in depths:
+    off = arms.get("off", {}).get(d, {}).get("text")
+    for k in ("mtp-wide1", "mtp-wide0"):
+        if d in arms.get(k, {}):
+            print(f"  depth {d} {k}: {first_diff(arms[k][d].get('text'), off)}")
 PY
 say "arms measured:${ran:- none}"
 say "== 31-verify-e2e done in $(elapsed)s: $([ $status = 0 ] && echo PASS || echo FAIL)"
