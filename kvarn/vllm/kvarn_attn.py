@@ -47,6 +47,9 @@ logger = init_logger(__name__)
 
 KVARN_CACHE_DTYPES = tuple(p.cache_dtype for p in kvarn_format.PRESETS.values())
 PAGE_ALIGN = 128  # block sizes are multiples of the largest tile
+# Query tokens per attention launch: bounds the fp32 partials (tokens x heads x 2 x head_dim)
+# of a long prefill chunk (~100 MiB at 1024 tokens, 24 heads of 256) on a 24 GB card.
+MAX_TOKENS_PER_LAUNCH = 1024
 _ACTIVE: dict[str, str] = {}  # "cache_dtype": the kvarn dtype of this process
 
 
@@ -140,6 +143,7 @@ class KvarnMetadata(AttentionMetadata):
     block_table: torch.Tensor  # [pseudo-sequences, pages]
     num_actual_tokens: int
     tiles_per_page: int
+    cu_cpu: list  # the plan's cu_seqlens_q on the host (launch grouping)
 
 
 class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
@@ -167,7 +171,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         dev_plan = plan.to(self.device)
         bt = cam.block_table_tensor[:n].index_select(0, dev_plan.req_index)
         return KvarnMetadata(plan=dev_plan, block_table=bt, num_actual_tokens=cam.num_actual_tokens,
-                             tiles_per_page=self.tiles_per_page)
+                             tiles_per_page=self.tiles_per_page, cu_cpu=plan.cu_seqlens_q.tolist())
 
 
 class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
@@ -239,10 +243,21 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                                 kvarn_kernels.kvarn_pack_rows)
         q = query[:n].view(n, self.num_heads, d)
         out = output[:n].view(n, self.num_heads, d)
-        kvarn_kernels.kvarn_attention_rows(
-            q, cache, stage_k, stage_v, out, cu_seqlens_q=plan.cu_seqlens_q,
-            seq_lens=plan.seq_lens, packed_tiles=plan.packed_tiles, sink_rows=plan.sink_rows,
-            tail_rows=plan.tail_rows, ring=self.preset.tile, block_table=attn_metadata.block_table,
-            max_query_len=plan.max_query_len, softmax_scale=self.scale, preset=self.preset,
-            tiles_per_page=tpp, max_packed_tiles=plan.max_packed_tiles)
+        cu = attn_metadata.cu_cpu
+        i0 = 0
+        while i0 < len(cu) - 1:  # groups of pseudo-sequences, <= MAX_TOKENS_PER_LAUNCH tokens
+            i1 = i0 + 1
+            while i1 < len(cu) - 1 and cu[i1 + 1] - cu[i0] <= MAX_TOKENS_PER_LAUNCH:
+                i1 += 1
+            t0, t1 = cu[i0], cu[i1]
+            whole = i0 == 0 and i1 == len(cu) - 1
+            kvarn_kernels.kvarn_attention_rows(
+                q[t0:t1], cache, stage_k, stage_v, out[t0:t1],
+                cu_seqlens_q=plan.cu_seqlens_q if whole else plan.cu_seqlens_q[i0:i1 + 1] - t0,
+                seq_lens=plan.seq_lens[i0:i1], packed_tiles=plan.packed_tiles[i0:i1],
+                sink_rows=plan.sink_rows[i0:i1], tail_rows=plan.tail_rows[i0:i1],
+                ring=self.preset.tile, block_table=attn_metadata.block_table[i0:i1],
+                max_query_len=plan.max_query_len, softmax_scale=self.scale, preset=self.preset,
+                tiles_per_page=tpp, max_packed_tiles=plan.max_packed_tiles)
+            i0 = i1
         return output
