@@ -202,7 +202,7 @@ def test_job_headers(job):
 def test_job31_table(tmp_path):
     """The summary table job 31 prints last: ratio vs the plain step, goal MET/MISSED, texts."""
     script = (REPO / "gpu/jobs/31-verify-e2e.sh").read_text()
-    block = script.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
+    block = script.split("<<'PY'", 1)[1].split("\n", 1)[1].split("\nPY\n", 1)[0]
     (tmp_path / "t.py").write_text(block)
     for label, ms, text in (("mtp-wide1", 20.0, "abd"), ("off", 16.0, "abc"), ("mtp-wide0", 40.0, "abc")):
         rows = [{"depth": 8192, "server_ms_per_step": ms, "client_ms_per_step": ms + 1, "text": text}]
