@@ -516,6 +516,8 @@ def configure(parser) -> None:
     parser.add_argument("--vllm-dir", help="the vllm package directory (default: the one this Python imports)")
     parser.add_argument("--series", default=str(DEFAULT_SERIES), help="series file (default: patches/series)")
     parser.add_argument("--dry-run", action="store_true", help="apply/revert: report only, write nothing")
+    parser.add_argument("--also-series", action="append", default=[], metavar="PATH",
+                        help="audit: a series applied after --series (e.g. kvarn/series); repeatable")
 
 
 def run(args) -> int:
@@ -554,7 +556,7 @@ def run(args) -> int:
             print(f"{verb} {len(names)} patches" if names else "nothing applied; nothing to revert")
             return 0
         if args.action == "audit":
-            problems = audit(vllm_dir, series)
+            problems = audit(vllm_dir, series, extra=tuple(Path(p) for p in args.also_series))
             for p in problems:
                 print(f"FAIL {p}")
             print(f"audit of {vllm_dir}: {len(problems)} unexpected differences from wheel + series")

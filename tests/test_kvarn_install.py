@@ -244,3 +244,13 @@ def test_backend_glue_against_reference(site):
     out = json.loads(line[0][4:])
     assert out["shape"] == [8, 2, 2, fmt.get_preset("k4v2_g64").layout(64).block_bytes]
     assert out["finite"] and max(out["errs"]) < 3e-2, out["errs"]  # bf16 output rounding
+
+
+def test_patches_cli_audit_with_the_kvarn_series(site, capsys):
+    from onecard import cli
+
+    vdir = site / "vllm"
+    assert kin.main(["--vllm-dir", str(vdir)]) == 0
+    capsys.readouterr()
+    assert cli.main(["patches", "audit", "--vllm-dir", str(vdir)]) == 1  # kvarn's files differ
+    assert cli.main(["patches", "audit", "--vllm-dir", str(vdir), "--also-series", str(kin.SERIES)]) == 0
