@@ -86,7 +86,7 @@ J32=/var/tmp/out/32-kv-quality
 for arm in bf16 int8; do
   [ -f "$J32/kvq-$arm.json" ] && cp "$J32/kvq-$arm.json" "$JOB_OUT/" && say "baseline $arm from job 32 of this session"
 done
-if [ ! -f "$JOB_OUT/kvq-bf16.json" ] && [ -f "$JOB_OUT/kvq-kvarn.json" ] && [ "$(elapsed)" -lt 150 ]; then
+if [ ! -f "$JOB_OUT/kvq-bf16.json" ] && [ -f "$JOB_OUT/kvq-kvarn.json" ] && [ "$(elapsed)" -lt 110 ]; then
   if boot bf16 100 --attention-backend TRITON_ATTN; then
     timeout -k 5 40 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label bf16 \
       --json "$JOB_OUT/kvq-bf16.json" 2>&1 | tail -2 | tee -a "$summary"
