@@ -233,6 +233,86 @@ def spec_config():
     return out
 
 
+def model_forward():
+    """DFlash2Qwen3ForCausalLM built by vLLM's code (attention swapped for a plain non-causal
+    block attention: no backend on CPU), the tiny drafter loaded through its load_weights, run
+    in float32 with every CustomOp on forward_native: the final hidden rows equal
+    onecard.dflash.drafter.forward with an empty context, for two requests of 1 + rows rows."""
+    import math
+    import os
+    import socket
+
+    import vllm.config.device as device
+
+    device.DeviceConfig.__post_init__ = lambda self: None
+    from safetensors.torch import load_file
+
+    import vllm.model_executor.models.qwen3_dflash as q
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config.parallel import ParallelConfig
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.custom_op import CustomOp
+
+    tgt = ModelConfig(model=ARGS["target"], skip_tokenizer_init=True, max_model_len=2048)
+    sc = SpeculativeConfig(method="dflash2", model=ARGS["drafter"], num_speculative_tokens=15,
+                           target_model_config=tgt, target_parallel_config=ParallelConfig())
+    vc = VllmConfig(model_config=tgt, speculative_config=sc)
+    cfg = DrafterConfig.load(ARGS["drafter"])
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rows = 1 + min(15, cfg.block_size - 1)
+
+    class BlockAttention(torch.nn.Module):
+        def __init__(self, *a, **k):
+            super().__init__()
+
+        def forward(self, qq, kk, vv):
+            n = qq.shape[0]
+            qq = qq.view(n // rows, rows, nh, hd)
+            kk = kk.view(n // rows, rows, nkv, hd).repeat_interleave(nh // nkv, 2)
+            vv = vv.view(n // rows, rows, nkv, hd).repeat_interleave(nh // nkv, 2)
+            sc_ = torch.einsum("bqhd,bkhd->bhqk", qq, kk) / math.sqrt(hd)
+            return torch.einsum("bhqk,bkhd->bqhd", sc_.softmax(-1), vv).reshape(n, nh * hd)
+
+    q.Attention = BlockAttention
+    with socket.socket() as s_:
+        s_.bind(("127.0.0.1", 0))
+        port = s_.getsockname()[1]
+    with set_current_vllm_config(vc):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(1, 1)
+        from vllm.model_executor.models.qwen3_dflash2 import DFlash2Qwen3ForCausalLM
+
+        m = DFlash2Qwen3ForCausalLM(vllm_config=vc, prefix="draft")
+        w = load_file(os.path.join(ARGS["drafter"], "model.safetensors"))
+        m.load_weights(w.items())
+        params = dict(m.named_parameters())
+        loaded = torch.equal(params["model.candidate_selector.successor_codebook"].data,
+                             w["candidate_selector.successor_codebook"])
+        m = m.float()
+        for mod in m.modules():
+            if isinstance(mod, CustomOp):
+                mod._forward_method = mod.forward_native
+        emb = torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.5
+        m.model.embed_tokens.weight.data.copy_(emb)
+        anchors = [5, 77]
+        ids = torch.tensor([a if j == 0 else cfg.mask_token_id for a in anchors
+                            for j in range(rows)])
+        pos = torch.arange(rows).repeat(len(anchors))
+        with torch.no_grad():
+            got = q.DFlashQwen3Model.forward(m.model, ids, pos)
+    wts = {k: v.float() for k, v in w.items()}
+    worst = 0.0
+    for i, a in enumerate(anchors):
+        ref = ref_drafter.forward(cfg, wts, target_hidden=torch.zeros(0, cfg.fc_in),
+                                  block_ids=ref_drafter.block_ids_for(cfg, a, rows),
+                                  block_start=0, embed=emb,
+                                  lm_head=torch.zeros(1, cfg.hidden_size))
+        worst = max(worst, (got[i * rows:(i + 1) * rows] - ref.hidden).abs().max().item())
+    return [type(m.model).__name__, m.model.layers[0].block_rows, loaded, worst]
+
+
 check("walk_equal", walk_equal)
 check("lane_mismatches", lane_equal)
 check("lanebook", lanebook)
@@ -242,4 +322,5 @@ check("proposer_extend", proposer_extend)
 check("proposer_sample", proposer_sample)
 if ARGS.get("target"):
     check("spec_config", spec_config)
+    check("model_forward", model_forward)
 print("PATCH_CHECK " + json.dumps(R, default=str))

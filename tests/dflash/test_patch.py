@@ -150,6 +150,14 @@ def test_proposer_walk_from_logits_equals_reference(checks):
     assert checks["proposer_sample"] is True
 
 
+def test_vllm_model_forward_equals_reference(checks):
+    """The patched model class, built and loaded by vLLM's code on CPU (block attention stand-in:
+    no attention backend here), equals onecard.dflash.drafter.forward (empty context)."""
+    name, rows, loaded, worst = checks["model_forward"]
+    assert name == "DFlash2Qwen3Model" and rows == 8 and loaded
+    assert worst < 1e-4
+
+
 def test_block_conv_equals_reference(checks):
     assert checks["conv_equal"] is True
 
