@@ -310,7 +310,17 @@ def model_forward():
                                   block_start=0, embed=emb,
                                   lm_head=torch.zeros(1, cfg.hidden_size))
         worst = max(worst, (got[i * rows:(i + 1) * rows] - ref.hidden).abs().max().item())
-    return [type(m.model).__name__, m.model.layers[0].block_rows, loaded, worst]
+    # the proposer's constructor on this config (CPU: no pinned memory)
+    import vllm.v1.spec_decode.llm_base_proposer as lbp
+    from vllm.v1.spec_decode.dflash2 import DFlash2Proposer
+
+    lbp.PIN_MEMORY = False
+    with set_current_vllm_config(vc):
+        prop = DFlash2Proposer(vc, torch.device("cpu"), runner="RUNNER")
+    prop_state = [prop.block_rows, prop.selector_top_k, prop.lookup_enabled,
+                  prop.num_speculative_tokens, prop.runner, prop.parallel_drafting,
+                  prop.dflash_causal]
+    return [type(m.model).__name__, m.model.layers[0].block_rows, loaded, worst, prop_state]
 
 
 check("walk_equal", walk_equal)
