@@ -4,7 +4,9 @@
 #   With prefixes, the matching jobs run in the order the prefixes are given.
 #   A prefix group joined by '+' (e.g. 10+70+61) runs those jobs at the same time on the one GPU:
 #   each gets GPU_SHARED=<jobs in the group> and GPU_UTIL=<0.8 / jobs> (servers must size
-#   themselves from GPU_UTIL); only correctness jobs belong in a group, never timings.
+#   themselves from GPU_UTIL, or take SERVE_MEM_ARGS: that share plus a 2 GiB KV pin, because
+#   vLLM's memory profiling counts other processes' allocations as its own); only correctness
+#   jobs belong in a group, never timings or pools sized by gpu_memory_utilization.
 #   --detach: run in its own session (survives the calling command's time limit); follow it with
 #   `bash gpu/wait.sh SECONDS`, which waits, prints progress and packs the results into $OUT.
 set -uo pipefail
@@ -78,6 +80,7 @@ run_job() {  # run_job JOB SHARED: runs one job with its timeout; prints its sum
   if [ -n "$shared" ]; then
     (cd "$repo" && export JOB_OUT="$OUTROOT/$name" GPU_SHARED="$shared" \
        GPU_UTIL="$(python3 -c "print(max(0.1, round(0.8 / $shared, 3)))")" \
+     && export SERVE_MEM_ARGS="--gpu-memory-utilization $GPU_UTIL --kv-cache-memory-bytes $((2 << 30))" \
      && timeout -k 15 "$limit" bash "$job") > "$OUTROOT/$name/log.txt" 2>&1
   else
     (cd "$repo" && export JOB_OUT="$OUTROOT/$name" && timeout -k 15 "$limit" bash "$job") \

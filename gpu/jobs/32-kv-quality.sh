@@ -45,7 +45,7 @@ boot() {  # boot LABEL KV_DTYPE WAIT_S
   say "[$(elapsed)s] booting $1 (--kv-cache-dtype $2)"
   setsid $VLLM serve "$SMOL" --host 127.0.0.1 --port "$PORT" --served-model-name smol \
     --attention-backend TRITON_ATTN --kv-cache-dtype "$2" --enforce-eager --seed 0 \
-    --max-model-len 4096 --max-num-seqs 4 --gpu-memory-utilization 0.30 > "$log" 2>&1 &
+    --max-model-len 4096 --max-num-seqs 4 ${SERVE_MEM_ARGS:---gpu-memory-utilization 0.30} > "$log" 2>&1 &
   SPID=$!
   local t=0
   while [ $t -lt "$3" ]; do

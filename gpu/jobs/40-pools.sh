@@ -27,7 +27,9 @@ rc=${PIPESTATUS[0]}
 grep -h "Setting attention block size\|Padding mamba page\|GPU KV cache size\|Maximum concurrency" "$JOB_OUT"/server-*.log 2>/dev/null | sed 's/^/  /' | head -40 >> "$summary"
 
 # No server of ours may outlive the job (the driver kills each process group; belt and braces).
-for pid in $(pgrep -f "vllm.entrypoints.cli.main serve $MODELS/" 2>/dev/null); do
+# (not when sharing the GPU with other jobs: their servers serve $MODELS/ too; gpu/run.sh
+# cleans up after the whole group)
+[ -z "${GPU_SHARED:-}" ] && for pid in $(pgrep -f "vllm.entrypoints.cli.main serve $MODELS/" 2>/dev/null); do
     say "killing leftover server pid $pid"; kill "$pid" 2>/dev/null
 done
 say "== 40-pools: $([ "$rc" -eq 0 ] && echo PASS || echo "FAIL (rc=$rc)")"

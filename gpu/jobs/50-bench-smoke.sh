@@ -109,7 +109,7 @@ if [ -n "$FAKE" ] || [ -f "$SMOL/config.json" ]; then
   SMOL_LEN=$("$PY" -c 'import json,sys; c=json.load(open(sys.argv[1])); print(min(8192, int(c.get("max_position_embeddings", 2048))))' "$SMOL/config.json" 2>/dev/null || echo 8192)
   say "SmolLM2 max_model_len $SMOL_LEN (config max_position_embeddings, capped at 8192)"
   if boot smol 150 $VLLM serve "$SMOL" --host 127.0.0.1 --port "$PORT" --served-model-name bench \
-       --max-model-len "$SMOL_LEN" --max-num-seqs 8 --seed 0 --gpu-memory-utilization 0.30 --enforce-eager; then
+       --max-model-len "$SMOL_LEN" --max-num-seqs 8 --seed 0 ${SERVE_MEM_ARGS:---gpu-memory-utilization 0.30} --enforce-eager; then
     suite smol || status=1
     stop_server
   else
