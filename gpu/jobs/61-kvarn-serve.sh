@@ -58,7 +58,7 @@ boot() {  # boot LABEL WAIT_S ARGS...
   local log="$JOB_OUT/server-$label.log"
   say "[$(elapsed)s] booting $label ($*)"
   setsid $VLLM serve "$SMOL" --host 127.0.0.1 --port "$PORT" --served-model-name smol \
-    --enforce-eager --seed 0 --max-model-len 4096 --max-num-seqs 4 --gpu-memory-utilization 0.30 "$@" > "$log" 2>&1 &
+    --enforce-eager --seed 0 --max-model-len 4096 --max-num-seqs 4 ${SERVE_MEM_ARGS:---gpu-memory-utilization 0.30} "$@" > "$log" 2>&1 &
   SPID=$!
   local t=0
   while [ $t -lt "$wait" ]; do

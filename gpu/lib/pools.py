@@ -50,7 +50,7 @@ def cases(models: Path, tiny_path: str | None) -> list[dict]:
     geom = models / "qwen38-27b-geom"
     if (geom / "config.json").is_file():
         for ctx in ("fast", "long"):
-            out.append({"name": f"27b-{ctx}", "timeout": 150, "env": {**common, "MODEL": str(geom), "CTX": ctx}})
+            out.append({"name": f"27b-{ctx}", "timeout": int(os.environ.get("POOLS_27B_TIMEOUT", "150")), "env": {**common, "MODEL": str(geom), "CTX": ctx}})
         out.append({"name": "27b-long-bf16state", "timeout": 150,
                     "env": {**common, "MODEL": str(geom), "CTX": "long", "SSM_DTYPE": "bfloat16"}})
     return out
