@@ -40,12 +40,31 @@ def write_json(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+LONG_DOCS = ("README.md", "docs/wide-verify.md")  # this repository's own prose, 6,000 chars each
+LONG_CHARS = 6000
+
+
 def texts(n_per_class: int = 3) -> list[tuple[str, str]]:
+    """Short prompts of each class, plus two long documents: KVarN keeps the first 128-token tile
+    and the tile being written in fp16, so only texts well past one tile (~1,500 SmolLM2 tokens
+    here) put its 4/2-bit path under the perplexity (2026-12-02: the short texts alone measured
+    kernel arithmetic, not quantization)."""
     out = []
     for cls in ("prose", "code"):
         ps = P.load(cls)
         out += list(zip(ps.ids, ps.prompts))[:n_per_class]
+    root = Path(__file__).resolve().parents[2]
+    for rel in LONG_DOCS:
+        text = (root / rel).read_text(encoding="utf-8")[:LONG_CHARS]
+        out.append((f"doc-{Path(rel).stem}", text))
     return out
+
+
+def texts_id() -> dict:
+    import hashlib
+    joined = "\x00".join(f"{i}\x01{t}" for i, t in texts())
+    return {"id": "prose+code first 3 each + 2 repo docs x 6000 chars",
+            "sha256": hashlib.sha256(joined.encode()).hexdigest()[:16], "classes": ["prose", "code", "doc"]}
 
 
 def greedy_tokens(c: Client, text: str, n: int) -> list[str]:
@@ -75,7 +94,7 @@ def measure(a) -> int:
               + (f"  ERROR {row['error']}" if "error" in row else ""), flush=True)
     rec = {"kind": "kv_quality", "label": a.label, "rows": rows,
            "provenance": provenance.build(
-               prompt_set={"id": "prose+code first 3 each", "classes": ["prose", "code"]},
+               prompt_set=texts_id(),
                sampling={"temperature": 0.0, "greedy_tokens": a.gen},
                token_count_source="server logprobs", warmup={"policy": "none (logprobs are exact)"},
                server=c.server_info(), max_tokens=a.gen)}
