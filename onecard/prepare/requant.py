@@ -255,7 +255,10 @@ def requantize(ckpt, target: str, bits: int = 8, group: int = quant.GROUP_SIZE,
     if target not in TARGETS:
         raise RequantError(f"unknown target {target!r}; valid: {', '.join(TARGETS)}")
     quant.check_bits(bits)
-    bound = quant.DEFAULT_MAX_REL_ERROR[bits] if max_rel_error is None else max_rel_error
+    if max_rel_error is not None and not 0 < max_rel_error < 1:
+        raise RequantError(f"--max-rel-error {max_rel_error}: valid: a fraction between 0 and 1 "
+                           f"(default {quant.MAX_REL_ERROR}; int4 needs {quant.INT4_MAX_REL_ERROR})")
+    bound = quant.MAX_REL_ERROR if max_rel_error is None else max_rel_error
     if not (ckpt / CONFIG).exists():
         raise RequantError(f"{ckpt}: no {CONFIG}; valid: a Hugging Face checkpoint directory")
     recover(ckpt, log)
@@ -336,8 +339,7 @@ def requantize(ckpt, target: str, bits: int = 8, group: int = quant.GROUP_SIZE,
                     report["bytes_after"] += after
                     log(f"  {name} [{rows}x{cols}] int{bits} rel.err {err:.5f}  {before / 2**20:.1f} -> {after / 2**20:.1f} MiB")
                     if err > bound:
-                        raise RequantError(f"{name}: relative Frobenius error {err:.5f} exceeds the bound {bound:.4f}; "
-                                           "nothing was changed")
+                        raise RequantError(refusal(name, target, bits, err, bound, max_rel_error is None))
             w.finish()
         files = list(shards)
         if (ckpt / INDEX).exists():
@@ -379,6 +381,20 @@ def requantize(ckpt, target: str, bits: int = 8, group: int = quant.GROUP_SIZE,
     return report
 
 
+def refusal(name: str, target: str, bits: int, err: float, bound: float, default: bool) -> str:
+    """The one-line refusal: the measured error, the bound it broke and how to accept it."""
+    if not default:
+        return (f"{name}: int{bits} relative Frobenius error {err:.5f} exceeds --max-rel-error {bound:.4f}; "
+                "nothing was changed")
+    line = (f"{name}: int{bits} relative Frobenius error {err:.5f} exceeds the default bound {bound:.2f} "
+            f"(1 %, every scheme); nothing was changed")
+    if bits == 4:
+        line += (f"; int4/group-128 lands ~0.1 by nature: to accept it pass --max-rel-error "
+                 f"{quant.INT4_MAX_REL_ERROR} (scripts/quant_{target}.py or onecard prepare requant; "
+                 "onecard prepare model then keeps the int4)")
+    return line
+
+
 def _write_synced(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -401,7 +417,9 @@ def configure(parser: argparse.ArgumentParser, target: str | None = None) -> Non
     parser.add_argument("--bits", type=int, default=8, choices=quant.SUPPORTED_BITS, help="int8 (default) or int4")
     parser.add_argument("--group-size", type=int, default=quant.GROUP_SIZE)
     parser.add_argument("--max-rel-error", type=float, default=None,
-                        help="refuse above this relative Frobenius error (default 0.01 for int8, 0.12 for int4)")
+                        help=f"refuse above this relative Frobenius error (default {quant.MAX_REL_ERROR}, i.e. 1 %%, for "
+                             f"every scheme; int4 lands ~0.09-0.10, so --bits 4 needs --max-rel-error "
+                             f"{quant.INT4_MAX_REL_ERROR})")
     parser.add_argument("--block-mb", type=int, default=64, help="row block size in MiB of float32")
     parser.add_argument("--device", default="cpu", help="where to quantize the row blocks: cpu (default) or cuda")
     parser.add_argument("--report", help="write the JSON report here")

@@ -86,8 +86,19 @@ def test_local_path_end_to_end_then_noop(tmp_path, tok_json, corpus):
 def test_options_keep_int4_no_draft_then_defaults(tmp_path, tok_json, corpus, capsys):
     d = tmp_path / "ck"
     make_model(d, tok_json, shards=1)
-    assert prep.main([str(d), "--lm-head", "int4", "--embed", "keep", "--mtp", "keep", "--no-draft-vocab"]) == 0
+    # int4 misses the 1 % default bound by nature: refused in one line that names the flag ...
+    args = [str(d), "--lm-head", "int4", "--embed", "keep", "--mtp", "keep", "--no-draft-vocab"]
+    assert prep.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exceeds the default bound 0.01 (1 %" in err[0] and "--max-rel-error 0.12" in err[0]
+    assert prep.status(d)["steps"]["lm_head"] == "bf16"
+    # ... which the requant script takes; prepare model then keeps the int4
+    from onecard.prepare import requant
+    assert requant.main([str(d), "--bits", "4", "--max-rel-error", "0.12"], target="lm_head") == 0
+    capsys.readouterr()
+    assert prep.main(args) == 0
     out = capsys.readouterr().out
+    assert "lm_head: already int4 (no-op" in out
     assert "embed: kept as it is (bf16" in out and "draft vocab: skipped (--no-draft-vocab)" in out
     assert prep.status(d)["steps"] == {"lm_head": "int4", "embed": "bf16", "mtp": "bf16"}
     ctx = {"model": str(d)}

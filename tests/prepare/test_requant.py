@@ -94,7 +94,7 @@ def test_lm_head_embed_mtp_roundtrip_noop_restore(tmp_path, shards):
     assert requant.requantize(d, "lm_head", log=logs.append).get("noop")
     assert snapshot(d) == before
     requant.requantize(d, "embed", log=logs.append)
-    requant.requantize(d, "mtp", bits=4, log=logs.append)
+    requant.requantize(d, "mtp", bits=4, max_rel_error=quant.INT4_MAX_REL_ERROR, log=logs.append)  # explicit int4 bound
     t = load_all(d)
     assert {"mtp.fc.weight_packed", "mtp.layers.0.mlp.gate_proj.weight_packed",
             "mtp.layers.0.self_attn.q_proj.weight_packed", "mtp.norm.weight"} <= set(t)
@@ -114,9 +114,40 @@ def test_error_bound_refusal_changes_nothing(tmp_path):
     d = tmp_path / "ck"
     make_ckpt(d, 2)
     pristine = snapshot(d)
-    with pytest.raises(requant.RequantError, match="exceeds the bound"):
-        requant.requantize(d, "lm_head", bits=4, max_rel_error=0.01, log=lambda s: None)
+    with pytest.raises(requant.RequantError, match="exceeds --max-rel-error 0.0050"):
+        requant.requantize(d, "lm_head", bits=8, max_rel_error=0.005, log=lambda s: None)
     assert snapshot(d) == pristine and not list(d.glob("*onecard-tmp"))
+
+
+def test_default_bound_is_one_percent_for_every_scheme_int4_needs_the_flag(tmp_path, capsys):
+    """Issue #5, literally: refused above 1 % whatever the scheme; int4 (~0.09-0.10 by nature)
+    is accepted only with an explicit --max-rel-error, and the refusal says so in one line."""
+    assert quant.MAX_REL_ERROR == 0.01
+    d = tmp_path / "ck"
+    make_ckpt(d, 2)
+    pristine = snapshot(d)
+    logs = []
+    with pytest.raises(requant.RequantError) as e:
+        requant.requantize(d, "lm_head", bits=4, log=logs.append)
+    msg = str(e.value)
+    assert "\n" not in msg and snapshot(d) == pristine and not list(d.glob("*onecard-tmp"))
+    err = float(logs[-1].split("rel.err ")[1].split()[0])  # the printed per-tensor error
+    assert 0.05 < err < quant.INT4_MAX_REL_ERROR
+    assert f"error {err:.5f} exceeds the default bound 0.01 (1 %" in msg
+    assert "pass --max-rel-error 0.12" in msg and "scripts/quant_lm_head.py" in msg
+    # the scripts: same refusal, one line on stderr, exit 2; with the flag, int4 is accepted
+    assert requant.main([str(d), "--bits", "4"], target="mtp") == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "exceeds the default bound 0.01" in lines[0] and "--max-rel-error 0.12" in lines[0]
+    assert snapshot(d) == pristine
+    assert requant.main([str(d), "--bits", "4", "--max-rel-error", "0.12"], target="mtp") == 0
+    assert "int4 rel.err 0." in capsys.readouterr().out
+    # int8 stays on the 1 % default (no flag needed)
+    rep = requant.requantize(d, "lm_head", log=lambda s: None)
+    assert 0 < rep["tensors"]["lm_head.weight"]["rel_error"] < 0.01
+    # a bound that is not a fraction: one line naming what is valid
+    with pytest.raises(requant.RequantError, match="valid: a fraction between 0 and 1"):
+        requant.requantize(d, "embed", max_rel_error=5, log=lambda s: None)
 
 
 def _run(d, *extra, env=None):
