@@ -59,6 +59,8 @@ def test_every_config_parses(monkeypatch, tmp_path, tiny_dir):
         assert ea.enable_prefix_caching and ea.mamba_cache_mode == "align", n
         assert not ea.enforce_eager, f"{n}: CUDA graphs as the profiles launch them"
         assert ea.logprobs_mode == "raw_logits" and ea.seed == 0, n
+        # the suite asks SPEC=off for TOP_K top logprobs: vLLM must allow that many
+        assert ea.max_logprobs == -1 or ea.max_logprobs >= 8, (n, ea.max_logprobs)
         assert ea.additional_config == {"gdn_prefill_backend": "triton"}, n
         assert ea.kv_cache_memory_bytes == 512 * 2**20 and ea.max_model_len == 2048, n
         assert ea.dtype == ("float32" if cfg.dtype == "float32" else "auto"), n
@@ -209,14 +211,17 @@ def test_server_boot_and_stop_plumbing(monkeypatch, tmp_path):
 
 
 # A vLLM-shaped fake: greedy ids from a hash of the prompt; prompt_tokens counted with the tiny
-# tokenizer (argv[2]); raw-logit top-2 per position (a 1-ulp bf16 near-tie: 12.0 / 11.9375);
-# mode "tie" (argv[3]) takes the runner-up at position 3 for every third prompt, as a bf16
-# rounding flip would; prefix-cache hit counter grows when a prompt comes again.
+# tokenizer (argv[2]); raw-logit top-`logprobs` per position (a three-way bf16 near-tie:
+# 12.0 / 11.9375 / 11.875, then lower values); mode "tie" (argv[3]) takes the third (2 ulps
+# below the top) at position 3 for every third prompt, as a bf16 rounding flip would; mode
+# "far" takes a token outside the top-k there; prefix-cache hit counter grows when a prompt
+# comes again (not with argv[4] "nohits").
 FAKE_VLLM = r'''
 import hashlib, json, sys, threading, http.server
 from tokenizers import Tokenizer
 tok = Tokenizer.from_file(sys.argv[2])
 mode = sys.argv[3]
+nohits = sys.argv[4:] == ["nohits"]
 lock = threading.Lock()
 seen, hits = set(), [0.0]
 
@@ -226,6 +231,14 @@ def ids_for(prompt, n):
 
 def alt(t):
     return t % 4000 + 2
+
+def alt3(t):
+    return (t + 5) % 4000 + 1
+
+def top(t, k):
+    vals = [(t, 12.0), (alt(t), 11.9375), (alt3(t), 11.875)]
+    vals += [(5000 + (t * 31 + j * 97) % 3000, 10.0 - j) for j in range(max(0, k - 3))]
+    return {f"token_id:{i}": v for i, v in vals[:k]}
 
 class H(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a): pass
@@ -245,18 +258,17 @@ class H(http.server.BaseHTTPRequestHandler):
         prompt = req.get("prompt", "")
         pt = len(tok.encode(prompt, add_special_tokens=False).ids) if isinstance(prompt, str) else 5
         with lock:
-            if prompt in seen:
+            if prompt in seen and not nohits:
                 hits[0] += pt // 208 * 208
             seen.add(prompt)
         usage = {"prompt_tokens": pt, "completion_tokens": n, "total_tokens": pt + n}
         if self.path == "/v1/completions":
             ids = ids_for(prompt, n)
-            if mode == "tie" and n > 3 and hashlib.sha256(prompt.encode()).digest()[0] % 3 == 0:
-                ids = ids[:3] + [alt(ids[3])] + ids_for(prompt + "x", n - 4)
+            if mode in ("tie", "far") and n > 3 and hashlib.sha256(prompt.encode()).digest()[0] % 3 == 0:
+                ids = ids[:3] + [alt3(ids[3]) if mode == "tie" else 9000] + ids_for(prompt + "x", n - 4)
             choice = {"index": 0, "text": "x", "token_ids": ids, "finish_reason": "length"}
             if req.get("logprobs"):
-                choice["logprobs"] = {"top_logprobs": [{f"token_id:{i}": 12.0, f"token_id:{alt(i)}": 11.9375}
-                                                       for i in ids]}
+                choice["logprobs"] = {"top_logprobs": [top(i, req["logprobs"]) for i in ids]}
             return self._send(200, {"choices": [choice], "usage": usage})
         if self.path == "/v1/chat/completions":
             if req.get("stream"):
@@ -306,7 +318,8 @@ def test_suite_logic_against_fake_server(monkeypatch, tmp_path, tiny_dir):
             mode = "tie" if cfg.spec == "mtp" and cfg.dtype == "bfloat16" else "same"
             port = gc.free_port()
             return gc.Server(name, [sys.executable, str(script), str(port),
-                                    str(tiny_dir / "tokenizer.json"), mode],
+                                    str(tiny_dir / "tokenizer.json"), mode]
+                             + (["nohits"] if name == "mtp" else []),   # the H200 finding
                              "smol" if name == "smol" else "tiny", port)
 
     pool = FakePool()
@@ -320,6 +333,11 @@ def test_suite_logic_against_fake_server(monkeypatch, tmp_path, tiny_dir):
                 if mark.name == "uses":
                     uses += [n for n in mark.args if n not in uses]
         assert set(uses) == set(gc.CONFIGS), "every configuration is used by some test"
+        # (pytest runs a module's tests in this order) float32 strict right after bf16
+        i = order.index("test_residue_sweep_bf16_kv")
+        assert order[i + 1:i + 4] == ["test_residue_sweep_fp32_strict",
+                                      "test_residue_sweep_fp32_int8_strict",
+                                      "test_residue_sweep_int8_kv"], order
         pool.launch_all(uses)
         for name in order:
             getattr(suite, name)(pool)
@@ -332,19 +350,64 @@ def test_suite_logic_against_fake_server(monkeypatch, tmp_path, tiny_dir):
     assert record["tool_call"][0]["function"]["name"] == "get_weather"
     assert set(record["boots"]) == set(gc.CONFIGS)
     assert all("boot_s" in b for b in record["boots"].values())
-    # bf16: SPEC=mtp took the runner-up at a 1-ulp tie in some prompts: reported, accepted
+    # bf16: SPEC=mtp took off's third (a three-way tie, 2 ulps below the top) in some prompts:
+    # reported, accepted (only if the suite asked off for more than two logprobs)
     ties = record["mtp_vs_off"]
-    assert any(v["position"] == 3 and v["accepted"] and v["gap_ulps"] == 1.0 for v in ties.values())
+    assert any(v["position"] == 3 and v["accepted"] and v["gap_ulps"] == 2.0 and v["got_rank"] == 3
+               and v["top_k"] == 8 for v in ties.values())
     for label in ("bf16-kv", "int8-kv"):
         sw = record[f"sweep_{label}"]
         cold = sw["mtp vs off (cold prefix)"]
         assert cold["diverged_residues"] and not cold["failing_residues"]
         assert sw["off cached vs off cold"]["diverged_residues"] == []
+        assert sw["noise_floor"]["off_cold_vs_off_cached_differ"] == 0
+        assert sw["noise_floor"]["mtp_vs_off_cold_differ"] == len(cold["diverged_residues"])
         assert sw["prefix_cache_hit_tokens"]["off"][1] > 0
+    # the speculating bf16 server had no prefix-cache hits: a finding, the sweep still passed
+    assert record["sweep_bf16-kv"]["prefix_cache_hit_tokens"]["mtp"][1] == 0
+    assert any("zero prefix-cache hits" in f for f in record["sweep_bf16-kv"]["findings"])
+    assert record["sweep_int8-kv"]["findings"] == []
     for label, bf in (("fp32-strict", "bf16-kv"), ("fp32-int8-strict", "int8-kv")):
         assert record[f"sweep_{label}"]["mtp vs off (cold prefix)"]["diverged_residues"] == []
         assert record[f"sweep_{label}"][f"vs_{bf}"]["same_first_token"] == 16
     assert record["fp32_prefill"] == {"fp32": "shim NOT applied", "fp32-mtp": "shim NOT applied"}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnknownMarkWarning")
+def test_bf16_sweep_fails_outside_off_top_k(monkeypatch, tmp_path, tiny_dir):
+    """A fake bf16 SPEC=mtp server that picks a token outside off's top-k: a real failure,
+    reported with its rank as '> 8'."""
+    import sys
+
+    pytest.importorskip("httpx")
+    monkeypatch.setenv("JOB_OUT", str(tmp_path))
+    monkeypatch.syspath_prepend(str(REPO / "tests/gpu"))
+    gc = _gpu_conftest()
+    spec = importlib.util.spec_from_file_location("_suite3", REPO / "tests/gpu/test_serve_suite.py")
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    monkeypatch.setattr(suite, "MODULUS", 16)
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(FAKE_VLLM)
+
+    class FakePool(gc.Pool):
+        def model(self, key):
+            return tiny_dir
+
+        def make_server(self, name):
+            port = gc.free_port()
+            return gc.Server(name, [sys.executable, str(script), str(port),
+                                    str(tiny_dir / "tokenizer.json"),
+                                    "far" if name.endswith("mtp") else "same"], "tiny", port)
+
+    pool = FakePool()
+    try:
+        with pytest.raises(AssertionError, match="the bfloat16 rule does not accept"):
+            suite.test_residue_sweep_bf16_kv(pool)
+    finally:
+        pool.close()
+    div = pool.record["sweep_bf16-kv"]["mtp vs off (cold prefix)"]["divergences"]
+    assert div and all(v["got_rank"] == "> 8" and not v["accepted"] for v in div.values())
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnknownMarkWarning")

@@ -63,11 +63,13 @@ def _top(*pairs):
     return [(t, v) for t, v in pairs]
 
 
-def test_top2_parses_openai_entries():
+def test_top_entries_parse_openai_entries():
     entry = {"token_id:7": -0.5, "token_id:3": -0.25, "token_id:9": -3.0, "token_id:1": None}
+    assert lib.top_entries(entry) == [(3, -0.25), (7, -0.5), (9, -3.0)]
     assert lib.top2(entry) == [(3, -0.25), (7, -0.5)]
     assert lib.top2({"token_id:4": 2.0}) == [(4, 2.0)]
-    assert lib.top2(None) == []
+    assert lib.top_entries(None) == [] and lib.top2(None) == []
+    assert lib.TOP_K >= 3
 
 
 def test_identical_and_length():
@@ -100,9 +102,44 @@ def test_gap_beyond_two_ulps_fails_and_ulp_follows_the_magnitude():
     assert lib.judge(ref, got, [_top((7, -12.0), (9, -12.0625))], "bfloat16").accepted
 
 
-def test_divergence_to_a_token_outside_the_top_two_fails():
+def test_three_way_tie_within_two_ulps_is_accepted():
+    """The H200 failures of 2026-12-02 (prompt 119: gap 0; prompt 107: gap 0.0625 = 1 ulp): the
+    chosen token was off's third, tied with its first two. A tie, whatever the rank."""
+    top = _top((2964, 12.0), (3389, 12.0), (2647, 12.0), (5, 10.0))
+    d = lib.judge([2964], [2647], [top], "bfloat16")
+    assert d.accepted and d.got_rank == 3 and d.gap == 0.0 and d.gap_ulps == 0.0
+    top = _top((3821, 12.0), (2049, 12.0), (3116, 11.9375), (5, 11.0))
+    d = lib.judge([3821], [3116], [top], "bfloat16")
+    assert d.accepted and d.got_rank == 3 and d.gap_ulps == 1.0 and "rank 3" in d.why
+    # rank 5 of 8, still 2 ulps below the top: a tie; any order of the entries
+    top = _top((9, 11.875), (1, 12.0), (2, 11.9375), (3, 11.9375), (4, 11.9375), (6, 11.0),
+               (7, 10.0), (8, 9.0))
+    d = lib.judge([1], [9], [top], "bfloat16")
+    assert d.accepted and d.got_rank == 5 and d.gap_ulps == 2.0 and d.top_k == 8
+
+
+def test_chosen_token_outside_off_top_k_fails_with_rank_beyond_k():
+    top = _top((7, 12.0), (9, 12.0), (3, 12.0), (4, 11.9375), (5, 11.9375), (6, 11.9375),
+               (8, 11.875), (2, 11.875))
+    d = lib.judge([7], [11], [top], "bfloat16")
+    assert not d.accepted and d.got_rank == "> 8" and d.got_logit is None and d.gap is None
+    assert "not among SPEC=off's top 8" in d.why and "rank > 8" in d.why
+    lines, bad = lib.summarize("k", {0: d})
+    assert bad == [0]
+    assert lines[1] == ("  FAIL prompt 0 position 0: off token 7, got 11 (rank > 8 in off's top "
+                        "8), gap - (- ulps): " + d.why)
     d = lib.judge([7], [4], [_top((7, 12.0), (9, 12.0))], "bfloat16")
-    assert not d.accepted and "not one of" in d.why
+    assert not d.accepted and d.got_rank == "> 2"
+
+
+def test_chosen_token_in_top_k_but_three_ulps_below_the_top_fails():
+    top = _top((7, 12.0), (9, 11.9375), (3, 11.875), (4, 11.8125), (5, 11.0))
+    d = lib.judge([7], [4], [top], "bfloat16")
+    assert not d.accepted and d.got_rank == 4 and d.gap_ulps == 3.0
+    assert "> 2 bfloat16 ulps" in d.why
+    # the ulp comes from the values, not the rank: 3 ulps at |logit| 2.5 fails too
+    d = lib.judge([7], [4], [_top((7, 2.5), (9, 2.5), (4, 2.453125))], "bfloat16")
+    assert not d.accepted and d.gap_ulps == 3.0
 
 
 def test_missing_logits_fail():
@@ -113,6 +150,9 @@ def test_missing_logits_fail():
 def test_float32_is_strict():
     d = lib.judge([7], [9], [_top((7, 12.0), (9, 12.0))], "float32")
     assert not d.accepted and "strict" in d.why and d.gap == 0.0
+    # a three-way exact tie is no allowance either
+    d = lib.judge([7], [3], [_top((7, 12.0), (9, 12.0), (3, 12.0))], "float32")
+    assert not d.accepted and "strict" in d.why and d.got_rank == 3
     assert lib.judge([7, 1], [7, 1], None, "float32").accepted
     with pytest.raises(ValueError, match="valid: bfloat16, float16, float32"):
         lib.judge([1], [1], None, "bf16")
@@ -128,7 +168,8 @@ def test_judge_all_and_summary_table():
     assert bad == [12]
     assert lines[0] == "demo: 3 compared, 1 identical, 1 near-tie divergence(s) accepted, 1 failing"
     assert lines[1] == "  near-ties (prompt@position gap in ulps): 11@1 1u"
-    assert lines[2].startswith("  FAIL prompt 12 position 0: off token 5, got 8, gap 4 (")
+    assert lines[2].startswith("  FAIL prompt 12 position 0: off token 5, got 8 (rank 2 in "
+                               "off's top 2), gap 4 (")
     assert lines[2].endswith("gap 4 > 2 bfloat16 ulps (0.0625)")
     many = lib.judge_all([[1]] * 40, [[2]] * 40, [[_top((1, 12.0), (2, 12.0))]] * 40, "bfloat16")
     lines, bad = lib.summarize("many", many, width=60)
@@ -136,6 +177,10 @@ def test_judge_all_and_summary_table():
     assert sum(ln.count("@0 0u") for ln in lines) == 40
     with pytest.raises(ValueError, match="reference outputs"):
         lib.judge_all(refs, gots[:2], tops, "bfloat16")
+    # an accepted tie with a rank beyond 2 says so in the packed list
+    v = lib.judge_all([[1]], [[3]], [[_top((1, 12.0), (2, 12.0), (3, 11.9375))]], "bfloat16")
+    lines, bad = lib.summarize("r3", v)
+    assert not bad and lines[1] == "  near-ties (prompt@position gap in ulps): 0@0 1u r3"
 
 
 # ------------------------------------------------------------------------------ residues

@@ -5,10 +5,13 @@ The exactness rule (SPEC=mtp output against SPEC=off output, same prompts, greed
 
 - ``float32`` (strict mode): token-for-token equality. Any divergence fails.
 - ``bfloat16``: compare up to the first divergence. A divergence at position p is accepted only
-  where it is a rounding near-tie of SPEC=off's own logits there: the token SPEC=mtp chose is
-  one of off's top two, and off's top-1 minus top-2 raw logit is at most ``TIE_ULPS`` units in
-  the last place of bf16 at the logits' magnitude (the ulp is derived from the value; raw logits
-  come from a server started with ``--logprobs-mode raw_logits``). Everything else fails.
+  where it is a rounding near-tie of SPEC=off's own logits there: the token the other server
+  chose has, in SPEC=off's raw logits at p, a value within ``TIE_ULPS`` units in the last place
+  of bf16 of off's top logit (the ulp is derived from the values' magnitude; raw logits come
+  from a server started with ``--logprobs-mode raw_logits``, ``TOP_K`` top logprobs per
+  position). Any rank counts (a three-way tie is a tie); a chosen token outside off's top
+  ``TOP_K`` has an unknown logit and fails (its rank is reported as ``> k``). Everything else
+  fails.
 """
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ from dataclasses import asdict, dataclass
 # Mantissa bits (without the implicit one) and the smallest normal exponent per float format.
 FLOAT_FORMATS = {"bfloat16": (7, -126), "float16": (10, -14), "float32": (23, -126)}
 TIE_ULPS = 2
+# Top logprobs the SPEC=off servers are asked for per position (vLLM 0.27.1's --max-logprobs
+# default is 20, so no server flag is needed; tests/test_gpu_suite_argv.py checks it).
+TOP_K = 8
 
 
 def ulp(x: float, dtype: str = "bfloat16") -> float:
@@ -32,9 +38,10 @@ def ulp(x: float, dtype: str = "bfloat16") -> float:
     return 2.0 ** (max(e, emin) - mant)
 
 
-def top2(entry: dict | None) -> list[tuple[int, float]]:
+def top_entries(entry: dict | None) -> list[tuple[int, float]]:
     """One position of an OpenAI ``top_logprobs`` entry (keys ``token_id:N`` from
-    ``return_tokens_as_token_ids``) as [(token id, value)] sorted by value, best first."""
+    ``return_tokens_as_token_ids``) as [(token id, value)] sorted by value, best first (all of
+    them: vLLM returns the top ``logprobs`` plus the sampled token)."""
     out = []
     for key, val in (entry or {}).items():
         if val is None:
@@ -45,7 +52,12 @@ def top2(entry: dict | None) -> list[tuple[int, float]]:
         except ValueError:
             continue
     out.sort(key=lambda tv: (-tv[1], tv[0]))
-    return out[:2]
+    return out
+
+
+def top2(entry: dict | None) -> list[tuple[int, float]]:
+    """The best two of ``top_entries``."""
+    return top_entries(entry)[:2]
 
 
 @dataclass
@@ -53,9 +65,12 @@ class Divergence:
     position: int | None          # first differing position (None: identical)
     ref_token: int | None = None
     got_token: int | None = None
-    top1: float | None = None     # SPEC=off's raw logits there
-    top2: float | None = None
-    gap: float | None = None
+    top1: float | None = None     # SPEC=off's top raw logit there
+    top2: float | None = None     # and its second best (report)
+    got_logit: float | None = None   # SPEC=off's raw logit of the chosen token (None: not in top-k)
+    got_rank: int | str | None = None   # its 1-based rank in off's top-k, or "> k"
+    top_k: int | None = None      # how many of off's logits were there
+    gap: float | None = None      # top1 - got_logit
     ulp: float | None = None
     gap_ulps: float | None = None
     accepted: bool = True
@@ -68,7 +83,7 @@ class Divergence:
 def judge(ref: list[int], got: list[int], ref_top: list[list[tuple[int, float]]] | None,
           dtype: str, tie_ulps: int = TIE_ULPS) -> Divergence:
     """First divergence of ``got`` from ``ref`` and whether the rule above accepts it.
-    ``ref_top[p]`` is SPEC=off's top two (token, raw logit) at position p."""
+    ``ref_top[p]`` is SPEC=off's top-k (token, raw logit) at position p (any order)."""
     if dtype not in FLOAT_FORMATS:
         raise ValueError(f"unknown float format {dtype!r}; valid: {', '.join(FLOAT_FORMATS)}")
     p = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
@@ -78,23 +93,39 @@ def judge(ref: list[int], got: list[int], ref_top: list[list[tuple[int, float]]]
         return Divergence(min(len(ref), len(got)), accepted=False,
                           why=f"length differs: {len(ref)} vs {len(got)} tokens")
     d = Divergence(p, ref[p], got[p], accepted=False)
-    top = ref_top[p] if ref_top is not None and p < len(ref_top) else []
-    if len(top) >= 2:
-        d.top1, d.top2 = top[0][1], top[1][1]
-        d.gap = d.top1 - d.top2
-        d.ulp = ulp(max(abs(d.top1), abs(d.top2)), dtype)
-        d.gap_ulps = d.gap / d.ulp
+    raw = ref_top[p] if ref_top is not None and p < len(ref_top) else None
+    # By value, best first; among equal values off's own token first, then the given order
+    # (vLLM's), so a chosen token's rank in an exact tie is its place after off's pick.
+    top = [(int(t), float(v)) for t, v in (raw or []) if v is not None]
+    top = sorted(top, key=lambda tv: (-tv[1], tv[0] != ref[p]))
+    d.top_k = len(top)
+    if top:
+        d.top1 = top[0][1]
+        d.top2 = top[1][1] if len(top) > 1 else None
+        rank = next((i for i, (t, _) in enumerate(top) if t == got[p]), None)
+        if rank is None:
+            d.got_rank = f"> {len(top)}"
+        else:
+            d.got_rank = rank + 1
+            d.got_logit = top[rank][1]
+            d.gap = d.top1 - d.got_logit
+            d.ulp = ulp(max(abs(d.top1), abs(d.got_logit)), dtype)
+            d.gap_ulps = d.gap / d.ulp
     if dtype == "float32":
         d.why = "strict mode (float32): any divergence fails"
-    elif len(top) < 2:
-        d.why = "no top-2 logits from SPEC=off at this position"
-    elif got[p] not in (top[0][0], top[1][0]):
-        d.why = f"token {got[p]} is not one of SPEC=off's top two {[t for t, _ in top]}"
+    elif not top:
+        d.why = "no top-k logits from SPEC=off at this position"
+    elif d.got_logit is None:
+        d.why = (f"token {got[p]} is not among SPEC=off's top {len(top)} "
+                 f"{[t for t, _ in top]} (rank > {len(top)})")
     elif d.gap > tie_ulps * d.ulp:
-        d.why = f"gap {d.gap:.6g} > {tie_ulps} {dtype} ulps ({tie_ulps * d.ulp:.6g})"
+        d.why = (f"token {got[p]} (rank {d.got_rank}): gap {d.gap:.6g} > {tie_ulps} {dtype} "
+                 f"ulps ({tie_ulps * d.ulp:.6g})")
     else:
         d.accepted = True
-        d.why = f"near-tie: gap {d.gap_ulps:g} ulp(s) of {dtype} at |logit| {max(abs(d.top1), abs(d.top2)):.4g}"
+        d.why = (f"near-tie: token {got[p]} rank {d.got_rank} of off's top {len(top)}, gap "
+                 f"{d.gap_ulps:g} ulp(s) of {dtype} at |logit| "
+                 f"{max(abs(d.top1), abs(d.got_logit)):.4g}")
     return d
 
 
@@ -110,13 +141,16 @@ def judge_all(refs: list[list[int]], gots: list[list[int]], ref_tops: list | Non
 
 def summarize(name: str, verdicts: dict, width: int = 96) -> tuple[list[str], list]:
     """A compact report: one count line; the accepted near-ties packed as ``label@position
-    gap-in-ulps`` (wrapped at ``width``); one full row per failing divergence (label,
-    position, off's token, the other token, gap, ulps, why). Returns (lines, failing labels)."""
+    gap-in-ulps``, plus ``rN`` where the chosen token was off's N-th (N > 2), wrapped at
+    ``width``; one full row per failing divergence (label, position, off's token, the other
+    token, its rank in off's top-k, gap, ulps, why). Returns (lines, failing labels)."""
     div = {k: v for k, v in verdicts.items() if v.position is not None}
     bad = [k for k, v in div.items() if not v.accepted]
     lines = [f"{name}: {len(verdicts)} compared, {len(verdicts) - len(div)} identical, "
              f"{len(div) - len(bad)} near-tie divergence(s) accepted, {len(bad)} failing"]
-    ties = [f"{k}@{v.position} {v.gap_ulps:g}u" for k, v in div.items() if v.accepted]
+    ties = [f"{k}@{v.position} {v.gap_ulps:g}u"
+            + (f" r{v.got_rank}" if isinstance(v.got_rank, int) and v.got_rank > 2 else "")
+            for k, v in div.items() if v.accepted]
     line = "  near-ties (prompt@position gap in ulps):"
     for t in ties:
         if len(line) + len(t) + 2 > width:
@@ -129,8 +163,9 @@ def summarize(name: str, verdicts: dict, width: int = 96) -> tuple[list[str], li
         v = div[k]
         gap = f"{v.gap:.6g}" if v.gap is not None else "-"
         ulps = f"{v.gap_ulps:g}" if v.gap_ulps is not None else "-"
+        rank = f" (rank {v.got_rank} in off's top {v.top_k})" if v.got_rank is not None else ""
         lines.append(f"  FAIL prompt {k} position {v.position}: off token {v.ref_token}, got "
-                     f"{v.got_token}, gap {gap} ({ulps} ulps): {v.why}")
+                     f"{v.got_token}{rank}, gap {gap} ({ulps} ulps): {v.why}")
     return lines, bad
 
 
