@@ -174,6 +174,20 @@ def kvarn_stage_bytes(geom: ModelGeometry, kv: str, max_seqs: int, attn_layers: 
     return layers * default_num_slots(max_seqs) * slot
 
 
+def kvarn_prefill_scratch_bytes(geom: ModelGeometry) -> int:
+    """VRAM of the KVarN prefill path outside the KV pin, once per process (layers run one
+    after another): the fp16 K/V window (16k keys) + the fp16 queries and fp32 state of one
+    2048-query group (onecard.kvarn.format.prefill_scratch_bytes; ~136 MiB for the 27B)."""
+    from onecard.kvarn import format as kvarn_format
+
+    return kvarn_format.prefill_scratch_bytes(geom.num_attention_heads, geom.num_kv_heads, geom.head_dim)
+
+
+def kvarn_reserve_bytes(geom: ModelGeometry, kv: str, max_seqs: int) -> int:
+    """Everything KVarN takes outside the KV pin: the fp16 stage + the prefill scratch."""
+    return kvarn_stage_bytes(geom, kv, max_seqs) + kvarn_prefill_scratch_bytes(geom)
+
+
 def gdn_state_bytes(geom: ModelGeometry, num_spec: int = 0, ssm_state_bytes: int | None = None) -> int:
     """One GDN layer's state page (conv + recurrent) for one sequence slot."""
     conv_dim = geom.linear_key_head_dim * geom.linear_num_key_heads * 2 + geom.linear_value_head_dim * geom.linear_num_value_heads
@@ -225,15 +239,18 @@ def predict_pool(
     prefix_cache: bool = False,
     mtp_in_pool: bool | None = None,
     ssm_state_bytes: int | None = None,
+    draft_attn_layers: int = 0,
 ) -> PoolPrediction:
-    """Predict the pool vLLM 0.27.1 builds from ``kv_mem_bytes`` (the --kv-cache-memory pin)."""
+    """Predict the pool vLLM 0.27.1 builds from ``kv_mem_bytes`` (the --kv-cache-memory pin).
+    ``draft_attn_layers``: a separate drafter's attention layers sharing the pool (DFlash2:
+    dflash_drafter_vram; they join the full-attention group, as the MTP layer does)."""
     if max_len <= 0 or kv_mem_bytes < 0:
         raise ValueError("max_len must be > 0 and kv_mem_bytes >= 0")
     if mtp_in_pool is None:
         mtp_in_pool = num_spec > 0 and geom.mtp_layers > 0
     block = attention_block_size(geom, kv, num_spec, ssm_state_bytes)
     page = block * attn_bytes_per_token(geom, kv)
-    n_attn = geom.num_full_attention + (geom.mtp_layers if mtp_in_pool else 0)
+    n_attn = geom.num_full_attention + (geom.mtp_layers if mtp_in_pool else 0) + draft_attn_layers
     n_gdn = geom.num_gdn
     small, large = min(n_attn, n_gdn), max(n_attn, n_gdn)
     group = large if large < small * 1.5 else small
@@ -478,3 +495,148 @@ def predict_tp(geom: ModelGeometry, tp: int, weights: TPWeights, kv: str, max_le
         kv_bytes_per_gpu = kv_mem_from_util(card_bytes, gpu_util, weights.per_gpu)
     pool = predict_pool(rank_geometry(geom, tp), kv_bytes_per_gpu, kv, max_len, num_spec, prefix_cache)
     return TPPrediction(tp, card_bytes, gpu_util, weights, kv_bytes_per_gpu, pool)
+
+
+# ---------------------------------------------------------------- what the KV pin does not cover
+#
+# With a KV_MEM pin vLLM carves exactly that many bytes for the KV pool; everything else must fit
+# beside it on the card: the target's weights, a drafter's weights, the draft head of patch 0012,
+# KVarN's fp16 stage, the activation/graph/context reserves. ``vram_budget`` adds them up; the
+# preflight compares the sum with a 24 GiB card (it never refuses on it: --dry-run does not know
+# the card, and the reserves are estimates).
+
+# The published 27B DFlash2 drafter (z-lab/Qwen3.8-27B-DFlash2, config quoted in docs/dflash2.md
+# and tests/dflash/dflash_helpers.PUBLISHED): hidden 5120, 5 layers (32 q / 8 kv heads x 128,
+# intermediate 17408), fc from 5 target layers, conv kernel 2 / group 16, selector rank 256,
+# vocab 248,320. drafter_param_count of that config = 1,924,404,480 parameters; bf16 =
+# 3,848,808,960 bytes (3.58 GiB, the "~3.7 GB bf16" reported). Used when DRAFT has neither
+# safetensors nor a config that parses (e.g. --dry-run without the drafter on disk).
+DFLASH2_27B_PARAMS = 1_924_404_480
+DFLASH2_27B_LAYERS = 5
+
+
+def drafter_param_count(cfg) -> int:
+    """Parameters of a DFlash/DFlash2 drafter from its parsed config
+    (``onecard.dflash.config.DrafterConfig``); the same tensors as
+    ``onecard.dflash.drafter.tensor_shapes`` without importing torch."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    n = h * cfg.fc_in + 2 * h  # fc, hidden_norm, norm
+    per_layer = (2 * h + 2 * hd  # the two layernorms, q_norm, k_norm
+                 + 2 * cfg.num_heads * hd * h + 2 * cfg.num_kv_heads * hd * h  # q, o / k, v
+                 + 3 * cfg.intermediate_size * h)
+    if cfg.version == 2:
+        k, g = cfg.conv_kernel_size, cfg.conv_groups
+        per_layer += 2 * (2 * k * h + 2 * k * g * h)  # attention_conv, mlp_conv
+        n += cfg.selector_rank * h + 2 * cfg.vocab_size * cfg.selector_rank
+    return n + cfg.num_layers * per_layer
+
+
+@dataclass
+class DrafterVRAM:
+    weight_bytes: int
+    attn_layers: int  # attention layers whose KV lives in the same pool (the pin)
+    source: str
+
+
+def dflash_drafter_vram(draft_dir: str | os.PathLike | None) -> DrafterVRAM:
+    """The DFlash2 drafter's weights and KV layers: safetensors headers of DRAFT when it has them
+    (as the target's), else its config's shape in bf16, else the published 27B drafter.
+
+    KV layers: vLLM 0.27.1 builds every drafter layer as an attention layer with its own KV cache
+    in the same pool as the target's (as the MTP layer); FullAttentionSpec.merge does not compare
+    head sizes, so the drafter's layers join the target's full-attention group (16 + 5 for the
+    27B pair: 8 KV heads x 128 = 4 x 256, the same bytes per token in bf16). The top-level
+    ``use_sliding_window`` of the published config is not honoured by 0.27.1 (docs/dflash2.md),
+    so they hold KV for the whole context."""
+    from onecard.dflash.config import DrafterConfig, DrafterConfigError
+
+    cfg, why = None, "no DRAFT"
+    d = Path(draft_dir) if draft_dir not in (None, "") else None
+    if d is not None:
+        try:
+            cfg = DrafterConfig.load(d)
+        except (DrafterConfigError, OSError, ValueError):
+            why = "DRAFT has no DFlash2 config that parses"
+    layers = cfg.num_layers if cfg else DFLASH2_27B_LAYERS
+    if d is not None and d.is_dir() and any(d.glob("*.safetensors")):
+        return DrafterVRAM(weight_bytes(d), layers, "drafter safetensors headers")
+    if cfg is not None:
+        return DrafterVRAM(drafter_param_count(cfg) * 2, layers, "drafter config shape, bf16")
+    return DrafterVRAM(DFLASH2_27B_PARAMS * 2, DFLASH2_27B_LAYERS,
+                       f"estimate: the published 27B DFlash2 drafter, bf16 ({why})")
+
+
+def draft_vocab_file(model_dir: str | os.PathLike, draft_vocab_env: str | None) -> Path | None:
+    """The draft vocabulary patch 0012 loads, as it decides: ONECARD_DRAFT_VOCAB unset/'' or '1'
+    = MODEL/draft_vocab.json when present, '0' = none, anything else = that path."""
+    v = (draft_vocab_env or "").strip()
+    if v == "0":
+        return None
+    p = Path(v) if v not in ("", "1") else Path(model_dir) / "draft_vocab.json"
+    return p if p.is_file() else None
+
+
+def draft_lm_head_bytes(model_dir: str | os.PathLike, draft_vocab_env: str | None = None) -> tuple[int, str]:
+    """Bytes of patch 0012's ``draft_lm_head`` (SPEC=mtp): draft ids x lm_head's bytes per row, in
+    lm_head's own format (bf16, or int8/int4 + group scales once requantized), read from the
+    checkpoint headers. (0, why) when there is no draft vocabulary or no lm_head on disk."""
+    f = draft_vocab_file(model_dir, draft_vocab_env)
+    if f is None:
+        why = "ONECARD_DRAFT_VOCAB=0" if (draft_vocab_env or "").strip() == "0" else "no draft_vocab.json"
+        return 0, why
+    try:
+        data = json.loads(f.read_text())
+        ids = len(data["ids"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0, f"{f} unreadable (the server refuses it at boot)"
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    heads: dict[str, dict] = {"lm_head": {}, "embed": {}}
+    for fp in files:
+        for name, meta in safetensors_header(fp).items():
+            if name == "__metadata__" or name.endswith(".weight_shape"):
+                continue
+            kind = ("lm_head" if name.startswith("lm_head.") or ".lm_head." in name
+                    else "embed" if "embed_tokens." in name else None)
+            if kind:
+                heads[kind][name] = meta
+    head = heads["lm_head"] or heads["embed"]  # tied: the draft rows are embed_tokens' rows
+    rows = [int(m["shape"][0]) for n, m in head.items() if n.endswith((".weight", ".weight_packed"))]
+    if not rows or rows[0] <= 0:
+        return 0, "no lm_head in the checkpoint"
+    nbytes = sum(m["data_offsets"][1] - m["data_offsets"][0] for m in head.values())
+    per_row = nbytes / rows[0]
+    return int(ids * per_row), f"{ids:,} draft ids x {per_row:,.0f} B per lm_head row ({f.name})"
+
+
+def target_weight_bytes(model_dir: str | os.PathLike | None, spec_method: str | None,
+                        geom: "ModelGeometry") -> tuple[int | None, str]:
+    """The target's weights on one GPU: the checkpoint's headers when MODEL is on disk (vision
+    tower skipped: --language-model-only; mtp.* only with SPEC=mtp, the only mode that builds
+    the MTP module), else the prepared 27B layout when the geometry is the 27B one."""
+    import dataclasses
+
+    keep_mtp = spec_method == "mtp"
+
+    def total(tensors):
+        return sum(b for n, b in tensors if _tp_class(n) != "skip" and (keep_mtp or not n.startswith("mtp.")))
+
+    d = Path(model_dir) if model_dir not in (None, "") else None
+    if d is not None and d.is_dir() and any(d.glob("*.safetensors")):
+        return total(checkpoint_tensors(d)), "checkpoint headers"
+    if dataclasses.replace(geom, ssm_state_bytes=QWEN38_27B.ssm_state_bytes) == QWEN38_27B:
+        return total(layout_27b_tensors()), "27B layout, int8 lm_head/embed/MTP"
+    return None, "unknown (no checkpoint, not the 27B geometry)"
+
+
+RESERVES = CUDA_GRAPH_RESERVE + ACTIVATION_HEADROOM + CUDA_CONTEXT
+
+
+def vram_budget(kv_pin: int, target_weights: int, drafter_weights: int = 0, draft_lm_head: int = 0,
+                kvarn_stage: int = 0, reserves: int = RESERVES, card_bytes: int = CARD_24G) -> dict:
+    """Everything one GPU holds at a KV_MEM pin, term by term, and whether it fits ``card_bytes``.
+    ``kv_max`` is the largest pin that would fit beside the other terms."""
+    terms = {"weights": target_weights, "drafter_weights": drafter_weights, "draft_lm_head": draft_lm_head,
+             "kvarn_stage": kvarn_stage, "reserves": reserves, "kv_pin": kv_pin}
+    total = sum(terms.values())
+    return {**terms, "total": total, "card_bytes": card_bytes, "fits": total <= card_bytes,
+            "kv_max": max(card_bytes - (total - kv_pin), 0)}

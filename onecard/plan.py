@@ -442,7 +442,7 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
 
     environ = dict(os.environ if environ is None else environ)
     plan = resolve(environ, root, check_paths and model_path is None, probe_gpus=check_paths)
-    preflight.run_checks(plan, geometry or memory.QWEN38_27B)
+    preflight.run_checks(plan, geometry or memory.QWEN38_27B, environ)
     plan.argv = build_argv(plan, python, model_path)
     if plan.api_key:
         plan.child_env["VLLM_API_KEY"] = plan.api_key

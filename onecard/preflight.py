@@ -14,6 +14,13 @@ Checks, in order:
    when capturing FULL graphs (config/compilation.py); cap MAX_SEQS to num_blocks.
 6. Residency note: each resident sequence holds gdn_groups x (1|2 + k) state blocks.
 7. KV_MEM=auto: note that gpu_memory_utilization does not reserve CUDA-graph memory.
+9. What the KV pin does not cover (onecard.memory.vram_budget), against a 24 GiB card: the
+   target's weights, SPEC=dflash2's drafter weights (DRAFT's safetensors headers, else its
+   config shape, else the published 27B drafter: 3.58 GiB bf16), SPEC=mtp's draft_lm_head of
+   patch 0012 (MODEL/draft_vocab.json unless ONECARD_DRAFT_VOCAB=0), CTX=huge's KVarN fp16
+   stage, the reserves. A note, never a refusal (the card is not known in --dry-run); when a
+   drafter / draft-head / stage term is what pushes it over, the note names it. The DFlash2
+   drafter's own attention layers share the pool: step 4 predicts with them and its cap says so.
 """
 from __future__ import annotations
 
@@ -77,7 +84,70 @@ def _tp_weights(plan: ServePlan, geom: memory.ModelGeometry, tp: int) -> memory.
     return None
 
 
-def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B) -> ServePlan:
+def _gib(n: int) -> str:
+    return f"{n / memory.GiB:.2f}"
+
+
+def _drafter(plan: ServePlan) -> memory.DrafterVRAM | None:
+    """SPEC=dflash2's drafter (weights, KV layers); None otherwise and for the tiny drafter."""
+    from onecard.plan import TINY_DRAFT
+
+    if plan.get("SPEC") != "dflash2" or str(plan.get("DRAFT")) == TINY_DRAFT:
+        return None
+    return memory.dflash_drafter_vram(str(plan.get("DRAFT")))
+
+
+def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: memory.DrafterVRAM | None,
+            environ, attn_layers: int) -> None:
+    """Step 9: the VRAM beside the KV pin, into plan.prediction["vram"] and one note."""
+    model = str(plan.get("MODEL"))
+    if model == "tiny":
+        return
+    weights, wsrc = memory.target_weight_bytes(model, plan.get("SPEC"), geom)
+    if weights is None:
+        plan.notes.append(f"VRAM beside the KV pin not predicted: target weights {wsrc}")
+        return
+    head, hsrc = (0, "")
+    if plan.get("SPEC") == "mtp":
+        head, hsrc = memory.draft_lm_head_bytes(model, (environ or {}).get("ONECARD_DRAFT_VOCAB"))
+    kv = str(plan.get("KV"))
+    stage = 0
+    if kv == "kvarn" or kv.startswith("kvarn_"):
+        stage = memory.kvarn_stage_bytes(geom, kv, int(plan.get("MAX_SEQS")), attn_layers)
+    b = memory.vram_budget(kv_mem, weights, drafter.weight_bytes if drafter else 0, head, stage)
+    b["sources"] = {"weights": wsrc, "drafter_weights": drafter.source if drafter else "",
+                    "draft_lm_head": hsrc}
+    plan.prediction["vram"] = b
+    card = b["card_bytes"] // memory.GiB
+    parts = [f"weights {_gib(weights)} ({wsrc})"]
+    added = {}
+    if drafter:
+        parts.append(f"DFlash2 drafter {_gib(drafter.weight_bytes)} ({drafter.source})")
+        added["the DFlash2 drafter's weights"] = drafter.weight_bytes
+    if head:
+        parts.append(f"MTP draft_lm_head {_gib(head)} ({hsrc})")
+        added["the MTP draft_lm_head (ONECARD_DRAFT_VOCAB=0 drops it)"] = head
+    if stage:
+        parts.append(f"KVarN fp16 stage {_gib(stage)} (MAX_SEQS={plan.get('MAX_SEQS')})")
+        added["the KVarN fp16 stage"] = stage
+    parts += [f"reserves {_gib(b['reserves'])}", f"KV pin {_gib(kv_mem)}"]
+    line = f"VRAM on one GPU: {' + '.join(parts)} = {_gib(b['total'])} GiB"
+    if b["fits"]:
+        plan.notes.append(f"{line}: fits a {card} GiB card")
+        return
+    without = b["total"] - sum(added.values())
+    if added and without <= b["card_bytes"]:
+        why = (f"does NOT fit a {card} GiB card because of {' and '.join(added)} "
+               f"(without {'them' if len(added) > 1 else 'it'}: {_gib(without)} GiB, which fits)")
+    else:
+        why = f"does NOT fit a {card} GiB card"
+    fix = (f"valid on a {card} GiB card: KV_MEM <= {b['kv_max'] // memory.MiB}M" if b["kv_max"] > 0
+           else f"the other terms alone exceed a {card} GiB card")
+    plan.notes.append(f"{line}: {why}; {fix}, or a larger card (reserves are 3090 estimates)")
+
+
+def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, environ=None) -> ServePlan:
+    """``environ``: the launch environment (ONECARD_DRAFT_VOCAB, read by patch 0012 in the server)."""
     import dataclasses
 
     extra = _extra(plan)
@@ -123,15 +193,26 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B) 
         return plan
     prefix = plan.get("PREFIX_CACHE") == "1"
     max_len = int(plan.get("MAX_LEN"))
-    pred = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), max_len, k, prefix)
+    drafter = _drafter(plan)
+    # DFlash2: no MTP layer is built; the drafter's own attention layers share the pool instead
+    pool_kw = {"mtp_in_pool": False, "draft_attn_layers": drafter.attn_layers} if drafter else {}
+    attn_layers = geom.num_full_attention + (drafter.attn_layers if drafter else (geom.mtp_layers if k > 0 else 0))
+    pred = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), max_len, k, prefix, **pool_kw)
     one_seq = (pred.num_blocks - pred.state_slots_per_seq) * pred.block_size
     if one_seq < MIN_POOL:
         raise PlanError(f"KV_MEM={kv_mem} gives a pool of {max(one_seq, 0):,} tokens (< {MIN_POOL:,}); "
                         f"valid: KV_MEM >= {memory.kv_mem_for_pool(geom, MIN_POOL, plan.get('KV'), MIN_POOL, k, prefix):,}")
     if one_seq < max_len:
         capped = one_seq // 256 * 256 or one_seq
-        plan.cap("MAX_LEN", capped, f"predicted pool holds {one_seq:,} tokens for one sequence (< {max_len:,})")
-        pred = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), capped, k, prefix)
+        why = f"predicted pool holds {one_seq:,} tokens for one sequence (< {max_len:,})"
+        if drafter:
+            bare = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), max_len, k, prefix, mtp_in_pool=False)
+            bare_seq = (bare.num_blocks - bare.state_slots_per_seq) * bare.block_size
+            why += (f"; the DFlash2 drafter's {drafter.attn_layers} attention layers hold KV in the same pool "
+                    f"({pred.group_size} attention layers per block instead of {bare.group_size}; without them "
+                    f"{bare_seq:,} tokens" + (", which would fit MAX_LEN)" if bare_seq >= max_len else ")"))
+        plan.cap("MAX_LEN", capped, why)
+        pred = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), capped, k, prefix, **pool_kw)
     if int(plan.get("MAX_SEQS")) > pred.num_blocks:
         plan.cap("MAX_SEQS", pred.num_blocks,
                  f"vLLM refuses max_num_seqs > Mamba cache blocks ({pred.num_blocks}) with FULL graphs")
@@ -145,4 +226,6 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B) 
         f"each resident sequence holds {pred.state_slots_per_seq} GDN state blocks ({pred.gdn_groups} groups x "
         f"{(2 if prefix else 1)}+{k}); MAX_SEQS={plan.get('MAX_SEQS')} admits, the pool decides residency "
         f"({resident_full} sequence(s) at full {pred.max_len:,} context)")
+    # 9. VRAM beside the pin
+    _budget(plan, geom, int(kv_mem), drafter, environ, attn_layers)
     return plan
