@@ -14,6 +14,9 @@ Checks, in order:
    when capturing FULL graphs (config/compilation.py); cap MAX_SEQS to num_blocks.
 6. Residency note: each resident sequence holds gdn_groups x (1|2 + k) state blocks.
 7. KV_MEM=auto: note that gpu_memory_utilization does not reserve CUDA-graph memory.
+8. PREFIX_CACHE=1 with speculation (SPEC=mtp/dflash2: vLLM's EAGLE-style path): every prefix-cache
+   hit loses its last attention block, so prompts of <= 2 x block tokens never hit; and, with a
+   pool prediction, how many resent prompts the LRU cache keeps (docs/prefix-cache.md).
 9. What the KV pin does not cover (onecard.memory.vram_budget), against a 24 GiB card: the
    target's weights, SPEC=dflash2's drafter weights (DRAFT's safetensors headers, else its
    config shape, else the published 27B drafter: 3.58 GiB bf16), SPEC=mtp's draft_lm_head of
@@ -82,6 +85,36 @@ def _tp_weights(plan: ServePlan, geom: memory.ModelGeometry, tp: int) -> memory.
     if dataclasses.replace(geom, ssm_state_bytes=memory.QWEN38_27B.ssm_state_bytes) == memory.QWEN38_27B:
         return memory.tp_weight_bytes(memory.layout_27b_tensors(), tp, "27B layout, int8 lm_head/embed/MTP")
     return None
+
+
+def _prefix_cache_spec_note(plan: ServePlan, geom: memory.ModelGeometry, k: int) -> None:
+    """vLLM 0.27.1 runs MTP and DFlash(2) as EAGLE-style drafters (SpeculativeConfig.use_eagle),
+    and no KV cache group of this model is flagged as the drafter's, so every group gets the
+    EAGLE drop: the full-attention lookup discards its last matched block
+    (kv_cache_coordinator.py, HybridKVCacheCoordinator.find_longest_cache_hit) and the scheduler
+    caches the prompt's GDN state one block earlier (scheduler.py, _mamba_block_aligned_split)."""
+    if plan.get("PREFIX_CACHE") != "1" or k <= 0:
+        return
+    block = memory.attention_block_size(geom, plan.get("KV"), k)
+    plan.notes.append(
+        f"PREFIX_CACHE=1 with SPEC={plan.get('SPEC')}: vLLM 0.27.1 drops the last matched attention block of "
+        f"every prefix-cache hit under speculation: a resent prompt of L tokens reuses at most "
+        f"floor((L-1)/{block})*{block} - {block} tokens (block {block}, predicted), prompts of <= {2 * block:,} "
+        f"tokens never hit (docs/prefix-cache.md)")
+
+
+def _prefix_cache_capacity_note(plan: ServePlan, pred: memory.PoolPrediction) -> None:
+    """A resent prompt hits only while its attention blocks and its GDN state block in every GDN
+    group are still cached; freed blocks are evicted LRU-first, the GDN state blocks (freed during
+    prefill) before the attention blocks (freed at the end)."""
+    if plan.get("PREFIX_CACHE") != "1":
+        return
+    per = [n // pred.block_size + pred.gdn_groups for n in (4096, pred.max_len)]
+    plan.notes.append(
+        f"prefix cache: a cached prompt of L tokens holds floor(L/{pred.block_size}) attention blocks + "
+        f"{pred.gdn_groups} GDN state blocks of the {pred.num_blocks}-block pool: about "
+        f"{pred.num_blocks // per[0]} prompts of 4,096 tokens or {pred.num_blocks // per[1]} of "
+        f"{pred.max_len:,} stay cached; resending more than that (LRU) hits ~nothing (docs/prefix-cache.md)")
 
 
 def _gib(n: int) -> str:
@@ -169,6 +202,8 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
         plan.set("CUDAGRAPH_SIZES", sizes, "cap", f"k={k} > {K_GRAPH_LIMIT}: graphs only for verify batches of {1 + k}")
         if int(plan.get("MAX_LEN")) > K_MAX_LEN_CAP:
             plan.cap("MAX_LEN", K_MAX_LEN_CAP, f"k={k} > {K_GRAPH_LIMIT}: verify batches of {1 + k} tokens")
+    # 8a. prefix cache under speculation (needs only the block size)
+    _prefix_cache_spec_note(plan, geom, k)
     # 4-6. pool
     kv_mem = plan.get("KV_MEM")
     if tp > 1:
@@ -228,4 +263,6 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
         f"({resident_full} sequence(s) at full {pred.max_len:,} context)")
     # 9. VRAM beside the pin
     _budget(plan, geom, int(kv_mem), drafter, environ, attn_layers)
+    # 8b. how many resent prompts the prefix cache keeps
+    _prefix_cache_capacity_note(plan, pred)
     return plan
