@@ -14,6 +14,11 @@
    per-token-head caches (page 64), contexts 8k / 32k / 128k, q per sequence 1 and 16, batch 1;
    median us (triton.testing.do_bench), bytes read once (packed blocks + fp16 stage; bf16/int8:
    K+V+scales), GB/s, speedup of KVarN over each. Plus the pack kernel's time per tile batch.
+3. Prefill (informational; correctness rows above gate): onecard.kvarn.kernels.kvarn_prefill,
+   one chunk of 2,048 queries over prefixes of 8k / 32k / 128k (k4v2_g128), vs the split-KV
+   path it replaced (the chunk as 128 pseudo-sequences of 16 queries, launches of 1,024 tokens)
+   and torch SDPA on bf16 K/V of the same length (no mask: a yardstick, not equal work); median
+   ms, TFLOP/s of the causal work, tokens/s of prefill.
 Writes DIR/kernel_kvarn.json. Nothing asserts on time.
 """
 
@@ -121,6 +126,36 @@ def check_attention(name, preset, q_lens, seq_lens, tpp, splits, device, gen_cpu
     return row
 
 
+def check_prefill(name, preset, q_len, seq_len, tpp, window, group, device, gen_cpu) -> dict:
+    import torch
+
+    from onecard.kvarn import kernels as K
+    from onecard.kvarn import reference as R
+
+    T = R.get_preset(preset).tile
+    case = R.make_case(q_lens=[q_len], seq_lens=[seq_len], num_q_heads=SHAPE["hq"],
+                       num_kv_heads=SHAPE["hkv"], head_dim=SHAPE["d"], preset=preset,
+                       packed_tiles=[seq_len // T], tiles_per_page=tpp, generator=gen_cpu)
+    dev = case.to(device)
+    slot = int(case.stage_slot[0])
+    out = torch.full(dev.q.shape, float("nan"), dtype=dev.q.dtype, device=device)
+    K.kvarn_prefill(dev.q, dev.cache, dev.stage_k.flatten(0, 1), dev.stage_v.flatten(0, 1), out,
+                    block_table_row=dev.block_table[0].contiguous(), ctx_len=seq_len - q_len,
+                    seq_len=seq_len, packed_tiles=seq_len // T, sink_row=slot * 3 * T,
+                    tail_row=slot * 3 * T + T, ring=2 * T, softmax_scale=case.softmax_scale,
+                    preset=preset, tiles_per_page=tpp, window_tokens=window, query_group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    o = out.double().cpu()
+    ref = R.reference_attention(case)
+    row = {"what": "prefill", "name": name, "preset": preset, "q_len": q_len, "seq_len": seq_len,
+           "tiles_per_page": tpp, "window": window, "query_group": group,
+           "nan": bool(torch.isnan(o).any())}
+    row["err_vs_dequant"] = rel_max(o, ref)
+    row["ok"] = (not row["nan"]) and row["err_vs_dequant"] <= 1e-2
+    return row
+
+
 def correctness(device, smoke: bool) -> list[dict]:
     import torch
 
@@ -139,11 +174,25 @@ def correctness(device, smoke: bool) -> list[dict]:
             ("verify-k4v4", "k4v4_g128", [16, 1], [3000, 700], 1, None),
             ("verify-g64", "k4v2_g64", [8, 16], [2000, 129], 1, 1),
         ]
+    if smoke:
+        pre = [("smoke-prefill-windows", "k4v2_g64", 70, 200, 1, 64, 32)]
+    else:
+        pre = [
+            ("prefill-prefix0", "k4v2_g128", 700, 700, 1, 16384, 2048),
+            ("prefill-midtile-windows-groups", "k4v2_g128", 333, 1000, 16, 256, 128),
+            ("prefill-k4v4", "k4v4_g128", 200, 900, 1, 16384, 2048),
+        ]
     for a in att:
         try:
             rows.append(check_attention(*a, device=device, gen_cpu=gen))
         except Exception as exc:  # noqa: BLE001
             rows.append({"what": "attention", "name": a[0], "ok": False, "error": repr(exc)[:400],
+                         "trace": traceback.format_exc()[-1500:]})
+    for a in pre:
+        try:
+            rows.append(check_prefill(*a, device=device, gen_cpu=gen))
+        except Exception as exc:  # noqa: BLE001
+            rows.append({"what": "prefill", "name": a[0], "ok": False, "error": repr(exc)[:400],
                          "trace": traceback.format_exc()[-1500:]})
     for r in rows:
         log(json.dumps({k: v for k, v in r.items() if k != "trace"}))
@@ -252,6 +301,92 @@ def time_pack(device, gen, n_tiles: int) -> dict:
     return {"tiles": n_tiles, "ms": ms, "us_per_tile": ms * 1e3 / n_tiles}
 
 
+def prefill_row(chunk, prefix, *, device, gen, with_old=True, with_sdpa=True) -> dict:
+    """One prefill chunk of ``chunk`` queries after ``prefix`` keys: kvarn_prefill vs the
+    split-KV pseudo-sequence path (what the backend ran before) vs bf16 SDPA (no mask)."""
+    import torch
+
+    import kernel_verify as kv
+
+    from onecard.kvarn import kernels as K
+
+    seq = prefix + chunk
+    c = kvarn_timing_case(q_len=chunk, ctx=seq, batch=1, device=device, gen=gen)
+    T, hq, hkv, d = c.preset.tile, SHAPE["hq"], SHAPE["hkv"], SHAPE["d"]
+    packed = seq // T
+    rows_k, rows_v = c.stage_k.flatten(0, 1), c.stage_v.flatten(0, 1)
+    out = torch.empty_like(c.q)
+    bt_row = c.block_table[0].contiguous()
+    row = {"chunk": chunk, "prefix": prefix,
+           "flops": 4 * chunk * (prefix + (chunk + 1) / 2) * d * hq}
+
+    def new():
+        K.kvarn_prefill(c.q, c.cache, rows_k, rows_v, out, block_table_row=bt_row,
+                        ctx_len=prefix, seq_len=seq, packed_tiles=packed, sink_row=0,
+                        tail_row=T, ring=2 * T, softmax_scale=c.softmax_scale, preset=c.preset)
+
+    try:
+        row["kvarn_ms"] = kv.bench_ms(new, device)
+    except Exception as exc:  # noqa: BLE001
+        row["kvarn_error"] = repr(exc)[:300]
+    if with_old:  # the chunk as pseudo-sequences of 16 (stage.py without prefill jobs)
+        i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+        n16 = -(-chunk // 16)
+        si = [prefix + min(16 * (i + 1), chunk) for i in range(n16)]
+        part = seq // T
+        pk = [part if seq % T and s > part * T else -(-s // T) for s in si]
+        tail = [T if seq % T and s > part * T else -1 for s in si]
+        cu = [0] + [min(16 * (i + 1), chunk) for i in range(n16)]
+        bt = c.block_table[:1].expand(n16, -1).contiguous()
+        sl, pkt, snk, tl_, cut = i32(si), i32(pk), i32([0] * n16), i32(tail), i32(cu)
+
+        def old():
+            for i0 in range(0, n16, 64):  # MAX_TOKENS_PER_LAUNCH 1024 = 64 pseudo-sequences
+                i1 = min(n16, i0 + 64)
+                t0, t1 = cu[i0], cu[i1]
+                K.kvarn_attention_rows(
+                    c.q[t0:t1], c.cache, rows_k, rows_v, out[t0:t1],
+                    cu_seqlens_q=cut[i0:i1 + 1] - t0, seq_lens=sl[i0:i1], packed_tiles=pkt[i0:i1],
+                    sink_rows=snk[i0:i1], tail_rows=tl_[i0:i1], ring=2 * T, block_table=bt[i0:i1],
+                    max_query_len=16, softmax_scale=c.softmax_scale, preset=c.preset,
+                    max_packed_tiles=max(pk))
+
+        try:
+            row["old_ms"] = kv.bench_ms(old, device)
+        except Exception as exc:  # noqa: BLE001
+            row["old_error"] = repr(exc)[:300]
+    if with_sdpa:
+        try:
+            import torch.nn.functional as F
+
+            qq = c.q.view(1, chunk, hq, d).transpose(1, 2)
+            kk = torch.randn(1, hkv, seq, d, device=device, dtype=torch.bfloat16)
+            vv = torch.randn_like(kk)
+            row["sdpa_bf16_ms"] = kv.bench_ms(
+                lambda: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True), device)
+            del kk, vv
+        except Exception as exc:  # noqa: BLE001
+            row["sdpa_error"] = repr(exc)[:300]
+    del c
+    return row
+
+
+def fmt_prefill(rows) -> str:
+    head = (f"{'chunk':>6} {'prefix':>7} {'kvarn ms':>9} {'TFLOP/s':>8} {'tok/s':>8} "
+            f"{'old ms':>9} {'x old':>6} {'sdpa bf16 ms':>12}")
+    lines = [head, "-" * len(head)]
+    nan = float("nan")
+    for r in rows:
+        k, o, sd = r.get("kvarn_ms"), r.get("old_ms"), r.get("sdpa_bf16_ms")
+        lines.append(
+            f"{r['chunk']:>6} {r['prefix']:>7} {(k or nan):>9.2f} "
+            f"{(r['flops'] / (k * 1e-3) / 1e12 if k else nan):>8.1f} "
+            f"{(r['chunk'] / (k * 1e-3) if k else nan):>8.0f} {(o or nan):>9.2f} "
+            f"{(o / k if k and o else nan):>6.1f} {(sd or nan):>12.2f}"
+            + "".join(f"  {key}={r[key][:60]}" for key in r if key.endswith("_error")))
+    return "\n".join(lines)
+
+
 def fmt_table(rows) -> str:
     head = (f"{'q':>3} {'ctx':>7} {'B':>2} {'tpp':>3} {'spl':>3} {'kvarn us':>9} {'bf16 us':>9} "
             f"{'int8 us':>9} {'x bf16':>6} {'x int8':>6} {'kvarn GB/s':>10} {'int8 GB/s':>9} "
@@ -278,6 +413,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1")
     ap.add_argument("--budget-s", type=float, default=150.0,
                     help="stop starting new timing rows after this many seconds")
+    ap.add_argument("--prefill-budget-s", type=float, default=30.0,
+                    help="extra seconds after --budget-s for the prefill rows")
     args = ap.parse_args(argv)
     t0 = time.time()
     out_dir = Path(args.out)
@@ -346,6 +483,20 @@ def main(argv=None) -> int:
         result["table"] = rows
         save()
     log(fmt_table(rows))
+    log("== 3. prefill: kvarn_prefill vs the pseudo-sequence path vs bf16 SDPA, batch 1")
+    prows = []
+    pgrid = [(64, 128), (64, 256)] if args.smoke else [(2048, 8192), (2048, 32768), (2048, 131072)]
+    for chunk, prefix in pgrid:
+        if time.time() - t0 > args.budget_s + args.prefill_budget_s:
+            log(f"budget reached; skipped prefill chunk={chunk} prefix={prefix}")
+            continue
+        try:
+            prows.append(prefill_row(chunk, prefix, device=device, gen=gen))
+        except Exception as exc:  # noqa: BLE001
+            log(f"prefill chunk={chunk} prefix={prefix}: {exc!r}"[:300])
+        result["prefill"] = prows
+        save()
+    log(fmt_prefill(prows))
     try:
         result["pack"] = [time_pack(device, gen, n) for n in ((1, 4) if args.smoke else (1, 64))]
         for r in result["pack"]:

@@ -182,7 +182,7 @@ KA.MAX_TOKENS_PER_LAUNCH = 40  # several launches per prefill step
 from onecard.kvarn import reference as R
 
 torch.manual_seed(0)
-DT, D, H, HQ, T, BS = "kvarn_k4v2_g64", 64, 2, 4, 64, 128
+DT, D, H, HQ, T, BS = GEOMETRY
 cfg = types.SimpleNamespace(cache_config=types.SimpleNamespace(cache_dtype=DT),
                             scheduler_config=types.SimpleNamespace(max_num_seqs=2))
 builder = KvarnMetadataBuilder(types.SimpleNamespace(block_size=BS), ["l0"], cfg, torch.device("cpu"))
@@ -191,10 +191,11 @@ shape = KvarnAttentionBackend.get_kv_cache_shape(8, BS, H, D, "auto")  # preset 
 kv_cache = torch.randint(0, 256, shape, dtype=torch.uint8)
 layer = torch.nn.Module()
 bt = torch.tensor([[3, 5, 2, 0], [6, 1, 7, 0]], dtype=torch.int32)
+prefill_jobs = 0
 K = [torch.zeros(0, H, D) for _ in range(2)]
 V = [torch.zeros(0, H, D) for _ in range(2)]
 errs = []
-for step in ([(0, 150), (0, 40)], [(150, 1), (40, 4)], [(151, 4), (42, 16)]):
+for step in STEPS:
     ql = [s for _, s in step]
     n = sum(ql)
     q = (torch.randn(n, HQ, D) * 1.2).bfloat16()
@@ -209,6 +210,7 @@ for step in ([(0, 150), (0, 40)], [(150, 1), (40, 4)], [(151, 4), (42, 16)]):
                                 query_start_loc_cpu=torch.tensor(cu), block_table_tensor=bt,
                                 num_actual_tokens=n)
     md = builder.build(0, cam)
+    prefill_jobs += len(md.plan.prefill)
     out = torch.full((n + 3, HQ * D), float("nan"), dtype=torch.bfloat16)  # padded like vLLM
     pad = lambda x: torch.cat([x.reshape(n, -1), torch.zeros(3, x[0].numel(), dtype=x.dtype)])
     impl.forward(layer, pad(q), pad(k), pad(v), kv_cache, md, output=out)
@@ -227,23 +229,43 @@ for step in ([(0, 150), (0, 40)], [(150, 1), (40, 4)], [(151, 4), (42, 16)]):
         ref = R.attention_f64(q[cu[r]:cu[r] + m].float(), R.rotate(torch.cat(ks)), R.rotate(torch.cat(vs)), D ** -0.5)
         got = out[cu[r]:cu[r] + m].view(m, HQ, D).double()
         errs.append(float(((got - ref).abs() / ref.abs().clamp_min(1)).max()))
-print("JSON" + json.dumps({"errs": errs, "shape": list(shape), "finite": bool(torch.isfinite(out[:n]).all())}))
+print("JSON" + json.dumps({"errs": errs, "shape": list(shape), "prefill_jobs": prefill_jobs,
+                          "finite": bool(torch.isfinite(out[:n]).all())}))
 """
+
+
+def _run_glue(site, geometry: str, steps: str) -> dict:
+    vdir = site / "vllm"
+    assert kin.main(["--vllm-dir", str(vdir)]) == 0
+    env = {**os.environ, "PYTHONPATH": f"{site}:{REPO}", "TRITON_INTERPRET": "1"}
+    script = _GLUE.replace("GEOMETRY", geometry).replace("STEPS", steps)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                       cwd=site, timeout=900)
+    line = [l for l in r.stdout.splitlines() if l.startswith("JSON")]
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    return json.loads(line[0][4:])
 
 
 def test_backend_glue_against_reference(site):
     """KvarnMetadataBuilder.build + KvarnAttentionImpl.forward (as vLLM calls them, padded
     batch, bf16) over three steps: prefill chunk / decode / verify, 2 requests."""
-    vdir = site / "vllm"
-    assert kin.main(["--vllm-dir", str(vdir)]) == 0
-    env = {**os.environ, "PYTHONPATH": f"{site}:{REPO}", "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", _GLUE], capture_output=True, text=True, env=env,
-                       cwd=site, timeout=900)
-    line = [l for l in r.stdout.splitlines() if l.startswith("JSON")]
-    assert r.returncode == 0 and line, r.stderr[-3000:]
-    out = json.loads(line[0][4:])
+    out = _run_glue(site, '"kvarn_k4v2_g64", 64, 2, 4, 64, 128',
+                    "([(0, 150), (0, 40)], [(150, 1), (40, 4)], [(151, 4), (42, 16)])")
     assert out["shape"] == [8, 2, 2, fmt.get_preset("k4v2_g64").layout(64).block_bytes]
+    assert out["prefill_jobs"] == 2  # 150 and 40 queries: the prefill kernel
     assert out["finite"] and max(out["errs"]) < 3e-2, out["errs"]  # bf16 output rounding
+
+
+def test_backend_long_prefill_in_chunks_against_reference(site):
+    """A 700-token prompt in scheduler chunks of 256 / 256 / 188 through the installed backend
+    (the default preset k4v2_g128, pages of 2 tiles, GQA 4 kv x 6 heads), another request
+    prefilling and decoding in the same batches, then decode: equals the float64 reference
+    over what the cache holds (sink and partial tile fp16, full tiles quantized)."""
+    out = _run_glue(site, '"kvarn_k4v2_g128", 64, 4, 24, 128, 256',
+                    "([(0, 256), (0, 40)], [(256, 256), (40, 1)], [(512, 188), (41, 1)],"
+                    " [(700, 1), (42, 1)])")
+    assert out["prefill_jobs"] == 4  # chunks 256, 40, 256, 188; the decodes stay split-KV
+    assert out["finite"] and max(out["errs"]) < 3e-2, out["errs"]
 
 
 def test_patches_cli_audit_with_the_kvarn_series(site, capsys):

@@ -34,8 +34,12 @@ T, D, HKV, HQ = 64, 64, 2, 4
 class Sim:
     """Two requests over a paged cache, driven step by step like vLLM's model runner."""
 
-    def __init__(self, gen, tiles_per_page=2, num_slots=10, shared_first_page=False):
+    def __init__(self, gen, tiles_per_page=2, num_slots=10, shared_first_page=False,
+                 prefill_min_q=None, max_tokens_per_launch=1024, **prefill_kw):
         self.g = gen
+        self.prefill_min_q = prefill_min_q
+        self.max_tokens_per_launch = max_tokens_per_launch
+        self.prefill_kw = prefill_kw  # kvarn_prefill knobs (window_tokens, query_group, ...)
         self.tpp = tiles_per_page
         p = R.get_preset(PRESET)
         self.layout = p.layout(D)
@@ -73,7 +77,7 @@ class Sim:
         bt = self.bt[[r for r, _, _ in rows]]
         cols = {i: self.planner.tile_cols(c, s) for i, (c, s) in enumerate(zip(ctx, seq))}
         tb = S.tile_block_ids(bt, cols, self.tpp)
-        plan = self.planner.plan(ctx, seq, q0, tb)
+        plan = self.planner.plan(ctx, seq, q0, tb, prefill_min_q=self.prefill_min_q)
         krot = R.rotate(torch.cat(k_new), torch.float32).half()
         vrot = R.rotate(torch.cat(v_new), torch.float32).half()
         S.apply_write(plan, krot, vrot, self.stage_k, self.stage_v, self.cache, PRESET,
@@ -81,12 +85,14 @@ class Sim:
         q = (torch.randn(n, HQ, D, generator=self.g) * 1.2).half()
         qp = q[torch.cat([torch.arange(q0[i], q0[i] + seq[i] - ctx[i]) for i in range(len(rows))])]
         out = torch.full((n, HQ, D), float("nan"))
-        K.kvarn_attention_rows(
-            qp, self.cache, self.stage_k, self.stage_v, out, cu_seqlens_q=plan.cu_seqlens_q,
-            seq_lens=plan.seq_lens, packed_tiles=plan.packed_tiles, sink_rows=plan.sink_rows,
-            tail_rows=plan.tail_rows, ring=T, block_table=bt[plan.req_index].contiguous(),
-            max_query_len=plan.max_query_len, softmax_scale=D ** -0.5, preset=PRESET,
-            tiles_per_page=self.tpp)
+        self.last_plan = plan
+        prefill = lambda *a, **kw: K.kvarn_prefill(*a, **kw, **self.prefill_kw)  # noqa: E731
+        S.apply_attention(
+            plan, qp, out, self.cache, self.stage_k, self.stage_v,
+            block_table=bt[plan.req_index].contiguous(), req_block_table=bt,
+            softmax_scale=D ** -0.5, preset=PRESET, tiles_per_page=self.tpp,
+            attention_rows=K.kvarn_attention_rows, prefill=prefill,
+            max_tokens_per_launch=self.max_tokens_per_launch)
         err = 0.0
         for i, (r, c, ql) in enumerate(rows):
             s = c + ql
@@ -145,6 +151,24 @@ def test_prefill_chunks_decode_and_verify_with_rejections(gen):
 
 
 @inproc
+def test_prefill_jobs_with_decode_and_verify_in_the_batch(gen):
+    """Prefill chunks through kvarn_prefill (dequantize once per chunk, windows + LSE merge,
+    several query groups), mixed with decode / verify pseudo-sequences in one batch (a prefill
+    job between them: launches stay contiguous in the batch), against the same reference."""
+    sim = Sim(gen, prefill_min_q=S.MAX_QUERY_LEN + 1, max_tokens_per_launch=8,
+              window_tokens=128, query_group=40)
+    errs = [sim.step([(0, 0, 100), (1, 0, 40)])]  # two prefill jobs (40 < tile, 100 crosses it)
+    assert [j.q_len for j in sim.last_plan.prefill] == [100, 40] and sim.last_plan.seq_lens.numel() == 0
+    errs.append(sim.step([(1, 40, 3), (0, 100, 190)]))  # verify, then a prefill from mid-tile
+    assert len(sim.last_plan.prefill) == 1 and sim.last_plan.seq_tok0 == [0]
+    errs.append(sim.step([(0, 290, 17), (1, 43, 2)]))  # shortest prefill job, then a verify
+    assert sim.last_plan.prefill[0].tok0 == 0 and sim.last_plan.seq_tok0 == [17]
+    errs.append(sim.step([(1, 45, 16), (0, 307, 1)]))  # 16 queries stay a pseudo-sequence
+    assert not sim.last_plan.prefill
+    assert max(errs) < TOL, errs
+
+
+@inproc
 def test_prefix_shared_first_page(gen):
     sim = Sim(gen, tiles_per_page=1, num_slots=5, shared_first_page=True)
     assert sim.step([(0, 0, 64 + 10)]) < TOL
@@ -189,6 +213,27 @@ def test_planner_null_page_dummy_runs():
     assert plan.pack_new_rows.numel() == 0 and set(plan.tail_rows.tolist()) == {-1}
     assert plan.num_tokens == 3 + 130 + 4 and set(plan.sink_rows.tolist()) == {-1}
     assert plan.all_null and not p.plan([0], [3], [0], {(0, 0): 7}, null_page_blocks=2).all_null
+    # with prefill jobs: the 130-query run is a job reading its tiles packed, nothing staged
+    p = S.StagePlanner(PRESET, 4, tiles_per_page=2)
+    plan = p.plan([0, 0, 5], [3, 130, 9], [0, 3, 133], tb, null_page_blocks=2, prefill_min_q=17)
+    job, = plan.prefill
+    assert (job.req, job.tok0, job.ctx, job.seq, job.packed) == (1, 3, 0, 130, 3)
+    assert (job.sink_row, job.tail_row, job.null) == (-1, -1, True) and not p.slot_of
+    assert plan.num_tokens == 3 + 130 + 4 and plan.seq_tok0 == [0, 133] and plan.all_null
+
+
+def test_planner_prefill_jobs():
+    p = S.StagePlanner(PRESET, 10)
+    tb = {(r, t): 10 * r + t for r in range(2) for t in range(8)}
+    plan = p.plan([0, 0], [3 * T + 5, 40], [0, 3 * T + 5], tb, prefill_min_q=17)
+    a, b = plan.prefill
+    assert (a.packed, a.sink_row, a.tail_row) == (3, p.slot_of[0] * T, p.slot_of[3] * T)
+    assert (b.packed, b.sink_row, b.tail_row) == (0, -1, p.slot_of[10] * T)
+    assert plan.pack_stage_blocks.tolist() == [0, 2] and plan.pack_new_blocks.tolist() == [1]
+    assert plan.seq_lens.numel() == 0 and plan.num_tokens == 3 * T + 45
+    plan = p.plan([3 * T + 5, 40], [3 * T + 30, 41], [0, 25], tb, prefill_min_q=17)
+    assert [j.tok0 for j in plan.prefill] == [0] and plan.seq_tok0 == [25]
+    assert plan.prefill[0].packed == 3 and plan.cu_seqlens_q.tolist() == [0, 1]
 
 
 def test_memory_model_stage_reserve():
@@ -197,3 +242,8 @@ def test_memory_model_stage_reserve():
     g = memory.QWEN38_27B
     # 17 layers x (3*2+4) slots x 128 rows x 4 heads x 256 x K,V x fp16
     assert memory.kvarn_stage_bytes(g, "kvarn", 2) == 17 * 10 * 128 * 4 * 256 * 4 == 89_128_960
+    # the prefill scratch, once per process: fp16 K/V window 16k x 4 x 256 x 2 x 2 B + one
+    # 2048-query group's fp16 queries and fp32 state (24 heads x (256 x 2 + 256 x 4 + 8) B)
+    win = 16384 * 4 * 256 * 2 * 2
+    assert memory.kvarn_prefill_scratch_bytes(g) == win + 2048 * 24 * 1544 == 142_999_552
+    assert memory.kvarn_reserve_bytes(g, "kvarn", 2) == 89_128_960 + 142_999_552

@@ -10,10 +10,12 @@ Cache of one layer: uint8 [num_blocks, block_size // tile, num_kv_heads, block_b
 page of block_size tokens is block_size // tile KVarN tiles; block_size is a multiple of 128).
 Per step the metadata builder plans (onecard/kvarn/stage.py): which new rows go to the fp16
 stage (tile 0 and the tail; slots keyed by the tile's physical block), which tiles are full and
-get packed, and the pseudo-sequences (<= 16 queries) attention runs over. The forward then:
-rotates K/V (Walsh-Hadamard), writes the stage, packs full tiles (Triton), and runs the split-KV
-attention kernel for every query (decode, verify and prefill chunks alike; a prefill chunk's
-queries read its own tiles packed, the partial tile and the sink in fp16).
+get packed, the pseudo-sequences (<= 16 queries) of decode / verify, and the prefill jobs (query
+runs of more than 16 tokens). The forward then: rotates K/V (Walsh-Hadamard), writes the stage,
+packs full tiles (Triton), runs the split-KV attention kernel for decode and verify queries, and
+the prefill kernel for each prefill chunk (kernels.kvarn_prefill: the prefix is dequantized once
+per chunk into a bounded fp16 window scratch, then a flash kernel with a log-sum-exp merge over
+windows; a chunk's queries read its own full tiles packed, the partial tile and the sink fp16).
 
 Limits (one-line errors): decoder self-attention only; no sliding window, ALiBi, soft cap,
 KV sharing, sinks, or fp8 output quantization. CUDA graphs: never (attention runs eager inside
@@ -47,8 +49,9 @@ logger = init_logger(__name__)
 
 KVARN_CACHE_DTYPES = tuple(p.cache_dtype for p in kvarn_format.PRESETS.values())
 PAGE_ALIGN = 128  # block sizes are multiples of the largest tile
-# Query tokens per attention launch: bounds the fp32 partials (tokens x heads x 2 x head_dim)
-# of a long prefill chunk (~100 MiB at 1024 tokens, 24 heads of 256) on a 24 GB card.
+# Query tokens per split-KV launch (decode / verify pseudo-sequences): bounds its fp32 partials
+# (tokens x heads x parts x head_dim). Prefill chunks take kvarn_prefill, whose scratch is
+# kernels.prefill_scratch_bytes (~137 MiB at 24 q / 4 kv heads of 256, counted in onecard.memory).
 MAX_TOKENS_PER_LAUNCH = 1024
 _ACTIVE: dict[str, str] = {}  # "cache_dtype": the kvarn dtype of this process
 
@@ -144,6 +147,7 @@ class KvarnMetadata(AttentionMetadata):
     num_actual_tokens: int
     tiles_per_page: int
     cu_cpu: list  # the plan's cu_seqlens_q on the host (launch grouping)
+    req_block_table: torch.Tensor | None = None  # [requests, pages] (prefill jobs' rows)
 
 
 class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
@@ -167,11 +171,13 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         bt_cpu = cam.block_table_tensor[:n].to("cpu")
         cols = {r: self.planner.tile_cols(ctx[r], seq[r]) for r in range(n)}
         tb = kvarn_stage.tile_block_ids(bt_cpu, cols, self.tiles_per_page)
-        plan = self.planner.plan(ctx, seq, qsl[:n], tb, null_page_blocks=self.tiles_per_page)
+        plan = self.planner.plan(ctx, seq, qsl[:n], tb, null_page_blocks=self.tiles_per_page,
+                                 prefill_min_q=kvarn_stage.MAX_QUERY_LEN + 1)
         dev_plan = plan.to(self.device)
         bt = cam.block_table_tensor[:n].index_select(0, dev_plan.req_index)
         return KvarnMetadata(plan=dev_plan, block_table=bt, num_actual_tokens=cam.num_actual_tokens,
-                             tiles_per_page=self.tiles_per_page, cu_cpu=plan.cu_seqlens_q.tolist())
+                             tiles_per_page=self.tiles_per_page, cu_cpu=plan.cu_seqlens_q.tolist(),
+                             req_block_table=cam.block_table_tensor[:n])
 
 
 class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
@@ -243,21 +249,10 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                                 kvarn_kernels.kvarn_pack_rows)
         q = query[:n].view(n, self.num_heads, d)
         out = output[:n].view(n, self.num_heads, d)
-        cu = attn_metadata.cu_cpu
-        i0 = 0
-        while i0 < len(cu) - 1:  # groups of pseudo-sequences, <= MAX_TOKENS_PER_LAUNCH tokens
-            i1 = i0 + 1
-            while i1 < len(cu) - 1 and cu[i1 + 1] - cu[i0] <= MAX_TOKENS_PER_LAUNCH:
-                i1 += 1
-            t0, t1 = cu[i0], cu[i1]
-            whole = i0 == 0 and i1 == len(cu) - 1
-            kvarn_kernels.kvarn_attention_rows(
-                q[t0:t1], cache, stage_k, stage_v, out[t0:t1],
-                cu_seqlens_q=plan.cu_seqlens_q if whole else plan.cu_seqlens_q[i0:i1 + 1] - t0,
-                seq_lens=plan.seq_lens[i0:i1], packed_tiles=plan.packed_tiles[i0:i1],
-                sink_rows=plan.sink_rows[i0:i1], tail_rows=plan.tail_rows[i0:i1],
-                ring=self.preset.tile, block_table=attn_metadata.block_table[i0:i1],
-                max_query_len=plan.max_query_len, softmax_scale=self.scale, preset=self.preset,
-                tiles_per_page=tpp, max_packed_tiles=plan.max_packed_tiles)
-            i0 = i1
+        kvarn_stage.apply_attention(
+            plan, q, out, cache, stage_k, stage_v, block_table=attn_metadata.block_table,
+            req_block_table=attn_metadata.req_block_table, softmax_scale=self.scale,
+            preset=self.preset, tiles_per_page=tpp, attention_rows=kvarn_kernels.kvarn_attention_rows,
+            prefill=kvarn_kernels.kvarn_prefill, max_tokens_per_launch=MAX_TOKENS_PER_LAUNCH,
+            cu_cpu=attn_metadata.cu_cpu)
         return output

@@ -165,6 +165,23 @@ def staging_bytes_per_seq_layer(num_kv_heads: int, head_dim: int, preset: str | 
     return 2 * 3 * p.tile * num_kv_heads * head_dim * FP16
 
 
+# kernels.kvarn_prefill (the prefill path): the prefix is dequantized once per group of
+# PREFILL_QUERY_GROUP query tokens (one group per chunk up to that size) into an fp16 window of
+# PREFILL_WINDOW_TOKENS keys; a flash kernel carries an fp32 state across windows.
+PREFILL_WINDOW_TOKENS = 16384  # 16k x 4 kv heads x 256 x 2 (K, V) x 2 B = 64 MiB
+PREFILL_QUERY_GROUP = 2048  # fp32 state 2048 x 24 heads x 256 x 4 B = 48 MiB (+ fp16 q 24 MiB)
+
+
+def prefill_scratch_bytes(num_q_heads: int, num_kv_heads: int, head_dim: int,
+                          window_tokens: int = PREFILL_WINDOW_TOKENS,
+                          query_group: int = PREFILL_QUERY_GROUP) -> int:
+    """Peak device memory of one prefill call (one per process: layers run one after another):
+    fp16 K/V window + fp16 rotated queries + fp32 state (acc, max, sum) of one query group."""
+    window = 2 * window_tokens * num_kv_heads * head_dim * FP16
+    group = query_group * num_q_heads * (head_dim * FP16 + head_dim * 4 + 2 * 4)
+    return window + group
+
+
 def format_table(head_dim: int = 256, num_kv_heads: int = 4) -> list[dict]:
     """Rows for docs: bytes per token per kv head and per layer, vs bf16."""
     rows = []

@@ -12,6 +12,11 @@ onecard.kvarn.reference).
     and ring tail); a second kernel merges all parts by log-sum-exp. The query is rotated once
     (q . k = (q Hn) . (k Hn)); packed K/V are dequantized in registers in sub-tiles of SUB_N
     tokens; the output is un-rotated once.
+(c) ``kvarn_prefill``: one request's prefill chunk. Per group of up to 2048 queries the keys it
+    sees are dequantized once, window by window, into a bounded fp16 scratch (dequant kernel:
+    packed tiles in registers, sink / tail fp16 rows copied); a flash kernel (BLOCK_M queries x
+    one q head per program, causal) runs over each window and carries an fp32 online-softmax
+    state to the next (the log-sum-exp merge). Memory: format.prefill_scratch_bytes.
 
 Self-contained (torch, triton and the sibling ``format`` module) so kvarn/install.sh can copy
 this package into vLLM. Triton kept basic (3.6 on the GPU host).
@@ -25,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .format import EPS, Preset, get_preset
+from .format import (EPS, PREFILL_QUERY_GROUP, PREFILL_WINDOW_TOKENS, Preset, get_preset,
+                     prefill_scratch_bytes)
 
 MAX_QUERY_LEN = 16
 _LOG2E = 1.4426950408889634
@@ -483,4 +489,227 @@ def kvarn_attention_rows(
         num_warps=8 if parts * d > 4096 else 4,
     )
     out.copy_((o_rot.reshape(-1, d) @ hn).reshape(out.shape))  # un-rotate once
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# (c) prefill: dequantize the prefix once per chunk into a bounded fp16 window, flash attention
+# ------------------------------------------------------------------------------------------------
+
+# PREFILL_WINDOW_TOKENS, PREFILL_QUERY_GROUP and prefill_scratch_bytes live in .format (the
+# memory model reads them without torch).
+
+
+@triton.jit
+def _kvarn_dequant_kernel(
+    cache_u8_ptr, cache_f16_ptr, rows_k_ptr, rows_v_ptr, out_k_ptr, out_v_ptr, bt_ptr,
+    t0, seq_len, packed, sink0, tail0, ring, tiles_per_page,
+    stride_c_blk: tl.int64, stride_c_head: tl.int64,
+    stride_r_row: tl.int64, stride_r_head: tl.int64,
+    stride_o_row: tl.int64, stride_o_head: tl.int64,
+    HEAD_DIM: tl.constexpr, TILE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    OFF_KC: tl.constexpr, OFF_VC: tl.constexpr, OFF_KSC: tl.constexpr, OFF_KMN: tl.constexpr,
+    OFF_KN: tl.constexpr, OFF_VSC: tl.constexpr, OFF_VMN: tl.constexpr, OFF_VG: tl.constexpr,
+):
+    # program (j, kv head): tile t = t0 + j of the sequence -> fp16 rotated rows [j * TILE, + TILE)
+    # of out_*: from the sink rows (t == 0, sink0 >= 0), dequantized from its packed block
+    # (t < packed), or from the fp16 tail rows tail0 + p % ring (zeros past seq_len).
+    j = tl.program_id(0)
+    kvh = tl.program_id(1)
+    t = t0 + j
+    offs_t = tl.arange(0, TILE)
+    offs_d = tl.arange(0, HEAD_DIM)
+    pos = t * TILE + offs_t
+    dst = (j * TILE + offs_t).to(tl.int64)[:, None] * stride_o_row + kvh * stride_o_head + offs_d[None, :]
+    if t < packed:
+        if (t == 0) & (sink0 >= 0):
+            src = (sink0 + offs_t).to(tl.int64)[:, None] * stride_r_row + kvh * stride_r_head + offs_d[None, :]
+            tl.store(out_k_ptr + dst, tl.load(rows_k_ptr + src))
+            tl.store(out_v_ptr + dst, tl.load(rows_v_ptr + src))
+        else:
+            KPER: tl.constexpr = 8 // K_BITS
+            VPER: tl.constexpr = 8 // V_BITS
+            page = tl.load(bt_ptr + t // tiles_per_page).to(tl.int64)
+            blk = page * tiles_per_page + t % tiles_per_page
+            base = blk * stride_c_blk + kvh * stride_c_head
+            base16 = base // 2
+            ksc = tl.load(cache_f16_ptr + base16 + OFF_KSC // 2 + offs_d).to(tl.float32)
+            kmn = tl.load(cache_f16_ptr + base16 + OFF_KMN // 2 + offs_d).to(tl.float32)
+            vg = tl.load(cache_f16_ptr + base16 + OFF_VG // 2 + offs_d).to(tl.float32)
+            kn = tl.load(cache_f16_ptr + base16 + OFF_KN // 2 + offs_t).to(tl.float32)
+            vsc = tl.load(cache_f16_ptr + base16 + OFF_VSC // 2 + offs_t).to(tl.float32)
+            vmn = tl.load(cache_f16_ptr + base16 + OFF_VMN // 2 + offs_t).to(tl.float32)
+            kbyte = tl.load(cache_u8_ptr + base + OFF_KC + offs_t[:, None] * (HEAD_DIM // KPER)
+                            + (offs_d // KPER)[None, :]).to(tl.int32)
+            kcode = ((kbyte >> ((offs_d % KPER) * K_BITS)[None, :]) & ((1 << K_BITS) - 1)).to(tl.float32)
+            tl.store(out_k_ptr + dst, ((kcode * ksc[None, :] + kmn[None, :]) * kn[:, None]).to(tl.float16))
+            vbyte = tl.load(cache_u8_ptr + base + OFF_VC + offs_t[:, None] * (HEAD_DIM // VPER)
+                            + (offs_d // VPER)[None, :]).to(tl.int32)
+            vcode = ((vbyte >> ((offs_d % VPER) * V_BITS)[None, :]) & ((1 << V_BITS) - 1)).to(tl.float32)
+            tl.store(out_v_ptr + dst, (vg[None, :] * (vcode * vsc[:, None] + vmn[:, None])).to(tl.float16))
+    else:
+        ok = pos < seq_len
+        src = (tail0 + pos % ring).to(tl.int64)[:, None] * stride_r_row + kvh * stride_r_head + offs_d[None, :]
+        tl.store(out_k_ptr + dst, tl.load(rows_k_ptr + src, mask=ok[:, None], other=0.0))
+        tl.store(out_v_ptr + dst, tl.load(rows_v_ptr + src, mask=ok[:, None], other=0.0))
+
+
+@triton.jit
+def _kvarn_prefill_kernel(
+    q_ptr, k_ptr, v_ptr, acc_ptr, m_ptr, l_ptr,
+    n_q, q_pos0, w0, w_len, qk_scale,
+    stride_q_t: tl.int64, stride_q_h: tl.int64,
+    stride_k_row: tl.int64, stride_k_head: tl.int64,
+    stride_a_t: tl.int64, stride_a_h: tl.int64,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FIRST: tl.constexpr, LAST: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # program (query block, q head): BLOCK_M queries (positions q_pos0 + i) against the window's
+    # keys (positions w0 + j, j < w_len; scratch rows j), causal. The running state (unnormalized
+    # fp32 acc, log2 max m, sum l) is carried across windows in acc/m/l; LAST stores acc / l.
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_ok = offs_m < n_q
+    qpos = q_pos0 + offs_m
+    q = tl.load(q_ptr + offs_m.to(tl.int64)[:, None] * stride_q_t + h * stride_q_h + offs_d[None, :],
+                mask=m_ok[:, None], other=0.0).to(tl.float16)
+    a_off = offs_m.to(tl.int64)[:, None] * stride_a_t + h * stride_a_h + offs_d[None, :]
+    ml_off = offs_m.to(tl.int64) * NUM_Q_HEADS + h
+    if FIRST:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    else:
+        m_i = tl.load(m_ptr + ml_off, mask=m_ok, other=float("-inf"))
+        l_i = tl.load(l_ptr + ml_off, mask=m_ok, other=0.0)
+        acc = tl.load(acc_ptr + a_off, mask=m_ok[:, None], other=0.0)
+    # keys of this window that some row of the block sees: positions <= the block's last query
+    last_q = tl.minimum((mb + 1) * BLOCK_M, n_q) - 1
+    hi = tl.minimum(w_len, q_pos0 + last_q + 1 - w0)
+    kbase = k_ptr + kvh * stride_k_head
+    vbase = v_ptr + kvh * stride_k_head
+    for j0 in range(0, hi, BLOCK_N):
+        cols = j0 + offs_n
+        c_ok = cols < hi
+        kt = tl.load(kbase + cols.to(tl.int64)[None, :] * stride_k_row + offs_d[:, None],
+                     mask=c_ok[None, :], other=0.0)
+        s = _dot(q, kt, DOT_F32) * qk_scale
+        s = tl.where(((w0 + cols)[None, :] <= qpos[:, None]) & c_ok[None, :], s, float("-inf"))
+        p, alpha, m_i, l_i = _online_update(s, m_i, l_i)
+        vt = tl.load(vbase + cols.to(tl.int64)[:, None] * stride_k_row + offs_d[None, :],
+                     mask=c_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(tl.float16), vt, DOT_F32)
+    if LAST:
+        o = tl.where(l_i[:, None] > 0.0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+        tl.store(acc_ptr + a_off, o, mask=m_ok[:, None])
+    else:
+        tl.store(acc_ptr + a_off, acc, mask=m_ok[:, None])
+        tl.store(m_ptr + ml_off, m_i, mask=m_ok)
+        tl.store(l_ptr + ml_off, l_i, mask=m_ok)
+
+
+def kvarn_prefill(
+    q: torch.Tensor, cache: torch.Tensor, rows_k: torch.Tensor, rows_v: torch.Tensor,
+    out: torch.Tensor, *, block_table_row: torch.Tensor, ctx_len: int, seq_len: int,
+    packed_tiles: int, sink_row: int, tail_row: int, ring: int, softmax_scale: float,
+    preset: str | Preset | None = None, tiles_per_page: int = 1,
+    window_tokens: int = PREFILL_WINDOW_TOKENS, query_group: int = PREFILL_QUERY_GROUP,
+    block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of one request's prefill chunk over a KVarN cache; writes ``out``
+    [n, Hq, D] (model space), n = seq_len - ctx_len, and returns it.
+
+    The chunk's queries are positions [ctx_len, seq_len). Keys are what the cache represents
+    (the same addressing as ``kvarn_attention_rows``): tiles [0, packed_tiles) packed in the
+    blocks of ``block_table_row`` (pages of ``tiles_per_page`` tiles), tile 0 read from fp16
+    rows [sink_row, + tile) when sink_row >= 0; positions [packed * tile, seq_len) are fp16
+    rows ``tail_row + p % ring`` of ``rows_*``.
+
+    Per group of ``query_group`` queries (one group for chunks up to that size), the keys the
+    group sees are dequantized ONCE, window by window (``window_tokens`` keys, a multiple of the
+    tile), into an fp16 scratch; a flash kernel (BLOCK_M queries x one q head per program)
+    runs over each window, carrying an fp32 online-softmax state from window to window (the
+    log-sum-exp merge). Memory: ``prefill_scratch_bytes``."""
+    p = get_preset(preset)
+    T = p.tile
+    n, hq, d = q.shape
+    if n != seq_len - ctx_len or n <= 0:
+        raise ValueError(f"q has {n} tokens; valid: seq_len - ctx_len = {seq_len - ctx_len} > 0")
+    if rows_k.dim() != 3 or rows_k.shape[2] != d or rows_k.stride() != rows_v.stride() \
+            or rows_k.dtype != torch.float16 or rows_v.dtype != torch.float16 or rows_k.stride(2) != 1:
+        raise ValueError(f"fp16 rows must be [R, Hkv, {d}] fp16 with equal K/V strides; got "
+                         f"{tuple(rows_k.shape)} {rows_k.dtype}")
+    nkv = rows_k.shape[1]
+    layout = p.layout(d)
+    _check_cache(cache, layout, nkv)
+    if hq % nkv:
+        raise ValueError(f"{hq} query heads is not a multiple of {nkv} kv heads")
+    if not 0 <= packed_tiles <= -(-seq_len // T) or (packed_tiles * T < seq_len and tail_row < 0):
+        raise ValueError(f"packed_tiles {packed_tiles} / tail_row {tail_row} are not valid for "
+                         f"seq_len {seq_len}; valid: positions past the packed tiles in fp16 rows")
+    if window_tokens < T or window_tokens % T:
+        raise ValueError(f"window_tokens {window_tokens} is not valid; valid: a multiple of {T}")
+    cuda = q.device.type == "cuda"
+    if block_m is None:
+        block_m = 64 if cuda else 32
+    if block_n is None:
+        block_n = (32 if d >= 256 else 64) if cuda else 32
+    if num_warps is None:
+        num_warps = 8 if block_m * d >= 64 * 256 else 4
+    if num_stages is None:
+        num_stages = 2 if d >= 256 else 3
+    query_group = max(1, int(query_group))
+    hn = _hadamard(d, q.device)
+    rows_per = max(1, 4096 // hq)  # rotate / un-rotate in slices (bounded fp32 temporaries)
+    storage = torch.tensor([], dtype=torch.uint8, device=cache.device).set_(cache.untyped_storage())
+    c16 = storage.view(torch.float16)
+    cache_u8, cache_f16 = storage[cache.storage_offset():], c16[cache.storage_offset() // 2:]
+    consts = _layout_consts(layout)
+    scale = softmax_scale * _LOG2E
+    n_tiles_max = -(-seq_len // T)
+    w_tiles = min(window_tokens // T, n_tiles_max)
+    sk = torch.empty((w_tiles * T, nkv, d), dtype=torch.float16, device=q.device)
+    sv = torch.empty_like(sk)
+    g_n = min(n, query_group)
+    q_rot = torch.empty((g_n, hq, d), dtype=torch.float16, device=q.device)
+    acc = torch.empty((g_n, hq, d), dtype=torch.float32, device=q.device)
+    m_st = torch.empty((g_n, hq), dtype=torch.float32, device=q.device)
+    l_st = torch.empty_like(m_st)
+    for g0 in range(0, n, query_group):
+        gn = min(n, g0 + query_group) - g0
+        for r0 in range(0, gn, rows_per):
+            r1 = min(gn, r0 + rows_per)
+            q_rot[r0:r1] = (q[g0 + r0:g0 + r1].float().reshape(-1, d) @ hn).view(r1 - r0, hq, d)
+        kv_len = ctx_len + g0 + gn  # keys this group sees
+        n_tiles = -(-kv_len // T)
+        windows = list(range(0, n_tiles, w_tiles))
+        for wi, t0 in enumerate(windows):
+            nt = min(n_tiles, t0 + w_tiles) - t0
+            _kvarn_dequant_kernel[(nt, nkv)](
+                cache_u8, cache_f16, rows_k, rows_v, sk, sv, block_table_row,
+                t0, seq_len, packed_tiles, sink_row, tail_row, ring, tiles_per_page,
+                cache.stride(0), cache.stride(1), rows_k.stride(0), rows_k.stride(1),
+                sk.stride(0), sk.stride(1),
+                HEAD_DIM=d, TILE=T, K_BITS=p.k_bits, V_BITS=p.v_bits, **consts,
+                num_warps=8 if T * d >= 128 * 128 else 4,
+            )
+            w0 = t0 * T
+            _kvarn_prefill_kernel[(triton.cdiv(gn, block_m), hq)](
+                q_rot, sk, sv, acc, m_st, l_st,
+                gn, ctx_len + g0, w0, min(nt * T, seq_len - w0), scale,
+                q_rot.stride(0), q_rot.stride(1), sk.stride(0), sk.stride(1),
+                acc.stride(0), acc.stride(1),
+                NUM_Q_HEADS=hq, GROUP=hq // nkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+                FIRST=wi == 0, LAST=wi == len(windows) - 1, DOT_F32=not cuda,
+                num_warps=num_warps, num_stages=num_stages,
+            )
+        for r0 in range(0, gn, rows_per):  # un-rotate once
+            r1 = min(gn, r0 + rows_per)
+            out[g0 + r0:g0 + r1] = (acc[r0:r1].reshape(-1, d) @ hn).view(r1 - r0, hq, d)
     return out

@@ -197,14 +197,16 @@ def tile_block(block_table: torch.Tensor, seq: int, t: int, tiles_per_page: int)
     return int(block_table[seq, t // tiles_per_page]) * tiles_per_page + t % tiles_per_page
 
 
-def gather_kv(case: "KvarnCase", seq: int, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated K, V [L, H, D] of one sequence exactly as the cache represents them."""
+def gather_kv(case: "KvarnCase", seq: int, dtype=torch.float64, sink: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated K, V [L, H, D] of one sequence exactly as the cache represents them (``sink``:
+    tile 0 from the stage's fp16 sink rows, else dequantized from its block)."""
     p, T = case.preset, case.preset.tile
     L, packed, slot = int(case.seq_lens[seq]), int(case.packed_tiles[seq]), int(case.stage_slot[seq])
     layout = p.layout(case.head_dim)
     ks, vs = [], []
     for t in range(packed):
-        if t == 0:
+        if t == 0 and sink:
             ks.append(case.stage_k[slot, :T].to(dtype))
             vs.append(case.stage_v[slot, :T].to(dtype))
         else:
@@ -234,7 +236,7 @@ def attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def reference_attention(case: "KvarnCase", exact: bool = False) -> torch.Tensor:
+def reference_attention(case: "KvarnCase", exact: bool = False, sink: bool = True) -> torch.Tensor:
     """Float64 attention [Tq, Hq, D] in model space. ``exact=False``: over the cache's
     dequantized K/V (what the kernel must match); ``exact=True``: over the unquantized K/V the
     case was built from (the quantization error)."""
@@ -244,9 +246,42 @@ def reference_attention(case: "KvarnCase", exact: bool = False) -> torch.Tensor:
         if exact:
             k, v = case.k_true[s].double(), case.v_true[s].double()
         else:
-            k, v = (rotate(x) for x in gather_kv(case, s))  # un-rotate (Hn is its own inverse)
+            k, v = (rotate(x) for x in gather_kv(case, s, sink=sink))  # un-rotate (Hn is its own inverse)
         out[cu[s]:cu[s + 1]] = attention_f64(case.q[cu[s]:cu[s + 1]].cpu(), k.cpu(), v.cpu(),
                                              case.softmax_scale)
+    return out
+
+
+def prefill_windows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                    window_tokens: int, query_group: int) -> torch.Tensor:
+    """Reference of ``kernels.kvarn_prefill``'s algorithm in float64: queries (the last ql
+    positions of k/v [L, Hkv, D]) in groups of ``query_group``; per group, the keys it sees in
+    windows of ``window_tokens``, each window's causal attention merged by log-sum-exp. Equals
+    ``attention_f64`` (the test of the merge itself)."""
+    ql, hq, _ = q.shape
+    L, hkv, _ = k.shape
+    g = hq // hkv
+    ctx = L - ql
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for g0 in range(0, ql, query_group):
+        g1 = min(ql, g0 + query_group)
+        qq = q[g0:g1].double()
+        pos = ctx + torch.arange(g0, g1)
+        lse = torch.full((hq, g1 - g0), float("-inf"), dtype=torch.float64)
+        acc = torch.zeros((hq, g1 - g0, q.shape[-1]), dtype=torch.float64)
+        for w0 in range(0, ctx + g1, window_tokens):
+            w1 = min(ctx + g1, w0 + window_tokens)
+            kw = k[w0:w1].double().repeat_interleave(g, dim=1)
+            vw = v[w0:w1].double().repeat_interleave(g, dim=1)
+            s = torch.einsum("qhd,khd->hqk", qq, kw) * softmax_scale
+            s = s.masked_fill(torch.arange(w0, w1)[None, None, :] > pos[None, :, None], float("-inf"))
+            lw = torch.logsumexp(s, -1)  # [hq, q]; -inf where the window is all masked
+            ow = torch.einsum("hqk,khd->hqd", torch.softmax(s, -1).nan_to_num(0.0), vw)
+            new = torch.logaddexp(lse, lw)
+            a = torch.exp(lse - new).nan_to_num(0.0)[..., None]
+            b = torch.exp(lw - new).nan_to_num(0.0)[..., None]
+            acc, lse = acc * a + ow * b, new
+        out[g0:g1] = acc.permute(1, 0, 2)
     return out
 
 

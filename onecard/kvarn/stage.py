@@ -18,9 +18,13 @@ Per step, for every request (context ``c`` committed tokens, ``s`` after this st
   (interior tiles of a long prefill chunk) straight from the new rotated rows.
 * Attention reads tiles ``[0, s // tile)`` packed (tile 0 from its sink slot when it has one)
   and positions ``[s // tile * tile, s)`` from the slot of the partial tile.
-* A query run longer than ``MAX_QUERY_LEN`` (a prefill chunk) is split into pseudo-sequences
-  of 16 queries; pseudo-sequence i ends at ``c + 16 (i + 1)`` and reads the tile holding its
-  last key packed (masked by causality) unless that tile is the partial one.
+* A query run of at least ``prefill_min_q`` queries (a prefill chunk; the backend passes
+  ``MAX_QUERY_LEN + 1``) becomes a ``PrefillJob``: ``kernels.kvarn_prefill`` dequantizes the
+  tiles ``[0, s // tile)`` once (tile 0 from its sink slot when it has one) and reads the
+  partial tile from its slot. Without ``prefill_min_q`` (or for shorter runs) a run longer than
+  ``MAX_QUERY_LEN`` is split into pseudo-sequences of 16 queries; pseudo-sequence i ends at
+  ``c + 16 (i + 1)`` and reads the tile holding its last key packed (masked by causality)
+  unless that tile is the partial one.
 * Slots of tiles that are committed and not tile 0 (``(t + 1) * tile <= c - STAGE_LAST``: a
   drafter's build may pass unverified positions as context) are released;
   others age out LRU (sinks first). Running out of slots is an error, never a silent reuse.
@@ -28,7 +32,7 @@ Per step, for every request (context ``c`` committed tokens, ``s`` after this st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +49,24 @@ def default_num_slots(max_num_seqs: int) -> int:
 
 class StageExhausted(RuntimeError):
     pass
+
+
+@dataclass
+class PrefillJob:
+    """One request's prefill chunk for ``kernels.kvarn_prefill`` (host ints)."""
+
+    req: int  # batch row of the block table
+    tok0: int  # first query's index among this step's tokens
+    ctx: int
+    seq: int
+    packed: int  # tiles [0, packed) read from the cache (tile 0 from sink_row when >= 0)
+    sink_row: int
+    tail_row: int  # positions [packed * tile, seq) at rows tail_row + p % tile (-1: none)
+    null: bool = False  # on vLLM's null page (a dummy run): nothing staged, garbage read
+
+    @property
+    def q_len(self) -> int:
+        return self.seq - self.ctx
 
 
 @dataclass
@@ -68,6 +90,8 @@ class StepPlan:
     max_packed_tiles: int
     num_tokens: int
     all_null: bool = False  # every request sits on vLLM's null page (a dummy run)
+    seq_tok0: list = field(default_factory=list)  # [S'] host: first query's token index
+    prefill: list = field(default_factory=list)  # [PrefillJob] in batch order
 
     def to(self, device) -> "StepPlan":
         kw = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
@@ -123,16 +147,18 @@ class StagePlanner:
         return sorted(t for t in need if t * T < max(seq, 1))
 
     def plan(self, ctx_lens: list[int], seq_lens: list[int], q_starts: list[int],
-             tile_block: dict, null_page_blocks: int = 0) -> StepPlan:
+             tile_block: dict, null_page_blocks: int = 0,
+             prefill_min_q: int | None = None) -> StepPlan:
         """``tile_block[(r, t)]`` = block id of tile t of request r for every t in
         ``tile_cols(ctx_lens[r], seq_lens[r])``. A request with a tile in a block below
         ``null_page_blocks`` (vLLM's null page 0: dummy and profile runs) writes nothing and
-        reads its tiles packed (garbage in, garbage out, nothing staged)."""
+        reads its tiles packed (garbage in, garbage out, nothing staged). Query runs of at
+        least ``prefill_min_q`` tokens become ``PrefillJob``s instead of pseudo-sequences."""
         T = self.tile
         self.step += 1
         used: set[int] = set()
         st_src, st_dst, p1r, p1b, p2r, p2b = [], [], [], [], [], []
-        req, cu, sl_, pk, sink, tail = [], [0], [], [], [], []
+        req, cu, sl_, pk, sink, tail, tok0, pre = [], [0], [], [], [], [], [], []
         max_q = 1
         nulls = []
         # release committed, non-sink tiles first so allocation has room. A drafter's metadata
@@ -183,6 +209,12 @@ class StagePlanner:
                 self.last_use[sink_sl] = self.step
             part_t = s // T  # the partial tile (if s % T)
             tail_sl = self.slot_of.get(tile_block[(r, part_t)]) if s % T and not null else None
+            if prefill_min_q is not None and q_len >= prefill_min_q:
+                pre.append(PrefillJob(
+                    req=r, tok0=q0, ctx=c, seq=s, packed=-(-s // T) if null else part_t,
+                    sink_row=sink_sl * T if sink_sl is not None else -1,
+                    tail_row=tail_sl * T if tail_sl is not None else -1, null=null))
+                continue
             for i0 in range(0, q_len, MAX_QUERY_LEN):
                 n = min(MAX_QUERY_LEN, q_len - i0)
                 si = c + i0 + n
@@ -191,6 +223,7 @@ class StagePlanner:
                 else:
                     pk_i, tail_i = -(-si // T), -1
                 req.append(r)
+                tok0.append(q0 + i0)
                 cu.append(cu[-1] + n)
                 sl_.append(si)
                 pk.append(pk_i)
@@ -205,8 +238,8 @@ class StagePlanner:
             pack_new_rows=i32(p2r), pack_new_blocks=i32(p2b),
             req_index=i64(req), cu_seqlens_q=i32(cu), seq_lens=i32(sl_), packed_tiles=i32(pk),
             sink_rows=i32(sink), tail_rows=i32(tail), max_query_len=max_q,
-            max_packed_tiles=max(pk, default=0), num_tokens=cu[-1],
-            all_null=bool(nulls) and all(nulls))
+            max_packed_tiles=max(pk, default=0), num_tokens=cu[-1] + sum(j.q_len for j in pre),
+            all_null=bool(nulls) and all(nulls), seq_tok0=tok0, prefill=pre)
 
 
 def tile_block_ids(block_table_cpu: torch.Tensor, cols: dict, tiles_per_page: int) -> dict:
@@ -232,3 +265,41 @@ def apply_write(plan: StepPlan, key_rot: torch.Tensor, val_rot: torch.Tensor,
     if plan.pack_new_rows.numel():
         pack_rows(key_rot, val_rot, cache, src_rows=plan.pack_new_rows,
                   blocks=plan.pack_new_blocks, preset=preset)
+
+
+def apply_attention(plan: StepPlan, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor,
+                    stage_k: torch.Tensor, stage_v: torch.Tensor, *, block_table: torch.Tensor,
+                    req_block_table: torch.Tensor | None, softmax_scale: float,
+                    preset: str | Preset | None, tiles_per_page: int, attention_rows, prefill,
+                    max_tokens_per_launch: int = 1024, cu_cpu: list | None = None) -> None:
+    """Run a plan's attention on one layer (after ``apply_write``): pseudo-sequences through
+    ``attention_rows`` (kernels.kvarn_attention_rows) in launches of runs contiguous in the
+    batch of at most ``max_tokens_per_launch`` tokens; each prefill job through ``prefill``
+    (kernels.kvarn_prefill). q / out [N, Hq, D]; ``block_table`` [S', pages] rows of the
+    pseudo-sequences; ``req_block_table`` [requests, pages]."""
+    T = get_preset(preset).tile
+    cu = cu_cpu if cu_cpu is not None else plan.cu_seqlens_q.tolist()
+    tok0 = plan.seq_tok0
+    i0 = 0
+    while i0 < len(cu) - 1:
+        i1 = i0 + 1
+        while (i1 < len(cu) - 1 and cu[i1 + 1] - cu[i0] <= max_tokens_per_launch
+               and tok0[i1] == tok0[i0] + cu[i1] - cu[i0]):
+            i1 += 1
+        t0, t1 = tok0[i0], tok0[i0] + cu[i1] - cu[i0]
+        whole = i0 == 0 and i1 == len(cu) - 1
+        attention_rows(
+            q[t0:t1], cache, stage_k, stage_v, out[t0:t1],
+            cu_seqlens_q=plan.cu_seqlens_q if whole else plan.cu_seqlens_q[i0:i1 + 1] - cu[i0],
+            seq_lens=plan.seq_lens[i0:i1], packed_tiles=plan.packed_tiles[i0:i1],
+            sink_rows=plan.sink_rows[i0:i1], tail_rows=plan.tail_rows[i0:i1], ring=T,
+            block_table=block_table[i0:i1], max_query_len=plan.max_query_len,
+            softmax_scale=softmax_scale, preset=preset, tiles_per_page=tiles_per_page,
+            max_packed_tiles=plan.max_packed_tiles)
+        i0 = i1
+    for job in plan.prefill:  # one dequantization pass over the prefix per chunk
+        t0, t1 = job.tok0, job.tok0 + job.q_len
+        prefill(q[t0:t1], cache, stage_k, stage_v, out[t0:t1],
+                block_table_row=req_block_table[job.req], ctx_len=job.ctx, seq_len=job.seq,
+                packed_tiles=job.packed, sink_row=job.sink_row, tail_row=job.tail_row, ring=T,
+                softmax_scale=softmax_scale, preset=preset, tiles_per_page=tiles_per_page)
