@@ -76,8 +76,11 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
     Config("smol", "smol"),
 ]}
 
-# Launcher knobs every tiny server gets (the rest are the CTX / SPEC profile defaults).
-TINY_KNOBS = {"SERVED_NAME": "tiny", "HOST": HOST, "MAX_LEN": "2048", "KV_MEM": "512M",
+# Launcher knobs every tiny server gets (the rest are the CTX / SPEC profile defaults). KV_MEM
+# 1 GiB: the residue sweep keeps 128 prompts of 512..639 tokens cached for its second pass, which
+# needs ~5.2 blocks each at bf16's 208-token block; 512 MiB (630 blocks) evicted them before they
+# came back (docs/prefix-cache.md; 2026-12-02 H200: 2,496 hit tokens instead of ~56k).
+TINY_KNOBS = {"SERVED_NAME": "tiny", "HOST": HOST, "MAX_LEN": "2048", "KV_MEM": "1G",
               "GDN_PREFILL": "triton", "REASONING_PARSER": "none"}
 
 
