@@ -146,7 +146,9 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
     kv = str(plan.get("KV"))
     stage = 0
     if kv == "kvarn" or kv.startswith("kvarn_"):
-        stage = memory.kvarn_stage_bytes(geom, kv, int(plan.get("MAX_SEQS")), attn_layers)
+        # the fp16 stage (per layer and slot) + the prefill scratch (once per process)
+        stage = (memory.kvarn_stage_bytes(geom, kv, int(plan.get("MAX_SEQS")), attn_layers)
+                 + memory.kvarn_prefill_scratch_bytes(geom))
     b = memory.vram_budget(kv_mem, weights, drafter.weight_bytes if drafter else 0, head, stage)
     b["sources"] = {"weights": wsrc, "drafter_weights": drafter.source if drafter else "",
                     "draft_lm_head": hsrc}
@@ -161,8 +163,8 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
         parts.append(f"MTP draft_lm_head {_gib(head)} ({hsrc})")
         added["the MTP draft_lm_head (ONECARD_DRAFT_VOCAB=0 drops it)"] = head
     if stage:
-        parts.append(f"KVarN fp16 stage {_gib(stage)} (MAX_SEQS={plan.get('MAX_SEQS')})")
-        added["the KVarN fp16 stage"] = stage
+        parts.append(f"KVarN fp16 stage + prefill scratch {_gib(stage)} (MAX_SEQS={plan.get('MAX_SEQS')})")
+        added["the KVarN fp16 stage and prefill scratch"] = stage
     parts += [f"reserves {_gib(b['reserves'])}", f"KV pin {_gib(kv_mem)}"]
     line = f"VRAM on one GPU: {' + '.join(parts)} = {_gib(b['total'])} GiB"
     if b["fits"]:

@@ -144,8 +144,9 @@ def test_huge_counts_the_kvarn_stage(tmp_path, monkeypatch):
     monkeypatch.setattr(profiles, "feature_installed", lambda f: True)
     plan = mk({"CTX": "huge", "SPEC": "mtp"}, tmp_path)
     g = memory.QWEN38_27B
-    want = memory.kvarn_stage_bytes(g, "kvarn", int(plan.get("MAX_SEQS")), g.num_full_attention + g.mtp_layers)
-    assert plan.prediction["vram"]["kvarn_stage"] == want > 0
+    want = (memory.kvarn_stage_bytes(g, "kvarn", int(plan.get("MAX_SEQS")), g.num_full_attention + g.mtp_layers)
+            + memory.kvarn_prefill_scratch_bytes(g))  # stage + the prefill scratch
+    assert plan.prediction["vram"]["kvarn_stage"] == want > memory.kvarn_prefill_scratch_bytes(g) > 0
     assert any("KVarN fp16 stage" in n for n in plan.notes)
     assert mk({"CTX": "long", "SPEC": "mtp"}, tmp_path).prediction["vram"]["kvarn_stage"] == 0
 
