@@ -12,7 +12,9 @@ specializes them (pointer and integer divisibility by 16, ints == 1). The kernel
 with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` and the cubin read
 back: registers, spill stores/loads and stack (ptxas -v on the PTX), shared memory, and an
 instruction histogram of the SASS (global loads by width, cp.async, local memory, conversions,
-wgmma, shuffles). Nothing runs on a device.
+wgmma, shuffles), for the whole kernel and ("tile loop") for its largest loop alone - the K/V
+tile loop, from the target of the longest backward branch to that branch: static counts of one
+loop body, i.e. instructions per TILE_N keys. Nothing runs on a device.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def _specialize(jit_fn, args, kwargs):
     tdt = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
            torch.int8: "*i8", torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64"}
     for i, p in enumerate(params):
-        v = bound[p.name]
+        v = bound[p.name] if p.name in bound else p.default
         if p.annotation is tl.constexpr or "constexpr" in str(p.annotation):
             sig[p.name] = "constexpr"
             constexprs[(i,)] = v
@@ -97,13 +99,39 @@ def _specialize(jit_fn, args, kwargs):
     return sig, constexprs, attrs, launch
 
 
+_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)")
+
+
+def _main_loop(sass: str) -> str:
+    """The SASS lines of the largest loop of the split kernel: from the target of the backward
+    branch that spans the most instructions to that branch (the K/V tile loop)."""
+    lines = sass.splitlines()
+    best = (0, 0, 0)
+    addr_line = {}
+    for i, line in enumerate(lines):
+        m = _INSN.search(line)
+        if not m:
+            continue
+        addr = int(m.group(1), 16)
+        addr_line[addr] = i
+        if m.group(2) == "BRA":
+            tgt = re.search(r"0x([0-9a-f]+)", m.group(3))
+            if tgt:
+                ta = int(tgt.group(1), 16)
+                if ta < addr and addr - ta > best[1] - best[0]:
+                    best = (ta, addr, i)
+    if best == (0, 0, 0) or best[0] not in addr_line:
+        return ""
+    return "\n".join(lines[addr_line[best[0]]:best[2] + 1])
+
+
 def _sass_histogram(sass: str) -> dict:
     h = collections.Counter()
     for line in sass.splitlines():
-        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        m = _INSN.search(line)
         if not m:
             continue
-        op = m.group(1)
+        op = m.group(2)
         base = op.split(".")[0]
         if base in ("LDG", "STG", "LDGSTS", "LDS", "STS", "LDSM"):
             width = next((w for w in ("128", "64", "U8", "S8", "U16", "S16") if f".{w}" in op),
@@ -111,7 +139,8 @@ def _sass_histogram(sass: str) -> dict:
             h[f"{base}.{width}"] += 1
         elif base in ("LDL", "STL", "I2F", "F2F", "F2FP", "I2FP", "HGMMA", "HMMA", "MUFU", "SHFL",
                       "BAR", "PRMT", "LOP3", "IMAD", "FMUL", "FFMA", "FADD", "BSSY", "SYNCS",
-                      "UTMALDG", "WARPGROUP"):
+                      "UTMALDG", "WARPGROUP", "IADD3", "LEA", "ISETP", "SEL", "SHF", "IABS",
+                      "VIADD"):
             h[base] += 1
         h["total"] += 1
     return dict(sorted(h.items()))
@@ -174,6 +203,7 @@ def compile_config(kv: str, *, tile_n: int, num_warps: int, num_stages: int, q_l
         if keep:
             stem.with_suffix(".sass").write_text(sass)
         row["sass"] = _sass_histogram(sass)
+        row["loop"] = _sass_histogram(_main_loop(sass))
     return row
 
 
@@ -209,6 +239,13 @@ def main(argv=None) -> int:
                                                             "F2F", "F2FP", "HGMMA", "STS",
                                                             "LDS", "LDSM", "total")),
                           flush=True)
+                    lp = r["loop"]
+                    print("    tile loop: " + " ".join(
+                        f"{k}={v}" for k, v in lp.items()
+                        if k.split(".")[0] in ("IMAD", "LEA", "IADD3", "ISETP", "SEL", "SHF",
+                                               "IABS", "LOP3", "PRMT", "FADD", "FMUL", "F2FP",
+                                               "I2F", "LDGSTS", "LDG", "STS", "LDS", "STL", "LDL",
+                                               "HGMMA", "SHFL", "BAR", "total")), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -165,3 +165,24 @@ def test_extreme_codes_unpack_exactly(kv_dtype, gen):
         pick = torch.randint(0, 4, data.shape, generator=gen)
         data.copy_(codes[pick])
     _check(case, _run(case, num_splits=2, tile_n=16), gen.initial_seed())
+
+
+@inproc
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_slots_past_the_end_are_never_used(kv_dtype, gen):
+    # int8 / int4 tiles that lie in one page read K/V and scales unmasked (PAGE_TILES): the
+    # slots past seq_len in a sequence's last page are read but must not count, whatever they
+    # hold. Fill them with NaN scales and extreme codes; tiles of 16 in pages of 16 and 48.
+    for bs, tile in ((16, 16), (48, 16)):
+        case = ref_mod.make_verify_case(
+            q_lens=[3, 1, 7], seq_lens=[21, 5, 50], num_q_heads=4, num_kv_heads=2,
+            head_dim=32, block_size=bs, kv_dtype=kv_dtype, generator=gen)
+        for s, sl in enumerate(case.seq_lens.tolist()):
+            for p in range(sl, -(-sl // bs) * bs):
+                blk, slot = int(case.block_table[s, p // bs]), p % bs
+                for half, sc in ((case.key_cache, case.k_scale_cache),
+                                 (case.value_cache, case.v_scale_cache)):
+                    sc[blk, slot] = float("nan")
+                    half[blk, slot].view(torch.uint8)[..., :32 if kv_dtype == "int8" else 16] = 0xFF
+        for splits in (1, 3):
+            _check(case, _run(case, num_splits=splits, tile_n=tile), gen.initial_seed())

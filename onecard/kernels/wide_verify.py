@@ -129,6 +129,7 @@ def _wide_verify_split_kernel(
     KV_MODE: tl.constexpr,
     DIRECT: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PAGE_TILES: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -173,13 +174,46 @@ def _wide_verify_split_kernel(
     # K/V addresses of a tile never depend on a load issued in the same iteration and Triton's
     # pipeliner can issue the K/V loads of later tiles while this one computes.
     pos = lo + offs_n
-    blk_next = tl.load(bt_row + pos // page, mask=pos < hi, other=0)
+    if PAGE_TILES:
+        # int8 / int4 with page % TILE_N == 0 (tiles start at multiples of TILE_N, so a tile
+        # lies in one page): one block-table entry and one scalar base address per tile; the
+        # per-element offsets are loop invariant int32 (a tile's rows span a few KiB). Per-key
+        # block / slot vectors cost a runtime division, a remainder and 64-bit multiplies per
+        # row and thread: ~1/3 of the int8 tile loop's SASS (sm_90: 1,016 -> 682 instructions
+        # per 16-key tile, docs/wide-verify.md). The K/V words and scales are then read
+        # without a mask (the tile's page is this sequence's, so the slots exist; keys past hi
+        # are dropped by the score mask and a zero V scale): no per-load predicates
+        # (682 -> 603). bf16 keeps the per-key, masked path (it is the measured reference).
+        k_rows = (offs_n[:, None] * stride_k_slot + offs_w[None, :]).to(tl.int32)
+        v_rows = (offs_n[:, None] * stride_v_slot + offs_w[None, :]).to(tl.int32)
+        ks_rows = (offs_n * stride_ks_slot).to(tl.int32)
+        vs_rows = (offs_n * stride_vs_slot).to(tl.int32)
+        k_head = k_ptr + kvh * stride_k_head
+        v_head = v_ptr + kvh * stride_v_head
+        ks_head = ks_ptr + kvh * stride_ks_head
+        vs_head = vs_ptr + kvh * stride_vs_head
+        lim_hi = tl.minimum(limit, hi)  # causal limit and this split's end in one compare
+        # page index and slot of the next tile, advanced without a division per tile
+        pg = lo // page
+        slot_next = lo - pg * page
+        blk_next = tl.load(bt_row + pg, mask=lo < hi, other=0)
+    else:
+        blk_next = tl.load(bt_row + pos // page, mask=pos < hi, other=0)
     for t in range(0, n_tiles):
         kv_ok = pos < hi
-        blk = blk_next.to(tl.int64)
-        slot = pos % page
         pos_next = pos + TILE_N
-        blk_next = tl.load(bt_row + pos_next // page, mask=pos_next < hi, other=0)
+        if PAGE_TILES:
+            blk = blk_next.to(tl.int64)
+            slot0 = slot_next.to(tl.int64)
+            slot_next += TILE_N
+            wrap = slot_next == page
+            pg += wrap.to(tl.int32)
+            slot_next = tl.where(wrap, 0, slot_next)
+            blk_next = tl.load(bt_row + pg, mask=lo + (t + 1) * TILE_N < hi, other=0)
+        else:
+            blk = blk_next.to(tl.int64)
+            slot = pos % page
+            blk_next = tl.load(bt_row + pos_next // page, mask=pos_next < hi, other=0)
         if KV_MODE == 0:
             kt = tl.load(
                 k_ptr + blk[None, :] * stride_k_blk + slot[None, :] * stride_k_slot
@@ -188,15 +222,20 @@ def _wide_verify_split_kernel(
             )
             s = _dot(q, kt.to(q.dtype), DOT_F32) * qk_scale
         else:
-            kw = tl.load(
-                k_ptr + blk[:, None] * stride_k_blk + slot[:, None] * stride_k_slot
-                + kvh * stride_k_head + offs_w[None, :],
-                mask=kv_ok[:, None], other=0,
-            )
-            k_sc = tl.load(
-                ks_ptr + blk * stride_ks_blk + slot * stride_ks_slot + kvh * stride_ks_head,
-                mask=kv_ok, other=0.0,
-            )
+            if PAGE_TILES:
+                kw = tl.load(k_head + (blk * stride_k_blk + slot0 * stride_k_slot) + k_rows)
+                k_sc = tl.load(ks_head + (blk * stride_ks_blk + slot0 * stride_ks_slot)
+                               + ks_rows)
+            else:
+                kw = tl.load(
+                    k_ptr + blk[:, None] * stride_k_blk + slot[:, None] * stride_k_slot
+                    + kvh * stride_k_head + offs_w[None, :],
+                    mask=kv_ok[:, None], other=0,
+                )
+                k_sc = tl.load(
+                    ks_ptr + blk * stride_ks_blk + slot * stride_ks_slot + kvh * stride_ks_head,
+                    mask=kv_ok, other=0.0,
+                )
             if KV_MODE == 4:
                 kbits = k_sc.to(tl.int32, bitcast=True)
                 k_off = (kbits & 0xF).to(tl.float32)
@@ -206,7 +245,10 @@ def _wide_verify_split_kernel(
             k = _unpack_words(kw, k_off, KV_MODE, TILE_N, HEAD_DIM).to(q.dtype)
             # per-token scale: a column scale of the scores, the tile itself is only converted
             s = _dot(q, tl.trans(k), DOT_F32) * (qk_scale * k_sc[None, :])
-        s = tl.where((pos[None, :] < limit[:, None]) & kv_ok[None, :], s, float("-inf"))
+        if PAGE_TILES:
+            s = tl.where(pos[None, :] < lim_hi[:, None], s, float("-inf"))
+        else:
+            s = tl.where((pos[None, :] < limit[:, None]) & kv_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_use[:, None])
@@ -221,15 +263,20 @@ def _wide_verify_split_kernel(
             )
             acc = acc * alpha[:, None] + _dot(p.to(q.dtype), vt.to(q.dtype), DOT_F32)
         else:
-            vw = tl.load(
-                v_ptr + blk[:, None] * stride_v_blk + slot[:, None] * stride_v_slot
-                + kvh * stride_v_head + offs_w[None, :],
-                mask=kv_ok[:, None], other=0,
-            )
-            v_sc = tl.load(
-                vs_ptr + blk * stride_vs_blk + slot * stride_vs_slot + kvh * stride_vs_head,
-                mask=kv_ok, other=0.0,
-            )
+            if PAGE_TILES:
+                vw = tl.load(v_head + (blk * stride_v_blk + slot0 * stride_v_slot) + v_rows)
+                v_sc = tl.load(vs_head + (blk * stride_vs_blk + slot0 * stride_vs_slot)
+                               + vs_rows)
+            else:
+                vw = tl.load(
+                    v_ptr + blk[:, None] * stride_v_blk + slot[:, None] * stride_v_slot
+                    + kvh * stride_v_head + offs_w[None, :],
+                    mask=kv_ok[:, None], other=0,
+                )
+                v_sc = tl.load(
+                    vs_ptr + blk * stride_vs_blk + slot * stride_vs_slot + kvh * stride_vs_head,
+                    mask=kv_ok, other=0.0,
+                )
             if KV_MODE == 4:
                 vbits = v_sc.to(tl.int32, bitcast=True)
                 v_off = (vbits & 0xF).to(tl.float32)
@@ -238,6 +285,10 @@ def _wide_verify_split_kernel(
                 v_off = tl.zeros([TILE_N], dtype=tl.float32)
             v = _unpack_words(vw, v_off, KV_MODE, TILE_N, HEAD_DIM).to(q.dtype)
             # per-token scale folded into P (a row scale of V = a column scale of P)
+            if PAGE_TILES:
+                # keys past hi were read unmasked (same page, finite codes); their scale may be
+                # any float32 (NaN): zero it so that 0 * NaN never reaches the accumulator
+                v_sc = tl.where(kv_ok, v_sc, 0.0)
             acc = acc * alpha[:, None] + _dot((p * v_sc[None, :]).to(q.dtype), v, DOT_F32)
         pos = pos_next
     if DIRECT:
@@ -331,12 +382,16 @@ def default_launch(mode: int, block_m: int, head_dim: int, device: torch.device)
     tiles are in flight while tile t computes (with 2 stages Triton issues the next tile's copies
     only after this tile's dots: no overlap). bf16, 128 query rows x 256: Q 64 KiB + 4 x 32 KiB
     K/V stages at tile 32 = 192 KiB, 227 registers, no spills (Triton 3.6). int8 / int4: tile 16
-    (tile 32 spills 44-72 B, tile 64 ~900 B: the unpacked K/V tile is live next to the 128 x 256
-    fp32 accumulator), 4 stages of 4 KiB word tiles. Older GPUs (sm_80/86, 99-163 KiB; mma.sync
-    keeps Q in registers, so everything spills a little at 128 rows): bf16 tile 32 / 2 stages as
-    before; int8 tile 16 / 2 stages (376 B spills vs 644 B at tile 32); int4 tile 16 / 1 stage
-    (ptxas caps the pipelined int4 kernel at 128 registers on sm_86: ~4 KB spills; unpipelined
-    255 registers, 464 B). Compiler figures only on sm_86; no 3090 timing yet.
+    / 8 warps / 4 stages, the spill-free point (tile-loop SASS per 16 keys: int8 603, int4 662
+    instructions; tile 32 still spills 16-24 B inside the loop, tile 64 ~900 B, 4 warps 2.3-6 KB:
+    the unpacked K/V tile is live next to the 128 x 256 fp32 accumulator). Tile 16 also divides
+    every vLLM page size (multiples of 16; 784 bf16 / 1584 int8 on the 27B), which keeps int8 /
+    int4 on the per-tile address path (``PAGE_TILES``); tile 32 would not divide 1584. Older GPUs
+    (sm_80/86, 99-163 KiB; mma.sync keeps Q in registers, so everything spills a little at 128
+    rows): bf16 tile 32 / 2 stages as before; int8 tile 16 / 2 stages (332 B spills vs 644 B at
+    tile 32); int4 tile 16 / 1 stage (ptxas caps the pipelined int4 kernel at 128 registers on
+    sm_86: ~4 KB spills; unpipelined 255 registers, 160 B). Compiler figures only on sm_86; no
+    3090 timing yet. Evidence: docs/wide-verify.md ("int8 / int4 tile loop").
     """
     big = block_m * head_dim >= 64 * 256
     warps = 8 if big else 4
@@ -456,6 +511,7 @@ def wide_verify_attention(
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, TILE_N=tile_n, KV_MODE=mode, DIRECT=direct,
         DOT_F32=q.device.type != "cuda",  # CPU tensors only run under TRITON_INTERPRET
+        PAGE_TILES=mode != 0 and page % tile_n == 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
