@@ -13,14 +13,10 @@
 set -u
 cd "$(dirname "$0")/../.."
 : "${JOB_OUT:=/var/tmp/out/10-tiny-suite}"
-: "${MODELS:=/var/tmp/models}"
-export JOB_OUT MODELS
-mkdir -p "$JOB_OUT" "$MODELS"
+. gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
+mkdir -p "$MODELS"
 PY=python3
 status=0
-summary="$JOB_OUT/summary.txt"
-: > "$summary"
-say() { echo "$*" | tee -a "$summary"; }
 
 say "== 10-tiny-suite $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 $PY - <<'EOF' 2>&1 | tee -a "$summary"
@@ -91,14 +87,7 @@ tail -15 "$JOB_OUT/pytest.txt" | tee -a "$summary"
 
 # Belt and braces: no server of ours may outlive the job. The conftest stops each one and
 # records its pid (= its process group, started in a new session) in server.pids.
-if [ -f "$JOB_OUT/server.pids" ]; then
-    while read -r pid; do
-        if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
-            say "killing leftover server process group $pid"
-            kill -TERM -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
-        fi
-    done < "$JOB_OUT/server.pids"
-fi
+kill_leftover_groups "$JOB_OUT/server.pids"
 
 say "== 10-tiny-suite: $([ $status -eq 0 ] && echo PASS || echo FAIL)"
 exit $status

@@ -17,30 +17,16 @@
 # Dry run without a GPU: JOB31_DRY=1 prints the three launcher plans and exits 0.
 set -u
 cd "$(dirname "$0")/../.."
-: "${JOB_OUT:=/var/tmp/out/31-verify-e2e}" "${MODELS:=/var/tmp/models}"
-export JOB_OUT MODELS
-mkdir -p "$JOB_OUT"
-summary="$JOB_OUT/summary.txt"; : > "$summary"
-say() { echo "$*" | tee -a "$summary"; }
-T0=$(date +%s)
-elapsed() { echo $(( $(date +%s) - T0 )); }
+: "${JOB_OUT:=/var/tmp/out/31-verify-e2e}"
+. gpu/lib/job.sh  # MODELS, $summary, say, elapsed, free_port, boot_server, stop_server (trap EXIT)
+STOP_TRIES=30     # a 27B server: up to 15 s after SIGTERM
 M="$MODELS/qwen38-27b-geom"
 DEPTHS=${DEPTHS:-8192,32768,73728}
 OUT_TOK=${OUT_TOK:-48}
 THIRD_BOOT_IF_BEFORE_S=${THIRD_BOOT_IF_BEFORE_S:-170}  # start the WIDE_VERIFY=0 arm only before this
-SPID=""
-stop_server() {
-  if [ -n "$SPID" ] && kill -0 "$SPID" 2>/dev/null; then
-    kill -TERM -- "-$SPID" 2>/dev/null
-    for _ in $(seq 1 30); do kill -0 "$SPID" 2>/dev/null || break; sleep 0.5; done
-    kill -KILL -- "-$SPID" 2>/dev/null
-  fi
-  SPID=""
-}
-trap stop_server EXIT
 
 say "== 31-verify-e2e $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+PORT=$(free_port)
 URL="http://127.0.0.1:$PORT"
 # the launcher env of one arm: arm_env SPEC WIDE_VERIFY
 arm_env() {
@@ -64,25 +50,10 @@ fi
 
 # boot LABEL SPEC WIDE_VERIFY WAIT_S; returns 0 once /health answers
 boot() {
-  local label=$1 wait_s=$4 log="$JOB_OUT/server-$1.log"
-  say "[$(elapsed)s] booting $label (SPEC=$2 WIDE_VERIFY=$3)"
-  env $(arm_env "$2" "$3") setsid python3 -m onecard.launch > "$log" 2>&1 &
-  SPID=$!
-  local t=0
-  while [ $t -lt "$wait_s" ]; do
-    if ! kill -0 "$SPID" 2>/dev/null; then
-      say "server $label exited during boot; last log lines:"; tail -25 "$log" | tee -a "$summary"
-      SPID=""; return 1
-    fi
-    if python3 -c "import urllib.request,sys; urllib.request.urlopen('$URL/health', timeout=2)" 2>/dev/null; then
-      say "[$(elapsed)s] $label healthy after ${t}s"
-      grep -E "attention block size|GPU KV cache size|Maximum concurrency" "$log" | tail -3 | tee -a "$summary"
-      return 0
-    fi
-    sleep 1; t=$((t + 1))
-  done
-  say "server $label not healthy after ${wait_s}s; last log lines:"; tail -25 "$log" | tee -a "$summary"
-  stop_server; return 1
+  say "[$(elapsed)s] booting $1 (SPEC=$2 WIDE_VERIFY=$3)"
+  boot_server "$1" "$4" env $(arm_env "$2" "$3") python3 -m onecard.launch || return 1
+  grep -E "attention block size|GPU KV cache size|Maximum concurrency" "$JOB_OUT/server-$1.log" | tail -3 | tee -a "$summary"
+  return 0
 }
 
 status=0

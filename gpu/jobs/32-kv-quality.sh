@@ -11,24 +11,10 @@
 # what this job is for; the table is printed last).
 set -u
 cd "$(dirname "$0")/../.."
-: "${JOB_OUT:=/var/tmp/out/32-kv-quality}" "${MODELS:=/var/tmp/models}"
+: "${JOB_OUT:=/var/tmp/out/32-kv-quality}"
 : "${VLLM:=python3 -m vllm.entrypoints.cli.main}"
-export JOB_OUT MODELS
-mkdir -p "$JOB_OUT"
-summary="$JOB_OUT/summary.txt"; : > "$summary"
-say() { echo "$*" | tee -a "$summary"; }
-T0=$(date +%s)
-elapsed() { echo $(( $(date +%s) - T0 )); }
-SPID=""
-stop_server() {
-  if [ -n "$SPID" ] && kill -0 "$SPID" 2>/dev/null; then
-    kill -TERM -- "-$SPID" 2>/dev/null
-    for _ in $(seq 1 20); do kill -0 "$SPID" 2>/dev/null || break; sleep 0.5; done
-    kill -KILL -- "-$SPID" 2>/dev/null
-  fi
-  SPID=""
-}
-trap stop_server EXIT
+. gpu/lib/job.sh  # MODELS, $summary, say, elapsed, free_port, boot_server, stop_server (trap EXIT)
+BOOT_TAIL=20
 say "== 32-kv-quality $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 
 SMOL=$(timeout 120 python3 -c 'from onecard.prepare.gguf import ensure_smollm2; print(ensure_smollm2())' 2>"$JOB_OUT/convert.log" | tail -1)
@@ -37,29 +23,14 @@ if [ -z "$SMOL" ] || [ ! -f "$SMOL/config.json" ]; then
   exit 1
 fi
 say "model: $SMOL"
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+PORT=$(free_port)
 URL="http://127.0.0.1:$PORT"
 
 boot() {  # boot LABEL KV_DTYPE WAIT_S
-  local log="$JOB_OUT/server-$1.log"
   say "[$(elapsed)s] booting $1 (--kv-cache-dtype $2)"
-  setsid $VLLM serve "$SMOL" --host 127.0.0.1 --port "$PORT" --served-model-name smol \
+  boot_server "$1" "$3" $VLLM serve "$SMOL" --host 127.0.0.1 --port "$PORT" --served-model-name smol \
     --attention-backend TRITON_ATTN --kv-cache-dtype "$2" --enforce-eager --seed 0 \
-    --max-model-len 4096 --max-num-seqs 4 ${SERVE_MEM_ARGS:---gpu-memory-utilization 0.30} > "$log" 2>&1 &
-  SPID=$!
-  local t=0
-  while [ $t -lt "$3" ]; do
-    if ! kill -0 "$SPID" 2>/dev/null; then
-      say "server $1 exited during boot; last log lines:"; tail -20 "$log" | tee -a "$summary"
-      SPID=""; return 1
-    fi
-    if python3 -c "import urllib.request; urllib.request.urlopen('$URL/health', timeout=2)" 2>/dev/null; then
-      say "[$(elapsed)s] $1 healthy after ${t}s"; return 0
-    fi
-    sleep 1; t=$((t + 1))
-  done
-  say "server $1 not healthy after $3 s"; tail -20 "$log" | tee -a "$summary"
-  stop_server; return 1
+    --max-model-len 4096 --max-num-seqs 4 ${SERVE_MEM_ARGS:---gpu-memory-utilization 0.30}
 }
 
 status=0

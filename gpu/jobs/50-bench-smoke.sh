@@ -20,68 +20,24 @@
 set -u
 cd "$(dirname "$0")/../.."
 : "${JOB_OUT:=/var/tmp/out/50-bench-smoke}"
-: "${MODELS:=/var/tmp/models}"
 : "${VLLM:=python3 -m vllm.entrypoints.cli.main}"
 PY="${PYTHON:-python3}"
-export JOB_OUT MODELS
+. gpu/lib/job.sh  # MODELS, $summary, say, elapsed, free_port, http_get, boot_server, stop_server (trap EXIT)
 mkdir -p "$JOB_OUT/results"
 RES="$JOB_OUT/results"
-summary="$JOB_OUT/summary.txt"; : > "$summary"
-say() { echo "$*" | tee -a "$summary"; }
-T0=$(date +%s)
-elapsed() { echo $(( $(date +%s) - T0 )); }
 status=0
-SPID=""
 FAKE="${BENCH_SMOKE_FAKE:-}"
 
-stop_server() {
-  if [ -n "$SPID" ] && kill -0 "$SPID" 2>/dev/null; then
-    kill -TERM -- "-$SPID" 2>/dev/null
-    for _ in $(seq 1 20); do kill -0 "$SPID" 2>/dev/null || break; sleep 0.5; done
-    kill -KILL -- "-$SPID" 2>/dev/null
-  fi
-  SPID=""
-}
-trap stop_server EXIT
-
-# HTTP GET without curl (may be missing on the GPU host): get URL [OUTFILE]; rc 0 on HTTP 200
-get() {
-  "$PY" - "$@" <<'PYEOF' 2>/dev/null
-import sys, urllib.request
-try:
-    with urllib.request.urlopen(sys.argv[1], timeout=3) as r:
-        body = r.read()
-        if len(sys.argv) > 2:
-            open(sys.argv[2], "wb").write(body)
-        sys.exit(0 if r.status == 200 else 1)
-except Exception:
-    sys.exit(1)
-PYEOF
-}
-
-PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+PORT=$(free_port)
 URL="http://127.0.0.1:$PORT"
 export PORT
 
 # boot NAME WAIT_S COMMAND... (the command runs in its own session, env already set)
 boot() {
   local name=$1 wait_s=$2; shift 2
-  local log="$JOB_OUT/server-$name.log"
   [ -n "$FAKE" ] && set -- "$PY" tests/fake_openai_server.py "$PORT"
   say "[$(elapsed)s] booting $name: $*"
-  setsid "$@" > "$log" 2>&1 &
-  SPID=$!
-  local t=0
-  while [ $t -lt "$wait_s" ]; do
-    if ! kill -0 "$SPID" 2>/dev/null; then
-      say "server $name exited during boot; last log lines:"; tail -25 "$log" | tee -a "$summary"
-      SPID=""; return 1
-    fi
-    if get "$URL/health"; then say "[$(elapsed)s] $name healthy after ${t}s"; return 0; fi
-    sleep 1; t=$((t + 1))
-  done
-  say "server $name not healthy after ${wait_s}s; last log lines:"; tail -25 "$log" | tee -a "$summary"
-  stop_server; return 1
+  boot_server "$name" "$wait_s" "$@"
 }
 
 suite() {  # suite LABEL : the full single-user suite, smoke sizes, against the running server
@@ -92,7 +48,7 @@ suite() {  # suite LABEL : the full single-user suite, smoke sizes, against the 
   local rc=$?
   grep -E "^[a-z_]+: (VALID|INVALID)" "$JOB_OUT/suite-$label.txt" | sed "s/^/  $label /" | cut -c1-200 | tee -a "$summary"
   [ $rc -eq 0 ] || { say "  suite on $label: rc=$rc"; tail -5 "$JOB_OUT/suite-$label.txt" | tee -a "$summary"; }
-  get "$URL/metrics" "$JOB_OUT/metrics-$label.txt" || say "  (could not save /metrics of $label)"
+  http_get "$URL/metrics" "$JOB_OUT/metrics-$label.txt" || say "  (could not save /metrics of $label)"
   return $rc
 }
 

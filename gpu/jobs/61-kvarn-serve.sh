@@ -17,24 +17,9 @@
 # geometry exists) came up healthy with a pool within 1 % of the prediction.
 set -u
 cd "$(dirname "$0")/../.."
-: "${JOB_OUT:=/var/tmp/out/61-kvarn-serve}" "${MODELS:=/var/tmp/models}"
+: "${JOB_OUT:=/var/tmp/out/61-kvarn-serve}"
 : "${VLLM:=python3 -m vllm.entrypoints.cli.main}"
-export JOB_OUT MODELS
-mkdir -p "$JOB_OUT"
-summary="$JOB_OUT/summary.txt"; : > "$summary"
-say() { echo "$*" | tee -a "$summary"; }
-T0=$(date +%s)
-elapsed() { echo $(( $(date +%s) - T0 )); }
-SPID=""
-stop_server() {
-  if [ -n "$SPID" ] && kill -0 "$SPID" 2>/dev/null; then
-    kill -TERM -- "-$SPID" 2>/dev/null
-    for _ in $(seq 1 20); do kill -0 "$SPID" 2>/dev/null || break; sleep 0.5; done
-    kill -KILL -- "-$SPID" 2>/dev/null
-  fi
-  SPID=""
-}
-trap stop_server EXIT
+. gpu/lib/job.sh  # MODELS, $summary, say, elapsed, free_port, boot_server, stop_server (trap EXIT)
 say "== 61-kvarn-serve $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 H="gpu/jobs/61-kvarn-serve.py"
 status=0
@@ -51,26 +36,13 @@ SMOL=$(timeout 120 python3 -c 'from onecard.prepare.gguf import ensure_smollm2; 
 if [ -z "$SMOL" ] || [ ! -f "$SMOL/config.json" ]; then
   say "FAIL: no SmolLM2 checkpoint"; tail -5 "$JOB_OUT/convert.log" | tee -a "$summary"; exit 1
 fi
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+PORT=$(free_port)
 URL="http://127.0.0.1:$PORT"
 boot() {  # boot LABEL WAIT_S ARGS...
   local label=$1 wait=$2; shift 2
-  local log="$JOB_OUT/server-$label.log"
   say "[$(elapsed)s] booting $label ($*)"
-  setsid $VLLM serve "$SMOL" --host 127.0.0.1 --port "$PORT" --served-model-name smol \
-    --enforce-eager --seed 0 --max-model-len 4096 --max-num-seqs 4 ${SERVE_MEM_ARGS:---gpu-memory-utilization 0.30} "$@" > "$log" 2>&1 &
-  SPID=$!
-  local t=0
-  while [ $t -lt "$wait" ]; do
-    if ! kill -0 "$SPID" 2>/dev/null; then
-      say "server $label exited during boot:"; grep -E "Error|error" "$log" | tail -5 | tee -a "$summary"; SPID=""; return 1
-    fi
-    if python3 -c "import urllib.request; urllib.request.urlopen('$URL/health', timeout=2)" 2>/dev/null; then
-      say "[$(elapsed)s] $label healthy after ${t}s"; return 0
-    fi
-    sleep 1; t=$((t + 1))
-  done
-  say "server $label not healthy after $wait s"; tail -8 "$log" | tee -a "$summary"; stop_server; return 1
+  boot_server "$label" "$wait" $VLLM serve "$SMOL" --host 127.0.0.1 --port "$PORT" --served-model-name smol \
+    --enforce-eager --seed 0 --max-model-len 4096 --max-num-seqs 4 ${SERVE_MEM_ARGS:---gpu-memory-utilization 0.30} "$@"
 }
 if boot kvarn 130 --kv-cache-dtype kvarn_k4v2_g128; then
   grep -E "KVARN|attention block size|GPU KV cache size" "$JOB_OUT/server-kvarn.log" | head -4 | cut -c1-200 | tee -a "$summary"

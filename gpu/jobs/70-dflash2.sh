@@ -17,12 +17,8 @@
 set -u
 cd "$(dirname "$0")/../.."
 : "${JOB_OUT:=/var/tmp/out/70-dflash2}"
-: "${MODELS:=/var/tmp/models}"
-export JOB_OUT MODELS
-mkdir -p "$JOB_OUT" "$MODELS"
-summary="$JOB_OUT/summary.txt"
-: > "$summary"
-say() { echo "$*" | tee -a "$summary"; }
+. gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
+mkdir -p "$MODELS"
 say "== 70-dflash2 $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 python3 -c "import vllm, pathlib; p = pathlib.Path(vllm.__file__).parent / 'dflash2_installed.txt'; \
 print(f'vllm {vllm.__version__} at {p.parent}; dflash2 marker: {p.is_file()}')" 2>&1 | tail -1 | tee -a "$summary"
@@ -43,13 +39,6 @@ grep '^\[dflash2\]' "$JOB_OUT/run.txt" | grep -v '^\[dflash2\] launch ' | tee -a
 [ $rc -eq 0 ] || tail -20 "$JOB_OUT/run.txt" | tee -a "$summary"
 # the driver stops its servers; after a kill by timeout, end their process groups (each server
 # runs in its own session; the driver records the pids in server.pids)
-if [ -f "$JOB_OUT/server.pids" ]; then
-    while read -r pid; do
-        if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
-            say "killing leftover server process group $pid"
-            kill -TERM -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
-        fi
-    done < "$JOB_OUT/server.pids"
-fi
+kill_leftover_groups "$JOB_OUT/server.pids"
 say "== 70-dflash2: $([ $rc -eq 0 ] && echo PASS || echo FAIL) (rc=$rc)"
 exit $rc

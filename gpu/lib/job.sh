@@ -1,0 +1,91 @@
+# gpu/lib/job.sh: the preamble and the server helpers the GPU job scripts share. Sourced (not
+# run) by gpu/jobs/*.sh from the repository root, once JOB_OUT has the job's default:
+#   cd "$(dirname "$0")/../.."
+#   : "${JOB_OUT:=/var/tmp/out/NN-name}"
+#   . gpu/lib/job.sh
+# It sets MODELS (default /var/tmp/models), exports JOB_OUT and MODELS, creates $JOB_OUT,
+# empties $summary ($JOB_OUT/summary.txt), starts the clock (T0) and traps stop_server on EXIT.
+# Jobs may run side by side on one GPU (a `+` group in gpu/run.sh): these helpers only ever
+# signal the process group that this job's boot_server started (SPID), or pids the job itself
+# recorded (kill_leftover_groups).
+: "${MODELS:=/var/tmp/models}"
+export JOB_OUT MODELS
+mkdir -p "$JOB_OUT"
+summary="$JOB_OUT/summary.txt"; : > "$summary"
+T0=$(date +%s)
+SPID=""         # the process group (= session) of the server boot_server started, "" when none
+STOP_TRIES=20   # stop_server waits up to STOP_TRIES x 0.5 s after SIGTERM before SIGKILL
+BOOT_TAIL=25    # log lines printed when a server dies during boot or never answers /health
+
+# say TEXT...: print and append to the summary
+say() { echo "$*" | tee -a "$summary"; }
+# elapsed: whole seconds since the job sourced this file
+elapsed() { echo $(( $(date +%s) - T0 )); }
+# free_port: a TCP port free on 127.0.0.1 now
+free_port() { "${PY:-python3}" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# http_get URL [OUTFILE]: HTTP GET without curl (may be missing on the GPU host); rc 0 on HTTP 200
+http_get() {
+  "${PY:-python3}" - "$@" <<'PYEOF' 2>/dev/null
+import sys, urllib.request
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=3) as r:
+        body = r.read()
+        if len(sys.argv) > 2:
+            open(sys.argv[2], "wb").write(body)
+        sys.exit(0 if r.status == 200 else 1)
+except Exception:
+    sys.exit(1)
+PYEOF
+}
+
+# stop_server: end the server group boot_server started (SIGTERM, then SIGKILL), if it still runs
+stop_server() {
+  if [ -n "$SPID" ] && kill -0 "$SPID" 2>/dev/null; then
+    kill -TERM -- "-$SPID" 2>/dev/null
+    for _ in $(seq 1 "$STOP_TRIES"); do kill -0 "$SPID" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL -- "-$SPID" 2>/dev/null
+  fi
+  SPID=""
+}
+trap stop_server EXIT
+
+# wait_health LABEL WAIT_S LOG: poll $URL/health once a second for up to WAIT_S s; rc 0 once it
+# answers. A server (SPID) that exits meanwhile, or one still not healthy at the limit, gets the
+# last BOOT_TAIL lines of LOG printed and rc 1 (the latter is stopped first).
+wait_health() {
+  local label=$1 wait_s=$2 log=$3 t=0
+  while [ $t -lt "$wait_s" ]; do
+    if ! kill -0 "$SPID" 2>/dev/null; then
+      say "server $label exited during boot; last log lines:"; tail -"$BOOT_TAIL" "$log" | tee -a "$summary"
+      SPID=""; return 1
+    fi
+    if http_get "$URL/health"; then say "[$(elapsed)s] $label healthy after ${t}s"; return 0; fi
+    sleep 1; t=$((t + 1))
+  done
+  say "server $label not healthy after ${wait_s}s; last log lines:"; tail -"$BOOT_TAIL" "$log" | tee -a "$summary"
+  stop_server; return 1
+}
+
+# boot_server LABEL WAIT_S COMMAND...: run COMMAND in a session of its own (its pid, the group,
+# in SPID), output to $JOB_OUT/server-LABEL.log, then wait_health. The caller says what it boots.
+boot_server() {
+  local label=$1 wait_s=$2; shift 2
+  local log="$JOB_OUT/server-$label.log"
+  setsid "$@" > "$log" 2>&1 &
+  SPID=$!
+  wait_health "$label" "$wait_s" "$log"
+}
+
+# kill_leftover_groups PIDFILE: end the process groups whose leaders' pids PIDFILE lists (servers
+# a driver of this job started in sessions of their own) should any have outlived it
+kill_leftover_groups() {
+  [ -f "$1" ] || return 0
+  local pid
+  while read -r pid; do
+    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+      say "killing leftover server process group $pid"
+      kill -TERM -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
+    fi
+  done < "$1"
+}
