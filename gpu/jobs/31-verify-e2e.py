@@ -16,18 +16,17 @@ Exit 0 when every request finished with usage.completion_tokens == OUT and the c
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from onecard.bench import metrics, provenance  # noqa: E402
 from onecard.bench.client import Client  # noqa: E402
+from jobutil import write_json  # noqa: E402  (gpu/lib/jobutil.py)
 
 DECODE_SUM = "vllm:request_decode_time_seconds_sum"
 ITER_COUNT = "vllm:iteration_tokens_total_count"
@@ -71,14 +70,6 @@ def step_row(before: metrics.Snapshot, after: metrics.Snapshot, res, out_tokens:
         problems.append(f"{DECODE_SUM} missing from /metrics")
     row["problems"] = problems
     return row
-
-
-def write_json(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 def main(argv: list[str]) -> int:

@@ -17,27 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from onecard.bench import prompts as P  # noqa: E402
 from onecard.bench import provenance  # noqa: E402
 from onecard.bench.client import Client  # noqa: E402
 from onecard.bench.runner import prompt_logprobs  # noqa: E402
+from jobutil import write_json  # noqa: E402  (gpu/lib/jobutil.py)
 
 GEN = 96
-
-
-def write_json(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 LONG_DOCS = ("README.md", "docs/wide-verify.md")  # this repository's own prose, 6,000 chars each

@@ -27,7 +27,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +36,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "gpu" / "lib"))
+from jobutil import free_port, stop  # noqa: E402  (gpu/lib/jobutil.py)
 
 RE_POOL = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 RE_KV_GIB = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
@@ -45,12 +46,6 @@ RE_ERR = re.compile(r"(\w*(Error|Exception)\b.*:|CUDA out of memory)")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "1, 2, 3, 4, 5,"]
 GiB = 1024**3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: dict, timeout: float = 120) -> dict:
@@ -65,20 +60,6 @@ def healthy(url: str) -> bool:
             return r.status == 200
     except Exception:  # noqa: BLE001
         return False
-
-
-def stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGINT, 15), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def decode_rate(url: str, conc: int, max_tokens: int) -> dict:
@@ -169,7 +150,7 @@ def run_case(case: dict, out: Path, card_bytes: int, deadline: float, launcher: 
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"requests: {e!r}"[:300]
         finally:
-            stop(proc)
+            stop(proc, sigint_wait=15)
     text = log_path.read_text(errors="replace")
     m = RE_POOL.findall(text)
     rec["pool_tokens"] = int(m[-1].replace(",", "")) if m else None

@@ -15,23 +15,18 @@ import argparse
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jobutil import free_port, stop  # noqa: E402  (gpu/lib/jobutil.py; 61-kvarn-serve.py uses pools.free_port/stop)
+
 RE_POOL = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 RE_CONC = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 RE_BLOCK = re.compile(r"Setting attention block size to (\d+) tokens")
 RE_ERRLINE = re.compile(r"(\w*(Error|Exception)\b.*:|CUDA out of memory)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cases(models: Path, tiny_path: str | None) -> list[dict]:
@@ -65,21 +60,6 @@ def predict(env: dict, root: Path) -> dict:
     plan = make_plan(env, root, python="python3", geometry=geom)
     return {"prediction": plan.prediction, "argv": plan.argv,
             "values": {k: {"value": v.value, "source": v.source, "reason": v.reason} for k, v in plan.values.items()}}
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGINT, 10), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def boot(case: dict, out: Path, root: Path, launcher: list[str]) -> dict:
