@@ -291,6 +291,22 @@ S(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 '''
 
 
+def _load_suite(monkeypatch, tmp_path, module_name):
+    """tests/gpu/conftest.py and tests/gpu/test_serve_suite.py (as module_name) for a CPU run against
+    FAKE_VLLM: JOB_OUT in tmp_path, 16 residues. Returns (conftest, suite, fake server script)."""
+    pytest.importorskip("httpx")
+    monkeypatch.setenv("JOB_OUT", str(tmp_path))
+    monkeypatch.syspath_prepend(str(REPO / "tests/gpu"))
+    gc = _gpu_conftest()
+    spec = importlib.util.spec_from_file_location(module_name, REPO / "tests/gpu/test_serve_suite.py")
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    monkeypatch.setattr(suite, "MODULUS", 16)   # 16 residues: the CPU box is small (128: GPU)
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(FAKE_VLLM)
+    return gc, suite, script
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnknownMarkWarning")
 def test_suite_logic_against_fake_server(monkeypatch, tmp_path, tiny_dir):
     """Run every GPU-suite test function against fake vLLM-shaped servers (response keys, the
@@ -298,16 +314,7 @@ def test_suite_logic_against_fake_server(monkeypatch, tmp_path, tiny_dir):
     import json
     import sys
 
-    pytest.importorskip("httpx")
-    monkeypatch.setenv("JOB_OUT", str(tmp_path))
-    monkeypatch.syspath_prepend(str(REPO / "tests/gpu"))
-    gc = _gpu_conftest()
-    spec = importlib.util.spec_from_file_location("_suite", REPO / "tests/gpu/test_serve_suite.py")
-    suite = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(suite)
-    monkeypatch.setattr(suite, "MODULUS", 16)   # 16 residues: the CPU box is small (128: GPU)
-    script = tmp_path / "fake_vllm.py"
-    script.write_text(FAKE_VLLM)
+    gc, suite, script = _load_suite(monkeypatch, tmp_path, "_suite")
 
     class FakePool(gc.Pool):
         def model(self, key):
@@ -373,22 +380,12 @@ def test_suite_logic_against_fake_server(monkeypatch, tmp_path, tiny_dir):
     assert record["fp32_prefill"] == {"fp32": "shim NOT applied", "fp32-mtp": "shim NOT applied"}
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnknownMarkWarning")
-def test_bf16_sweep_fails_outside_off_top_k(monkeypatch, tmp_path, tiny_dir):
-    """A fake bf16 SPEC=mtp server that picks a token outside off's top-k: a real failure,
-    reported with its rank as '> 8'."""
+def _sweep_fails_against_fake_mtp(monkeypatch, tmp_path, tiny_dir, module_name, mtp_mode, sweep, match):
+    """Run suite.<sweep> on fake servers whose SPEC=mtp side answers in mtp_mode (the SPEC=off
+    side answers 'same'); it must fail with an AssertionError matching match. Returns the pool."""
     import sys
 
-    pytest.importorskip("httpx")
-    monkeypatch.setenv("JOB_OUT", str(tmp_path))
-    monkeypatch.syspath_prepend(str(REPO / "tests/gpu"))
-    gc = _gpu_conftest()
-    spec = importlib.util.spec_from_file_location("_suite3", REPO / "tests/gpu/test_serve_suite.py")
-    suite = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(suite)
-    monkeypatch.setattr(suite, "MODULUS", 16)
-    script = tmp_path / "fake_vllm.py"
-    script.write_text(FAKE_VLLM)
+    gc, suite, script = _load_suite(monkeypatch, tmp_path, module_name)
 
     class FakePool(gc.Pool):
         def model(self, key):
@@ -398,14 +395,23 @@ def test_bf16_sweep_fails_outside_off_top_k(monkeypatch, tmp_path, tiny_dir):
             port = gc.free_port()
             return gc.Server(name, [sys.executable, str(script), str(port),
                                     str(tiny_dir / "tokenizer.json"),
-                                    "far" if name.endswith("mtp") else "same"], "tiny", port)
+                                    mtp_mode if name.endswith("mtp") else "same"], "tiny", port)
 
     pool = FakePool()
     try:
-        with pytest.raises(AssertionError, match="the bfloat16 rule does not accept"):
-            suite.test_residue_sweep_bf16_kv(pool)
+        with pytest.raises(AssertionError, match=match):
+            getattr(suite, sweep)(pool)
     finally:
         pool.close()
+    return pool
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnknownMarkWarning")
+def test_bf16_sweep_fails_outside_off_top_k(monkeypatch, tmp_path, tiny_dir):
+    """A fake bf16 SPEC=mtp server that picks a token outside off's top-k: a real failure,
+    reported with its rank as '> 8'."""
+    pool = _sweep_fails_against_fake_mtp(monkeypatch, tmp_path, tiny_dir, "_suite3", "far",
+                                         "test_residue_sweep_bf16_kv", "the bfloat16 rule does not accept")
     div = pool.record["sweep_bf16-kv"]["mtp vs off (cold prefix)"]["divergences"]
     assert div and all(v["got_rank"] == "> 8" and not v["accepted"] for v in div.values())
 
@@ -413,32 +419,5 @@ def test_bf16_sweep_fails_outside_off_top_k(monkeypatch, tmp_path, tiny_dir):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnknownMarkWarning")
 def test_fp32_sweep_fails_on_any_divergence(monkeypatch, tmp_path, tiny_dir):
     """The strict mode does fail: a fake float32 SPEC=mtp server that flips one 1-ulp tie."""
-    import sys
-
-    pytest.importorskip("httpx")
-    monkeypatch.setenv("JOB_OUT", str(tmp_path))
-    monkeypatch.syspath_prepend(str(REPO / "tests/gpu"))
-    gc = _gpu_conftest()
-    spec = importlib.util.spec_from_file_location("_suite2", REPO / "tests/gpu/test_serve_suite.py")
-    suite = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(suite)
-    monkeypatch.setattr(suite, "MODULUS", 16)
-    script = tmp_path / "fake_vllm.py"
-    script.write_text(FAKE_VLLM)
-
-    class FakePool(gc.Pool):
-        def model(self, key):
-            return tiny_dir
-
-        def make_server(self, name):
-            port = gc.free_port()
-            return gc.Server(name, [sys.executable, str(script), str(port),
-                                    str(tiny_dir / "tokenizer.json"),
-                                    "tie" if name.endswith("mtp") else "same"], "tiny", port)
-
-    pool = FakePool()
-    try:
-        with pytest.raises(AssertionError, match="the float32 rule does not accept"):
-            suite.test_residue_sweep_fp32_strict(pool)
-    finally:
-        pool.close()
+    _sweep_fails_against_fake_mtp(monkeypatch, tmp_path, tiny_dir, "_suite2", "tie",
+                                  "test_residue_sweep_fp32_strict", "the float32 rule does not accept")
