@@ -370,21 +370,24 @@ def test_residue_sweep_bf16_kv(servers):
 # ------------------------------------------------------------------------------ float32 strict
 # Right after the bf16 sweep: the strongest exactness evidence (no tie allowance).
 
+def _strict_sweep(servers, off, mtp, label, prefill_key):
+    """The float32 sweep of off vs mtp (no tie allowance), then, pass or fail, which GDN prefill
+    path each server took (record[prefill_key])."""
+    try:
+        residue_sweep(servers, off, mtp, "float32", label)
+    finally:
+        servers.record[prefill_key] = _shim_report(servers, [off, mtp])
+
+
 @pytest.mark.uses("fp32", "fp32-mtp")
 def test_residue_sweep_fp32_strict(servers):
-    try:
-        residue_sweep(servers, "fp32", "fp32-mtp", "float32", "fp32-strict")
-    finally:
-        servers.record["fp32_prefill"] = _shim_report(servers, ["fp32", "fp32-mtp"])
+    _strict_sweep(servers, "fp32", "fp32-mtp", "fp32-strict", "fp32_prefill")
 
 
 @pytest.mark.uses("fp32-int8", "fp32-int8-mtp")
 def test_residue_sweep_fp32_int8_strict(servers):
     """Its same-model check against the int8-kv sweep runs when that sweep has run (next)."""
-    try:
-        residue_sweep(servers, "fp32-int8", "fp32-int8-mtp", "float32", "fp32-int8-strict")
-    finally:
-        servers.record["fp32_int8_prefill"] = _shim_report(servers, ["fp32-int8", "fp32-int8-mtp"])
+    _strict_sweep(servers, "fp32-int8", "fp32-int8-mtp", "fp32-int8-strict", "fp32_int8_prefill")
 
 
 # ------------------------------------------------------------------------------ int8 KV sweep
