@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "gpu" / "lib"))
-from jobutil import free_port, stop  # noqa: E402  (gpu/lib/jobutil.py)
+from jobutil import free_port, stop, write_json  # noqa: E402  (gpu/lib/jobutil.py)
 
 RE_POOL = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 RE_KV_GIB = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
@@ -271,9 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         recs.append(r)
         print(f"[tp2] {c['name']}: boot {r.get('boot_s')} s pool {r.get('pool_tokens')} pred {r.get('pool_pred')} "
               f"C1 {r.get('c1', {}).get('tok_s')} C4 {r.get('c4', {}).get('tok_s')} {r.get('error', '')}", flush=True)
-        tmp = a.out / "tp2.json.tmp"
-        tmp.write_text(json.dumps(recs, indent=2, default=str))
-        os.replace(tmp, a.out / "tp2.json")
+        write_json(a.out / "tp2.json", recs, indent=2, default=str)
     text, ok, why = table(recs, a.tolerance)
     text += f"\ncard {card / GiB:.1f} GiB, GPU_UTIL {a.gpu_util}, eager, CTX=fast SPEC=mtp MAX_LEN 4096; C1/C4 ignore_eos greedy"
     print(text)

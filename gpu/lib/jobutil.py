@@ -12,12 +12,13 @@ import tempfile
 from pathlib import Path
 
 
-def write_json(path: Path, obj) -> None:
-    """Write obj as JSON (indent 1) to path atomically: a temp file in the same folder, renamed."""
+def write_json(path: Path, obj, indent: int = 1, default=None) -> None:
+    """Write obj as JSON to path atomically: a temp file in the same folder, renamed. indent and
+    default go to json.dump (default=str for records that may hold paths or exceptions)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
+        json.dump(obj, f, indent=indent, default=default)
     os.replace(tmp, path)
 
 

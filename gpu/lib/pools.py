@@ -12,7 +12,6 @@ Exit 0 when every case that ran reported a pool within --tolerance of the predic
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -21,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from jobutil import free_port, stop  # noqa: E402  (gpu/lib/jobutil.py; 61-kvarn-serve.py uses pools.free_port/stop)
+from jobutil import free_port, stop, write_json  # noqa: E402  (gpu/lib/jobutil.py; 61-kvarn-serve.py uses pools.free_port/stop)
 
 RE_POOL = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 RE_CONC = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
@@ -154,9 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         recs.append(r)
         print(f"[pools] {c['name']}: vLLM {r.get('pool_tokens')} predicted "
               f"{(r.get('prediction') or {}).get('pool_tokens')} ({r.get('seconds', 0)} s) {r.get('error', '')}", flush=True)
-        tmp = a.out / "pools.json.tmp"
-        tmp.write_text(json.dumps(recs, indent=2, default=str))
-        os.replace(tmp, a.out / "pools.json")
+        write_json(a.out / "pools.json", recs, indent=2, default=str)
     text, ok = table(recs, a.tolerance)
     print(text)
     (a.out / "pools-table.txt").write_text(text + "\n")
