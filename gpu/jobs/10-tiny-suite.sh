@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# timeout: 540
+# timeout: 600
 # Build the test models (tiny Qwen3.5 hybrid, SmolLM2 from GGUF) under $MODELS, print the time
 # and size of each, then run the serving suite (pytest -m gpu tests/gpu/test_serve_suite.py:
 # nine servers booted at once through `python3 -m onecard.launch`, 128-residue greedy exactness
@@ -76,7 +76,7 @@ else say "$(tail -1 "$JOB_OUT/build-smol.txt")"; fi
 # ---- 3. the serving suite (its conftest boots every server at once on 127.0.0.1, kills them)
 t0=$(date +%s)
 rm -f "$JOB_OUT/server.pids"
-timeout -k 20 420 $PY -m pytest -m gpu tests/gpu/test_serve_suite.py -q -p no:cacheprovider -s \
+timeout -k 20 520 $PY -m pytest -m gpu tests/gpu/test_serve_suite.py -q -p no:cacheprovider -s \
     -o addopts="" --junitxml="$JOB_OUT/junit.xml" >"$JOB_OUT/pytest.txt" 2>&1
 rc=$?
 wall=$(( $(date +%s) - t0 ))

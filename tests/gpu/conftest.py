@@ -19,7 +19,8 @@ the record of the session (boots, argv, per-test wall time, results) to
 
 Knobs: ONECARD_GPU_EAGER=1 (all servers --enforce-eager), ONECARD_GPU_BOOT_TIMEOUT (default
 400 s, from launch), ONECARD_GPU_MEM (per-server gpu_memory_utilization, default 0.06),
-ONECARD_GPU_CONFIGS (comma list, overrides what the collected tests ask for).
+ONECARD_GPU_CONFIGS (comma list, overrides what the collected tests ask for),
+ONECARD_GPU_WARM_FIRST (default ``off``: that server boots alone first; empty: all at once).
 """
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ REPO = HERE.parent.parent
 BOOT_TIMEOUT = float(os.environ.get("ONECARD_GPU_BOOT_TIMEOUT", "400"))
 GPU_MEM = os.environ.get("ONECARD_GPU_MEM", "0.06")
 EAGER = os.environ.get("ONECARD_GPU_EAGER", "") not in ("", "0")
+# Boot this server alone first (its compile fills the caches the others reuse; on a bare
+# machine nine cold boots at once took 147-388 s each, 2026-12-02); "" boots all at once.
+WARM_FIRST = os.environ.get("ONECARD_GPU_WARM_FIRST", "off")
 SHIM_DIR = HERE / "fp32_shim"
 STRUCTURED = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
 
@@ -423,6 +427,15 @@ def servers():
     pool = Pool()
     _POOL = pool
     try:
+        first = WARM_FIRST if (WARM_FIRST in _NEEDED and len(_NEEDED) > 1) else ""
+        if first:   # one server compiles the shared Triton / inductor kernels, the rest reuse them
+            pool.launch_all([first])
+            try:
+                pool.servers[first].wait()
+            except (KeyError, RuntimeError):
+                pass     # its tests report the failure; the others still boot
+            print(f"[gpu-suite] warm-first {first} done {time.monotonic() - pool.t0:.1f} s "
+                  f"after the session start; launching the rest", flush=True)
         pool.launch_all(_NEEDED)
         yield pool
     finally:
