@@ -44,3 +44,10 @@ def test_patch_accepts_what_the_launcher_passes():
     text = (Path(__file__).resolve().parent.parent / "patches" / "0070-wide-verify-triton-attn.patch").read_text()
     assert 'os.environ.get("ONECARD_WIDE_VERIFY", "auto")' in text
     assert '("", "auto", "1", "on", "true", "yes")' in text and '("0", "off", "false", "no")' in text
+
+
+def test_triton_autotune_cache_on_unless_set(tmp_path):
+    """The launcher asks Triton to keep autotune winners (FLA GDN kernels retune at every boot
+    otherwise); an explicit TRITON_CACHE_AUTOTUNING, even 0, is the user's."""
+    assert mk({}, tmp_path).child_env["TRITON_CACHE_AUTOTUNING"] == "1"
+    assert "TRITON_CACHE_AUTOTUNING" not in mk({"TRITON_CACHE_AUTOTUNING": "0"}, tmp_path).child_env
