@@ -38,8 +38,8 @@ export VLLM="python3 -m vllm.entrypoints.cli.main" PYTHONUNBUFFERED=1 HF_HUB_OFF
 # minutes; seen killing a 150 s boot on 2026-12-02). A lease starts on a bare machine every time,
 # so the jobs use vLLM's own PyTorch top-k/top-p sampler unless a job asks otherwise.
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
-# Triton keeps autotune winners on disk (the FLA GDN kernels retune at every boot otherwise: ~80 s
-# of each tiny server's profiling run on 2026-12-02, nine servers = nine retunes).
+# Triton keeps autotune winners on disk (the FLA GDN kernels retune at every boot otherwise; each
+# tiny server's profiling run took 80-91 s on 2026-12-02 with warm compile caches).
 export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 if [ ! -f "$STOCK/vllm/__init__.py" ]; then
   mkdir -p "$STOCK" && cp -a "$SITE/vllm" "$STOCK/" || exit 2

@@ -450,9 +450,10 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
         plan.child_env.update(profiles.TP_CHILD_ENV)  # NVLink multicast off (profiles.TP_CHILD_ENV says why)
     # WIDE_VERIFY's only reader in the server is patch 0070 (triton_attn.py, ONECARD_WIDE_VERIFY)
     plan.child_env["ONECARD_WIDE_VERIFY"] = str(plan.get("WIDE_VERIFY"))
-    # The GDN (FLA) Triton kernels autotune at every boot (~80 s of vLLM's profiling run on the
-    # H200, 2026-12-02); with this Triton keeps the winners in its cache dir, so only the first
-    # boot of a machine pays. An explicit value (0 too) is respected.
+    # The GDN (FLA) Triton kernels are @triton.autotune'd and retune at every boot: on the H200
+    # (2026-12-02) each tiny server's profiling run took 80-91 s even with warm compile caches.
+    # With this Triton keeps the winners in its cache dir, so only a machine's first boot pays
+    # (how much of those 80 s it saves is still to be measured). An explicit value (0 too) wins.
     if environ.get("TRITON_CACHE_AUTOTUNING", "") == "":
         plan.child_env["TRITON_CACHE_AUTOTUNING"] = "1"
     if check_paths:  # a real launch: look at this machine (dry runs stay machine-independent)
