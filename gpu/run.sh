@@ -52,12 +52,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,pow
 cat "$OUTROOT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUTROOT/gpu.txt"
 
-# Compile caches carried from an earlier lease (gpu/wait.sh packs them with GPU_PACK_CACHES=1;
-# copy that file to $ACC/gpu-caches.tgz in its own call): a bare machine's first boot pays ~150 s
-# of Triton JIT + torch.compile otherwise. Keys include source hashes, so a stale entry is a miss.
-if [ -f "$ACC/gpu-caches.tgz" ] && [ "${GPU_NO_CACHE_RESTORE:-0}" != 1 ] && [ ! -f "$OUTROOT/.caches-restored" ]; then
-  tar -xzf "$ACC/gpu-caches.tgz" -C / 2>/dev/null && touch "$OUTROOT/.caches-restored" \
-    && say "restored compile caches from $ACC/gpu-caches.tgz ($(du -sh "$ACC/gpu-caches.tgz" | cut -f1))"
+# Compile caches carried from an earlier lease (gpu/wait.sh packs them as parts with
+# GPU_PACK_CACHES=1; carry each part and copy it to $ACC/caches/): a bare machine's first boot pays
+# minutes of Triton JIT + torch.compile otherwise. Keys include source hashes: a stale entry misses.
+if ls "$ACC"/caches/gpu-caches.part-* >/dev/null 2>&1 && [ "${GPU_NO_CACHE_RESTORE:-0}" != 1 ] \
+   && [ ! -f "$OUTROOT/.caches-restored" ]; then
+  cat "$ACC"/caches/gpu-caches.part-* | tar -xzf - -C / 2>/dev/null && touch "$OUTROOT/.caches-restored" \
+    && say "restored compile caches from $(ls "$ACC"/caches/gpu-caches.part-* | wc -l) parts in $ACC/caches" \
+    || say "compile caches in $ACC/caches did not unpack (incomplete parts?): starting cold"
 fi
 
 summary="$OUTROOT/summary.txt"; : > "$summary"
