@@ -396,6 +396,7 @@ def pytest_configure(config):
         signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
 
 
+@pytest.hookimpl(trylast=True)   # after -k / -m deselection: boot only what the kept tests use
 def pytest_collection_modifyitems(session, config, items):
     wanted = os.environ.get("ONECARD_GPU_CONFIGS", "")
     if wanted:
