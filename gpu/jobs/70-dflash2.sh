@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# timeout: 300
+# timeout: 400
 # SPEC=dflash2 (patch 0080) on the tiny model vs SPEC=off: tests/gpu/test_dflash2.py boots three
 # servers at once through the launcher's plan (off; dflash2 DFLASH_TOKENS=7 greedy drafting;
 # dflash2 DFLASH_TOKENS=15 = 7 drafter rows + 8 lookup positions, probabilistic drafting),
@@ -11,8 +11,9 @@
 # copy-task tokens/step 15 vs 7 (random drafter: plumbing, not speed); (3) if >= 40 s are left,
 # sampled chi-square (T=1, top_k 8) at tokens 2..4 vs off, p >= 1e-3.
 # Expected wall: boots 45-200 s (first boot of the DFlash drafter compiles), checks ~40 s;
-# the script stops itself at 270 s. Writes $JOB_OUT/{log of the run,dflash2.json,server-*.log,
-# summary.txt}. Exit 0 only if every check held. CPU dry run: python3 tests/gpu/test_dflash2.py
+# the script stops itself at ~365 s (2026-12-02: boots 161-207 s in a four-job group and 47 s of
+# greedy checks left the sampled check no time under the old 300 s limit).
+# Writes $JOB_OUT/{log of the run,dflash2.json,server-*.log,summary.txt}. Exit 0 only if every check held. CPU dry run: python3 tests/gpu/test_dflash2.py
 # --dry-run (tests/dflash/test_gpu_dflash2_dry.py).
 set -u
 cd "$(dirname "$0")/../.."
@@ -30,8 +31,8 @@ rc=$?
 tail -2 "$JOB_OUT/build.txt" | tee -a "$summary"
 if [ $rc -ne 0 ]; then say "tiny model/drafter build FAILED rc=$rc"; say "== 70-dflash2: FAIL"; exit 1; fi
 
-# whatever the build took comes off the driver's time: everything ends inside the 300 s header
-left=$(( 285 - SECONDS ))
+# whatever the build took comes off the driver's time: everything ends inside the 400 s header
+left=$(( 385 - SECONDS ))
 timeout -k 10 "$left" python3 tests/gpu/test_dflash2.py --out "$JOB_OUT" --deadline $(( left - 20 )) \
     > "$JOB_OUT/run.txt" 2>&1
 rc=$?
