@@ -251,6 +251,75 @@ def huge(a) -> int:
     return status
 
 
+def decode(a) -> int:
+    """Timing (run alone): C1 plain decode (SPEC=off, CUDA graphs) on the 27B geometry, KVarN
+    (CTX=huge) against int8 per-token-head (CTX=long), at each depth; the ratio per depth."""
+    import signal
+
+    import pools
+
+    def _term(signum, frame):  # timeout's SIGTERM: unwind so `finally` stops the server
+        raise SystemExit(1)
+
+    signal.signal(signal.SIGTERM, _term)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    geom = Path(a.models) / "qwen38-27b-geom"
+    if not (geom / "config.json").is_file():
+        print(f"no {geom}: skipped (job 20 builds it)")
+        write_json(out / "decode.json", {"skipped": f"no {geom}"})
+        return 1
+    depths = [int(x) for x in a.depths.split(",") if x.strip()]
+    common = {"MODEL": str(geom), "GDN_PREFILL": "triton", "HOST": "127.0.0.1", "TOOLS": "0",
+              "SPEC": "off", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "EXTRA_ARGS": "--seed 0"}
+    recs: dict = {"depths": depths}
+    for arm, ctx in (("kvarn", "huge"), ("int8", "long")):
+        if a.deadline - time.time() < 150:
+            print(f"{arm}: skipped ({a.deadline - time.time():.0f} s left, a 27B boot needs ~150 s)")
+            continue
+        rec, proc, url = _launch({**common, "CTX": ctx}, out / f"server-decode-{arm}.log", a.deadline - 20, True)
+        rec["decode"] = {}
+        try:
+            if rec.get("healthy"):
+                served = rec.get("values", {}).get("SERVED_NAME", {}).get("value") or "qwen"
+                for d in depths:
+                    if a.deadline - time.time() < 40:
+                        rec["decode"][str(d)] = {"skipped": "deadline"}
+                        continue
+                    rec["decode"][str(d)] = _decode(url, served, d)
+                    r = rec["decode"][str(d)]
+                    print(f"{arm} depth {d}: prompt {r.get('prompt_tokens')} tok, TTFT {r.get('ttft_s') or 0:.2f} s, "
+                          f"decode {r.get('decode_tps') or 0:.1f} tok/s (first run {r.get('first_run_decode_tps') or 0:.1f})"
+                          + (f" ERROR {r['error']}" if r.get("error") else ""), flush=True)
+        except Exception as e:  # noqa: BLE001
+            rec["decode_error"] = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            if proc is not None:
+                pools.stop(proc)
+        recs[arm] = rec
+        print(f"{arm}: pool {rec.get('pool_tokens')} (predicted {(rec.get('prediction') or {}).get('pool_tokens')}), "
+              f"boot {rec.get('boot_s')} s" + (f" ERROR {rec['error']}" if rec.get("error") else ""), flush=True)
+        write_json(out / "decode.json", recs)
+    print("| depth | KVarN tok/s | int8 tok/s | KVarN / int8 |")
+    print("|---|---|---|---|")
+    ok = True
+    for d in depths:
+        k = ((recs.get("kvarn") or {}).get("decode") or {}).get(str(d)) or {}
+        i = ((recs.get("int8") or {}).get("decode") or {}).get(str(d)) or {}
+        kt, it = k.get("decode_tps"), i.get("decode_tps")
+        ok &= bool(kt and it)
+        print(f"| {d} | {kt or 0:.1f} | {it or 0:.1f} | {(kt / it) if kt and it else float('nan'):.3f} |")
+    from onecard.bench import provenance
+
+    recs["provenance"] = provenance.build(
+        prompt_set={"id": "haystack words, 'Run i.' prefix (no prefix-cache hit), per depth"},
+        sampling={"temperature": 0.0, "ignore_eos": True, "max_tokens": 128},
+        token_count_source="usage.completion_tokens (streamed, include_usage)",
+        warmup={"policy": "two runs per depth, the second kept"}, max_tokens=128)
+    write_json(out / "decode.json", recs)
+    return 0 if ok else 1
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -269,8 +338,15 @@ def main(argv: list[str]) -> int:
     h.add_argument("--out", required=True)
     h.add_argument("--models", default=os.environ.get("MODELS", "/var/tmp/models"))
     h.add_argument("--deadline", type=float, required=True)
+    d = sub.add_parser("decode")
+    d.add_argument("--out", required=True)
+    d.add_argument("--models", default=os.environ.get("MODELS", "/var/tmp/models"))
+    d.add_argument("--deadline", type=float, required=True)
+    d.add_argument("--depths", default="8192,32768,120000",
+                   help="prompt tokens per row (CTX=long's MAX_LEN 124,928 bounds the int8 arm)")
     a = ap.parse_args(argv)
-    return {"setup": setup, "needle": needle, "quality": quality, "huge": huge}[a.cmd](a)
+    return {"setup": setup, "needle": needle, "quality": quality, "huge": huge,
+            "decode": decode}[a.cmd](a)
 
 
 if __name__ == "__main__":

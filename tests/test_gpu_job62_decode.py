@@ -1,0 +1,58 @@
+"""Job 62's driver (61-kvarn-serve.py decode) without a GPU: both arms' boots and requests are
+faked; what is checked is the arm order, the per-depth rows, the ratio table and the JSON."""
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    sys.path.insert(0, str(REPO / "gpu" / "lib"))
+    spec = importlib.util.spec_from_file_location("job61", REPO / "gpu" / "jobs" / "61-kvarn-serve.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_decode_table_and_ratio(tmp_path, monkeypatch, capsys):
+    mod = _load()
+    monkeypatch.setattr("signal.signal", lambda *a: None)   # the driver's SIGTERM hook, not pytest's
+    (tmp_path / "models" / "qwen38-27b-geom").mkdir(parents=True)
+    (tmp_path / "models" / "qwen38-27b-geom" / "config.json").write_text("{}")
+    launched = []
+
+    def fake_launch(env, log, deadline, need_health):
+        launched.append(env["CTX"])
+        assert env["SPEC"] == "off" and "--enforce-eager" not in env["EXTRA_ARGS"]
+        return ({"healthy": True, "pool_tokens": 1000, "prediction": {"pool_tokens": 1000},
+                 "values": {"SERVED_NAME": {"value": "m"}}, "boot_s": 1.0}, None, "http://x")
+
+    speed = {"huge": 20.0, "long": 25.0}
+    monkeypatch.setattr(mod, "_launch", fake_launch)
+    monkeypatch.setattr(mod, "_decode", lambda url, model, d: {
+        "ok": True, "error": None, "prompt_tokens": d, "completion_tokens": 128, "ttft_s": 0.5,
+        "decode_tps": speed[launched[-1]], "first_run_decode_tps": 1.0})
+    a = type("A", (), {"out": str(tmp_path / "o"), "models": str(tmp_path / "models"),
+                       "deadline": time.time() + 1000, "depths": "8192,32768"})()
+    assert mod.decode(a) == 0
+    assert launched == ["huge", "long"]
+    out = capsys.readouterr().out
+    assert "| 8192 | 20.0 | 25.0 | 0.800 |" in out and "| 32768 | 20.0 | 25.0 | 0.800 |" in out
+    rec = json.loads((tmp_path / "o" / "decode.json").read_text())
+    assert rec["depths"] == [8192, 32768] and rec["kvarn"]["decode"]["8192"]["decode_tps"] == 20.0
+    assert "provenance" in rec
+
+
+def test_decode_skips_arms_without_time(tmp_path, monkeypatch, capsys):
+    mod = _load()
+    monkeypatch.setattr("signal.signal", lambda *a: None)
+    (tmp_path / "m" / "qwen38-27b-geom").mkdir(parents=True)
+    (tmp_path / "m" / "qwen38-27b-geom" / "config.json").write_text("{}")
+    monkeypatch.setattr(mod, "_launch", lambda *a: (_ for _ in ()).throw(AssertionError("no boot")))
+    a = type("A", (), {"out": str(tmp_path / "o"), "models": str(tmp_path / "m"),
+                       "deadline": time.time() + 60, "depths": "8192"})()
+    assert mod.decode(a) == 1
+    assert "kvarn: skipped" in capsys.readouterr().out
