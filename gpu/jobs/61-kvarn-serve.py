@@ -185,22 +185,30 @@ def _decode(url: str, model: str, prompt_tokens: int) -> dict:
             "first_run_decode_tps": res[0].decode_tps}
 
 
-def huge(a) -> int:
+def _geometry_run(a, json_name: str):
+    """Common start of the 27B-geometry parts: SIGTERM (timeout's) unwinds so `finally` stops
+    the server; returns (out dir, checkpoint) or (out dir, None) after recording the skip."""
     import signal
 
-    import pools
-
-    def _term(signum, frame):  # timeout's SIGTERM: unwind so `finally` stops the server
+    def _term(signum, frame):
         raise SystemExit(1)
 
     signal.signal(signal.SIGTERM, _term)
-
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     geom = Path(a.models) / "qwen38-27b-geom"
     if not (geom / "config.json").is_file():
         print(f"no {geom}: the 27B-geometry part is skipped (job 20 builds it)")
-        write_json(out / "huge.json", {"skipped": f"no {geom}"})
+        write_json(out / json_name, {"skipped": f"no {geom}"})
+        return out, None
+    return out, geom
+
+
+def huge(a) -> int:
+    import pools
+
+    out, geom = _geometry_run(a, "huge.json")
+    if geom is None:
         return 0
     common = {"MODEL": str(geom), "GDN_PREFILL": "triton", "HOST": "127.0.0.1", "TOOLS": "0",
               "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
@@ -254,20 +262,10 @@ def huge(a) -> int:
 def decode(a) -> int:
     """Timing (run alone): C1 plain decode (SPEC=off, CUDA graphs) on the 27B geometry, KVarN
     (CTX=huge) against int8 per-token-head (CTX=long), at each depth; the ratio per depth."""
-    import signal
-
     import pools
 
-    def _term(signum, frame):  # timeout's SIGTERM: unwind so `finally` stops the server
-        raise SystemExit(1)
-
-    signal.signal(signal.SIGTERM, _term)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    geom = Path(a.models) / "qwen38-27b-geom"
-    if not (geom / "config.json").is_file():
-        print(f"no {geom}: skipped (job 20 builds it)")
-        write_json(out / "decode.json", {"skipped": f"no {geom}"})
+    out, geom = _geometry_run(a, "decode.json")
+    if geom is None:
         return 1
     depths = [int(x) for x in a.depths.split(",") if x.strip()]
     common = {"MODEL": str(geom), "GDN_PREFILL": "triton", "HOST": "127.0.0.1", "TOOLS": "0",
