@@ -6,6 +6,7 @@ JSON. Neither imports vllm or torch. The API key reaches the child only through 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -32,11 +33,12 @@ def _tiny_model_path() -> str:
 
 def run(args: argparse.Namespace) -> int:
     from onecard import memory
-    from onecard.plan import PlanError, format_table, make_plan
+    from onecard.plan import PlanError, format_table, make_plan, read_dotenv
 
     try:
         env = dict(os.environ)
-        model = env.get("MODEL", "")
+        # MODEL as the plan resolves it (environment over .env), so the preflight sees its config
+        model = env.get("MODEL") or read_dotenv(Path(args.root) / ".env").get("MODEL", "")
         model_path = None
         geom = None
         if model == "tiny" and not (args.dry_run or args.json):
@@ -47,6 +49,13 @@ def run(args: argparse.Namespace) -> int:
                 geom = memory.ModelGeometry.from_model_dir(probe)
             except ValueError as e:
                 print(f"onecard launch: note: {e}; using the 27B geometry for the memory model", file=sys.stderr)
+                # still check MAX_LEN against the checkpoint's own max context (preflight step 0)
+                try:
+                    limit, src = memory.config_max_len(json.loads((Path(probe) / "config.json").read_text()))
+                except (ValueError, AttributeError):  # not JSON, or not a JSON object
+                    limit, src = None, ""
+                if limit is not None:
+                    geom = dataclasses.replace(memory.QWEN38_27B, max_model_len=limit, max_model_len_source=src)
         plan = make_plan(env, args.root, _python(), model_path, geom,
                          check_paths=not (args.dry_run or args.json))
     except PlanError as e:

@@ -75,6 +75,11 @@ class ModelGeometry:
     dtype_bytes: int = 2  # bf16 weights/activations (and the GDN conv state)
     ssm_state_bytes: int = 4  # GDN recurrent state: config mamba_ssm_dtype (Qwen3.5: float32)
     num_attention_heads: int = 24  # query heads (tensor parallel must divide them too)
+    # The longest max_model_len vLLM accepts for this checkpoint without
+    # VLLM_ALLOW_LONG_MAX_MODEL_LEN (config_max_len); None: not known (the built-in geometry, or
+    # a config naming no length). Not part of the KV model, so not compared.
+    max_model_len: int | None = field(default=None, compare=False)
+    max_model_len_source: str = field(default="", compare=False)  # e.g. "max_position_embeddings=32768"
 
     @property
     def num_gdn(self) -> int:
@@ -84,6 +89,7 @@ class ModelGeometry:
     def from_config(cls, cfg: dict) -> "ModelGeometry":
         """Read a HF config.json dict (top level or nested ``text_config``)."""
         text = cfg.get("text_config", cfg)
+        limit, limit_src = config_max_len(cfg)
         try:
             n = int(text["num_hidden_layers"])
             types = text.get("layer_types")
@@ -107,6 +113,8 @@ class ModelGeometry:
                 dtype_bytes=4 if "32" in dt else 2,
                 ssm_state_bytes=4 if "32" in ssm else 2,
                 num_attention_heads=int(text.get("num_attention_heads") or cls.num_attention_heads),
+                max_model_len=limit,
+                max_model_len_source=limit_src,
             )
         except KeyError as e:
             raise ValueError(f"config is not a Qwen3.5 hybrid config: missing {e.args[0]!r}") from None
@@ -117,6 +125,57 @@ class ModelGeometry:
         if not p.is_file():
             raise ValueError(f"no config.json in {path}")
         return cls.from_config(json.loads(p.read_text()))
+
+
+# The keys vLLM 0.27.1 reads for a model's length (transformers_utils/model_arch_config_convertor.py,
+# derive_max_model_len_and_key): the smallest of these in the text config wins.
+MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+
+
+def config_max_len(cfg: dict) -> tuple[int | None, str]:
+    """(the longest --max-model-len vLLM 0.27.1 accepts without VLLM_ALLOW_LONG_MAX_MODEL_LEN, which
+    config field says so); (None, "") when the config names no length (vLLM then uses the
+    transformers class default, not modelled here).
+
+    Mirrors config/model.py ``_get_and_verify_max_len`` for a generative model: the smallest of
+    ``MAX_LEN_KEYS`` in the text config (``text_config`` when present, else the top level), replaced
+    by ``model_max_length`` when the config sets it; times the RoPE scaling ``factor`` of
+    ``rope_parameters`` (legacy ``rope_scaling``) unless the rope type is default/su/longrope/llama3
+    (no factor) or the model is Gemma3, with ``yarn`` starting from ``original_max_position_embeddings``;
+    a user length above that is still accepted up to ``model_max_length``. tokenizer_config.json's
+    ``model_max_length`` is read by vLLM only for pooling models, so not here."""
+    text = cfg.get("text_config") or cfg
+    derived, key = float("inf"), None
+    for k in MAX_LEN_KEYS:
+        v = text.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < derived:
+            derived, key = v, k
+    mml = text.get("model_max_length")
+    if isinstance(mml, (int, float)) and not isinstance(mml, bool) and mml:
+        derived, key = mml, "model_max_length"
+    if key is None:
+        return None, ""
+    src = f"{key}={int(derived)}"
+    rope = text.get("rope_parameters") or text.get("rope_scaling")
+    if isinstance(rope, dict) and rope and "gemma3" not in str(text.get("model_type", "")):
+        nested = all(isinstance(v, dict) for v in rope.values())
+        factor = 1.0
+        for rp in (rope.values() if nested else [rope]):
+            rtype = rp.get("rope_type") or rp.get("type") or "default"
+            if rtype not in ("su", "longrope", "llama3"):
+                factor = rp.get("factor", factor)
+                if rtype == "yarn" and rp.get("original_max_position_embeddings"):
+                    derived = rp["original_max_position_embeddings"]
+                    src = f"original_max_position_embeddings={int(derived)}"
+        factor = 1.0 if factor is None else float(factor)
+        if factor != 1.0:
+            derived *= factor
+            src += f" x rope factor {factor:g}"
+    limit = int(derived)
+    if isinstance(mml, (int, float)) and not isinstance(mml, bool) and mml > limit:
+        limit, src = int(mml), f"model_max_length={int(mml)}"
+    return limit, src
 
 
 QWEN38_27B = ModelGeometry()

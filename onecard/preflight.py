@@ -2,6 +2,12 @@
 reason recorded in the plan). Pure: no GPU, no vllm import.
 
 Checks, in order:
+0. MAX_LEN vs the checkpoint's max context (``geom.max_model_len``, read from its config.json the
+   way vLLM 0.27.1 derives it: onecard.memory.config_max_len). vLLM refuses a longer
+   --max-model-len after its config load unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set. A CTX
+   profile's default MAX_LEN is capped to the limit (with a note); an explicit MAX_LEN (env or
+   .env) is refused naming the limit and the two ways out; with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
+   in the environment it passes with a warning note.
 1. TP>1 (the TP knob or -tp in EXTRA_ARGS; plan.resolve decides): TP must divide the model's
    attention, KV and GDN heads and not exceed the visible GPUs (when known); the single-card
    KV_MEM pin is dropped (an explicit byte pin is refused) and the pool is sized from GPU_UTIL;
@@ -46,6 +52,34 @@ def _has_flag_value(extra: list[str], flag: str, value: str) -> bool:
         if a == f"{flag}={value}":
             return True
     return False
+
+
+def allow_long_max_len(environ) -> bool:
+    """VLLM_ALLOW_LONG_MAX_MODEL_LEN as vLLM 0.27.1 reads it (envs.py: "1" or "true", any case)."""
+    return str((environ or {}).get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")).strip().lower() in ("1", "true")
+
+
+def _model_max_len(plan: ServePlan, geom: memory.ModelGeometry, environ) -> None:
+    """Step 0: MAX_LEN vs the checkpoint's max context (vLLM refuses a longer one at config load)."""
+    limit = geom.max_model_len
+    mv = plan.values["MAX_LEN"]
+    n = int(mv.value)
+    if limit is None or n <= limit:
+        return
+    where = f"{geom.max_model_len_source} in MODEL's config.json"
+    if allow_long_max_len(environ):
+        plan.notes.append(f"WARNING: MAX_LEN={n:,} is above the model's max context {limit:,} ({where}); "
+                          f"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets vLLM serve it, but positions past {limit:,} "
+                          f"are beyond what the model's RoPE was built for (output may degrade or turn to NaN)")
+        return
+    if mv.source in ("env", ".env"):
+        raise PlanError(f"MAX_LEN={n} is above the model's max context {limit} ({where}); "
+                        f"valid: MAX_LEN <= {limit}, or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in the environment "
+                        f"if you know the model extrapolates past it")
+    plan.cap("MAX_LEN", limit, f"model max context ({where}); {mv.reason or 'profile'} default {n:,}")
+    plan.notes.append(f"MAX_LEN capped {n:,} -> {limit:,}: the {mv.reason or 'profile'} default is above the model's "
+                      f"max context ({where}); set MAX_LEN <= {limit:,}, or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 "
+                      f"to keep {n:,} if the model extrapolates")
 
 
 def _tp_checks(plan: ServePlan, geom: memory.ModelGeometry, tp: int) -> None:
@@ -189,6 +223,8 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
     k = int(plan.get("SPEC_K"))
     if plan.get("SSM_DTYPE") != "auto":
         geom = dataclasses.replace(geom, ssm_state_bytes=4 if plan.get("SSM_DTYPE") == "float32" else 2)
+    # 0. MAX_LEN vs the model's max context
+    _model_max_len(plan, geom, environ)
     # 1. TP > 1 (decided once, in plan.resolve)
     tp = int(plan.get("TP")) if "TP" in plan.values else 1
     if tp > 1:

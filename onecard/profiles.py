@@ -99,7 +99,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("TP", "1", "1|2|4|8", "GPUs of one host through vLLM's own tensor parallelism (--tensor-parallel-size; "
          "or -tp in EXTRA_ARGS); >1 drops the KV_MEM pin and sizes the pool from GPU_UTIL (docs/multi-gpu.md)",
          ("1", "2", "4", "8")),
-    Knob("MAX_LEN", "", "256..1048576", "max model length; default per profile"),
+    Knob("MAX_LEN", "", "256..1048576", "max model length; default per profile, capped (with a note) to the "
+         "checkpoint's max context (config.json max_position_embeddings, as vLLM derives it); an explicit MAX_LEN "
+         "above that is refused unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is in the environment"),
     Knob("PORT", "18020", "1..65535", "listen port"),
     Knob("HOST", "127.0.0.1", "address", "listen address; beyond loopback needs an API key"),
     Knob("MODEL", "models/qwen38-27b", "path, or 'tiny'", "checkpoint directory; 'tiny' builds the CPU-sized test model"),

@@ -4,7 +4,9 @@ Shapes (``GEOMETRY_27B``): 64 layers in the 3:1 Gated DeltaNet / full-attention 
 5120, MLP intermediate 17408, 24 query / 4 KV heads of 256 (query projection doubled for the
 output gate), GDN 16 key / 48 value heads of 128, conv kernel 4, vocab 248,320, one MTP layer.
 Tensor names and the config come from :mod:`onecard.prepare.tiny` (same architecture), so the
-two test models never disagree on the layout.
+two test models never disagree on the layout. Unlike tiny (32,768), the config carries the real
+model's max context, ``max_position_embeddings`` 262,144 (``MAX_POSITION_EMBEDDINGS``), so every CTX
+profile boots on it; an existing checkpoint built with 32,768 is updated in place by the CLI.
 
 Packed like the public AutoRound checkpoint: compressed-tensors ``pack-quantized``, int4,
 symmetric, group 128, one config group targeting ``Linear``. What stays bf16, and why (from
@@ -49,6 +51,11 @@ GEOMETRY_27B = dict(
     vocab=248320, mtp_layers=1, seed=0,
 )
 GEOMETRIES = {"27b": GEOMETRY_27B}
+# The real model's max context (text_config.max_position_embeddings, and the tokenizer's
+# model_max_length): Qwen3.5/3.6-27B-class configs say 262,144, which the CTX=huge (245,760) and
+# single-user (256,000) profiles need; vLLM refuses a longer --max-model-len than the config's
+# (without VLLM_ALLOW_LONG_MAX_MODEL_LEN). tiny's config writer keeps its own 32,768.
+MAX_POSITION_EMBEDDINGS = {"27b": 262_144}
 IGNORE = ["re:.*lm_head$", "re:.*embed_tokens$", "re:.*visual.*", "re:.*mtp.*",
           "re:.*in_proj_a$", "re:.*in_proj_b$", "re:.*in_proj_ba$", "re:.*conv1d$"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -118,6 +125,57 @@ def quantization_config() -> dict:
         "quantization_status": "compressed",
         "provider": "onecard-geometry",
     }
+
+
+def make_config(spec, ids: dict[str, int], geometry: str, live_vocab: int) -> dict:
+    """config.json: tiny's config writer at this geometry's shapes, W4A16 quantization config,
+    the real model's max context."""
+    from onecard.prepare import tiny
+
+    config = tiny.make_config(spec, ids)
+    config.pop("onecard_tiny", None)
+    config["dtype"] = "bfloat16"
+    config["text_config"]["vocab_size"] = spec.padded_vocab
+    config["text_config"]["max_position_embeddings"] = MAX_POSITION_EMBEDDINGS[geometry]
+    config["quantization_config"] = quantization_config()
+    config["onecard_geometry"] = {"geometry": geometry, "spec": dataclasses.asdict(spec), "live_vocab": live_vocab,
+                                  "note": "random weights; lm_head rows >= live_vocab are zero"}
+    return config
+
+
+def _set_tokenizer_max_length(model_dir: Path, n: int) -> bool:
+    """tokenizer_config.json's model_max_length := n (the borrowed tiny tokenizer says 32,768).
+    True when the file changed."""
+    p = model_dir / "tokenizer_config.json"
+    if not p.is_file():
+        return False
+    cfg = json.loads(p.read_text())
+    if cfg.get("model_max_length") == n:
+        return False
+    cfg["model_max_length"] = n
+    st.atomic_write_text(p, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return True
+
+
+def refresh_max_context(model_dir: Path, geometry: str = "27b") -> list[str]:
+    """An existing checkpoint built before MAX_POSITION_EMBEDDINGS (it said 32,768): set its
+    config's (and tokenizer's) max context in place instead of rebuilding ~17 GiB. What changed."""
+    model_dir = Path(model_dir)
+    if geometry not in MAX_POSITION_EMBEDDINGS:
+        raise ValueError(f"unknown geometry {geometry!r}; valid: {', '.join(MAX_POSITION_EMBEDDINGS)}")
+    n = MAX_POSITION_EMBEDDINGS[geometry]
+    changed = []
+    p = model_dir / "config.json"
+    cfg = json.loads(p.read_text())
+    text = cfg.get("text_config", cfg)
+    old = text.get("max_position_embeddings")
+    if old != n:
+        text["max_position_embeddings"] = n
+        st.atomic_write_text(p, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        changed.append(f"config.json max_position_embeddings {old} -> {n}")
+    if _set_tokenizer_max_length(model_dir, n):
+        changed.append(f"tokenizer_config.json model_max_length -> {n}")
+    return changed
 
 
 def _gen(name: str, seed: int, device):
@@ -206,13 +264,7 @@ def build(out_dir, geometry: str = "27b", *, tokenizer: Path | None = None, root
     if missing:
         raise ValueError(f"tokenizer in {tok_dir} lacks {missing}; valid: a onecard tiny-model tokenizer")
     live_vocab = min(tok.get_vocab_size(with_added_tokens=True), spec.padded_vocab)
-    config = tiny.make_config(spec, ids)
-    config.pop("onecard_tiny", None)
-    config["dtype"] = "bfloat16"
-    config["text_config"]["vocab_size"] = spec.padded_vocab
-    config["quantization_config"] = quantization_config()
-    config["onecard_geometry"] = {"geometry": geometry, "spec": dataclasses.asdict(spec), "live_vocab": live_vocab,
-                                  "note": "random weights; lm_head rows >= live_vocab are zero"}
+    config = make_config(spec, ids, geometry, live_vocab)
     items = plan(spec)
     limit = int(shard_gb * 2**30)
     shards: list[list] = [[]]
@@ -230,6 +282,7 @@ def build(out_dir, geometry: str = "27b", *, tokenizer: Path | None = None, root
         for f in TOKENIZER_FILES:
             if (tok_dir / f).is_file():
                 shutil.copy2(tok_dir / f, tmp / f)
+        _set_tokenizer_max_length(tmp, MAX_POSITION_EMBEDDINGS[geometry])
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         shapes = tiny.tensor_shapes(spec)
         n_sh = len(shards)
@@ -289,7 +342,9 @@ def run(args) -> int:
     try:
         out = args.out or (models_root(args.root) / f"qwen38-{args.geometry}-geom")
         if out.exists() and not args.force and (out / "model.safetensors.index.json").is_file():
-            print(f"geometry model exists: {out} (use --force to rebuild)")
+            fixed = refresh_max_context(out, args.geometry)
+            print(f"geometry model exists: {out} (use --force to rebuild)"
+                  + (f"; updated {', '.join(fixed)}" if fixed else ""))
             return 0
         rep = build(out, args.geometry, tokenizer=args.tokenizer, root=args.root, device=args.device,
                     shard_gb=args.shard_gb, force=out.exists(), **{k: getattr(args, k) for k in OVERRIDES})

@@ -47,6 +47,9 @@ def test_small_build_loads_and_requantizes(tmp_path, monkeypatch):
     assert rep["shards"] > 1 and (out / "tokenizer.json").is_file()
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["text_config"]["vocab_size"] == 8192 and cfg["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    # the real model's max context (tiny's writer says 32,768), in the config and the tokenizer
+    assert cfg["text_config"]["max_position_embeddings"] == 262144
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 262144
     qc = cfg["quantization_config"]
     assert qc["config_groups"]["group_0"]["weights"]["num_bits"] == 4 and qc["format"] == "pack-quantized"
     idx = json.loads((out / "model.safetensors.index.json").read_text())
