@@ -166,6 +166,23 @@ def _launch(env_over: dict, log_path: Path, deadline: float, need_health: bool):
     return rec, proc, url
 
 
+def _serve(env_over: dict, log_path: Path, deadline: float, measure) -> dict:
+    """Boot through the launcher, run measure(url, served_name, rec) when healthy, always stop
+    the server; a measurement's exception is recorded as rec['decode_error']."""
+    import pools
+
+    rec, proc, url = _launch(env_over, log_path, deadline, True)
+    try:
+        if rec.get("healthy"):
+            measure(url, rec.get("values", {}).get("SERVED_NAME", {}).get("value") or "qwen", rec)
+    except Exception as e:  # noqa: BLE001
+        rec["decode_error"] = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        if proc is not None:
+            pools.stop(proc)
+    return rec
+
+
 def _decode(url: str, model: str, prompt_tokens: int) -> dict:
     from onecard.bench.client import Client
 
@@ -205,8 +222,6 @@ def _geometry_run(a, json_name: str):
 
 
 def huge(a) -> int:
-    import pools
-
     out, geom = _geometry_run(a, "huge.json")
     if geom is None:
         return 0
@@ -220,16 +235,10 @@ def huge(a) -> int:
         if arm != "kvarn-huge" and left < 100:
             print(f"{arm}: skipped ({left:.0f} s left)")
             break
-        rec, proc, url = _launch({**common, "CTX": ctx}, out / f"server-{arm}.log", a.deadline - 25, True)
-        try:
-            if rec.get("healthy"):
-                served = rec.get("values", {}).get("SERVED_NAME", {}).get("value") or "qwen"
-                rec["decode_8k"] = _decode(url, served, 8192)
-        except Exception as e:  # noqa: BLE001
-            rec["decode_error"] = f"{type(e).__name__}: {e}"[:300]
-        finally:
-            if proc is not None:
-                pools.stop(proc)
+        def measure(url, served, rec):
+            rec["decode_8k"] = _decode(url, served, 8192)
+
+        rec = _serve({**common, "CTX": ctx}, out / f"server-{arm}.log", a.deadline - 25, measure)
         recs[arm] = rec
         p = (rec.get("prediction") or {})
         pv, vv = p.get("pool_tokens"), rec.get("pool_tokens")
@@ -262,8 +271,6 @@ def huge(a) -> int:
 def decode(a) -> int:
     """Timing (run alone): C1 plain decode (SPEC=off, CUDA graphs) on the 27B geometry, KVarN
     (CTX=huge) against int8 per-token-head (CTX=long), at each depth; the ratio per depth."""
-    import pools
-
     out, geom = _geometry_run(a, "decode.json")
     if geom is None:
         return 1
@@ -275,25 +282,18 @@ def decode(a) -> int:
         if a.deadline - time.time() < 150:
             print(f"{arm}: skipped ({a.deadline - time.time():.0f} s left, a 27B boot needs ~150 s)")
             continue
-        rec, proc, url = _launch({**common, "CTX": ctx}, out / f"server-decode-{arm}.log", a.deadline - 20, True)
-        rec["decode"] = {}
-        try:
-            if rec.get("healthy"):
-                served = rec.get("values", {}).get("SERVED_NAME", {}).get("value") or "qwen"
-                for d in depths:
-                    if a.deadline - time.time() < 40:
-                        rec["decode"][str(d)] = {"skipped": "deadline"}
-                        continue
-                    rec["decode"][str(d)] = _decode(url, served, d)
-                    r = rec["decode"][str(d)]
-                    print(f"{arm} depth {d}: prompt {r.get('prompt_tokens')} tok, TTFT {r.get('ttft_s') or 0:.2f} s, "
-                          f"decode {r.get('decode_tps') or 0:.1f} tok/s (first run {r.get('first_run_decode_tps') or 0:.1f})"
-                          + (f" ERROR {r['error']}" if r.get("error") else ""), flush=True)
-        except Exception as e:  # noqa: BLE001
-            rec["decode_error"] = f"{type(e).__name__}: {e}"[:300]
-        finally:
-            if proc is not None:
-                pools.stop(proc)
+        def measure(url, served, rec):
+            rec["decode"] = {}
+            for d in depths:
+                if a.deadline - time.time() < 40:
+                    rec["decode"][str(d)] = {"skipped": "deadline"}
+                    continue
+                r = rec["decode"][str(d)] = _decode(url, served, d)
+                print(f"{arm} depth {d}: prompt {r.get('prompt_tokens')} tok, TTFT {r.get('ttft_s') or 0:.2f} s, "
+                      f"decode {r.get('decode_tps') or 0:.1f} tok/s (first run {r.get('first_run_decode_tps') or 0:.1f})"
+                      + (f" ERROR {r['error']}" if r.get("error") else ""), flush=True)
+
+        rec = _serve({**common, "CTX": ctx}, out / f"server-decode-{arm}.log", a.deadline - 20, measure)
         recs[arm] = rec
         print(f"{arm}: pool {rec.get('pool_tokens')} (predicted {(rec.get('prediction') or {}).get('pool_tokens')}), "
               f"boot {rec.get('boot_s')} s" + (f" ERROR {rec['error']}" if rec.get("error") else ""), flush=True)
