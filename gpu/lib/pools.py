@@ -30,8 +30,9 @@ RE_ERRLINE = re.compile(r"(\w*(Error|Exception)\b.*:|CUDA out of memory)")
 
 def cases(models: Path, tiny_path: str | None) -> list[dict]:
     out = []
-    # Both test checkpoints say max_position_embeddings 32768 (random weights, tiny's config
-    # writer): VLLM_ALLOW_LONG_MAX_MODEL_LEN lets the profiles' 64k/128k through; nothing decodes.
+    # The tiny model says max_position_embeddings 32768 (the 27B geometry 262,144 since
+    # 2026-12-02): VLLM_ALLOW_LONG_MAX_MODEL_LEN keeps the profiles' 64k/128k MAX_LEN on the tiny
+    # model (the preflight would cap it otherwise) so its pools are the profiles'; nothing decodes.
     common = {"GDN_PREFILL": "triton", "HOST": "127.0.0.1", "TOOLS": "0", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
               "EXTRA_ARGS": "--language-model-only --enforce-eager --disable-log-stats --seed 0"}
     if tiny_path:
