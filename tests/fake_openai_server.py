@@ -2,7 +2,11 @@
 
 Streams completions in chunks of ``tokens_per_chunk`` tokens (as speculative decoding does:
 one chunk per verify step), ends with a usage chunk when ``stream_options.include_usage`` is
-set, and serves a vLLM-shaped /metrics text whose counters follow the traffic it served.
+set, and serves a vLLM-shaped /metrics text whose counters follow the traffic it served,
+including the per-request histograms (TTFT, e2e, queue, prefill; ``histograms=False`` drops them).
+``stall={k: s}`` makes the k-th POST (1-based, warmup included) wait ``s`` seconds before the
+"engine" sees it: the client's TTFT grows, the server's TTFT and running gauge do not (a
+client-side stall).
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class FakeState:
     def __init__(self, tokens_per_chunk: int = 3, delay: float = 0.002, send_usage: bool = True,
                  die_after_chunks: int | None = None, engines: int = 1, num_spec: int = 3,
-                 phantom_requests_per_scrape: float = 0.0):
+                 phantom_requests_per_scrape: float = 0.0, histograms: bool = True,
+                 stall: dict[int, float] | None = None):
         self.tokens_per_chunk = tokens_per_chunk
         self.delay = delay
         self.send_usage = send_usage
@@ -31,6 +36,19 @@ class FakeState:
         self.running = 0
         self.bodies: list[dict] = []
         self.phantom = phantom_requests_per_scrape  # simulates another tenant's traffic
+        self.histograms = histograms
+        self.stall = dict(stall or {})
+        self.posts = 0
+        # name -> [sum, count]
+        self.hist = {n: [0.0, 0.0] for n in ("vllm:time_to_first_token_seconds",
+                                             "vllm:e2e_request_latency_seconds",
+                                             "vllm:request_queue_time_seconds",
+                                             "vllm:request_prefill_time_seconds")}
+
+    def observe(self, name: str, value: float) -> None:
+        with self.lock:
+            self.hist[name][0] += value
+            self.hist[name][1] += 1
 
     def metrics_text(self) -> str:
         with self.lock:
@@ -59,6 +77,12 @@ class FakeState:
             add("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter")
             for p, v in enumerate(self.accepted_per_pos):
                 add(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="fake",position="{p}"}} {v}')
+            if self.histograms:
+                for name, (total, count) in self.hist.items():
+                    add(f"# TYPE {name} histogram")
+                    add(f'{name}_bucket{{engine="0",le="+Inf",model_name="fake"}} {count}')
+                    add(f'{name}_count{{engine="0",model_name="fake"}} {count}')
+                    add(f'{name}_sum{{engine="0",model_name="fake"}} {total}')
             return "\n".join(lines) + "\n"
 
     def served(self, prompt_toks: int, gen: int, chunks: int) -> None:
@@ -108,6 +132,12 @@ def make_handler(state: FakeState):
             n = int(self.headers.get("Content-Length", 0))
             body = json.loads(self.rfile.read(n) or b"{}")
             state.bodies.append(body)
+            with state.lock:
+                state.posts += 1
+                stall = state.stall.get(state.posts, 0.0)
+            if stall:
+                time.sleep(stall)  # before the "engine" sees it: no gauge, no server clock
+            arrival = time.perf_counter()
             prompt = body.get("prompt") or " ".join(m["content"] for m in body.get("messages", []))
             ptoks = max(1, len(prompt.split()))
             max_tokens = int(body.get("max_tokens", 16))
@@ -132,6 +162,11 @@ def make_handler(state: FakeState):
             try:
                 time.sleep(state.delay * 2)  # "prefill"
                 while sent < max_tokens:
+                    if chunks == 0:
+                        ttft = time.perf_counter() - arrival
+                        state.observe("vllm:time_to_first_token_seconds", ttft)
+                        state.observe("vllm:request_prefill_time_seconds", ttft)
+                        state.observe("vllm:request_queue_time_seconds", 0.0)
                     k = 1 if chunks == 0 else min(state.tokens_per_chunk, max_tokens - sent)
                     text = "tok " * k
                     choice = ({"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text})
@@ -149,9 +184,10 @@ def make_handler(state: FakeState):
                     u = {"choices": [], "usage": {"prompt_tokens": ptoks, "completion_tokens": sent,
                                                   "total_tokens": ptoks + sent}}
                     self.wfile.write(f"data: {json.dumps(u)}\n\n".encode())
+                state.observe("vllm:e2e_request_latency_seconds", time.perf_counter() - arrival)
+                state.served(ptoks, sent, chunks)
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
-                state.served(ptoks, sent, chunks)
             finally:
                 with state.lock:
                     state.running -= 1

@@ -3,8 +3,12 @@
 Per result (:func:`check_result`): finished (not partial), every request ok, token counts from
 the server (``usage.completion_tokens`` or server counters, never streamed chunks), warmup
 discarded, single tenant (the server's counters saw no more requests / tokens than ours), one
-replica (one engine label in /metrics), and for prefill/TTFT axes salted prompts or prefix
-caching off.
+replica (one engine label in /metrics), for prefill/TTFT axes salted prompts or prefix
+caching off, and no client-side stall (:func:`stall_reason`): for each request measured alone in
+flight, the client's TTFT may not exceed the server's (vLLM's TTFT histogram over the request's
+window) by more than max(0.5 s, 50 %), and the engine may not sit idle (sampled
+``vllm:num_requests_running`` = 0) for more than 1 s while the request waits for its first token.
+INVALID on TTFT axes (prefix_turns, depth, needle), a warning elsewhere.
 
 Per comparison (:func:`compare`): both results valid, same kind, same prompts (hash), same output
 lengths, same sampling, same token-count source, warmup done in both; configs that differ in
@@ -21,6 +25,11 @@ from typing import Any
 
 SERVER_TOKEN_SOURCES = ("usage.completion_tokens", "server_counters", "server_logprobs")
 PREFILL_KINDS = ("prefill", "ttft_slope", "depth_prefill")
+#: kinds whose figures include TTFT: a client-side stall makes them INVALID (elsewhere a warning)
+TTFT_KINDS = ("prefix_turns", "depth", "needle", *PREFILL_KINDS)
+STALL_ABS_S = 0.5   # client TTFT may exceed the server's by max(STALL_ABS_S, STALL_REL x server)
+STALL_REL = 0.5
+STALL_IDLE_S = 1.0  # longest engine-idle stretch allowed before a request's first token
 #: env knobs that never change what is measured (paths, logging)
 IGNORED_KNOBS = ("PYTHONPATH", "VLLM_LOGGING_LEVEL", "CUDA_DEVICE_ORDER")
 
@@ -41,6 +50,45 @@ class Verdict:
 
 def _prov(result: dict) -> dict:
     return result.get("provenance") or {}
+
+
+def stall_reason(rec: dict) -> str | None:
+    """Why one request's TTFT is not the server's (None if it is). ``rec`` as recorded by the
+    runner in ``result["server_side"]["requests"]`` (client_ttft, server_ttft, engine_idle_s)."""
+    c, s, idle = rec.get("client_ttft"), rec.get("server_ttft"), rec.get("engine_idle_s")
+    if c is None:
+        return None
+    parts = []
+    if s is not None and c - s > max(STALL_ABS_S, STALL_REL * s):
+        parts.append(f"client TTFT {c:.3f} s vs server {s:.3f} s")
+    if idle is not None and idle > STALL_IDLE_S:
+        parts.append(f"engine idle (vllm:num_requests_running 0) for {idle:.1f} s before the first "
+                     f"token" + ("" if parts else f", client TTFT {c:.3f} s"))
+    if not parts:
+        return None
+    at = f", {rec['at']}" if rec.get("at") else ""
+    return f"client-side stall: {'; '.join(parts)} (request {rec.get('n')}{at})"
+
+
+def _stall_checks(result: dict, problems: list[str], warnings: list[str]) -> None:
+    ss = result.get("server_side")
+    if not ss:
+        return  # no request measured alone in flight (or a result from before this check)
+    ttft_axis = result.get("kind") in TTFT_KINDS or result.get("axis") == "prefill"
+    measured = [r for r in ss.get("requests") or [] if r.get("client_ttft") is not None]
+    for rec in measured:
+        why = stall_reason(rec)
+        if why and ttft_axis:
+            problems.append(why)
+        elif why:
+            warnings.append(f"{why} (not a TTFT axis: warning only)")
+    # series missing (not vLLM, or an older one): say so; an ambiguous window is only a note
+    if measured and not any(r.get("histograms") for r in measured):
+        note = next((r["note"] for r in measured if r.get("note")), "no server-side TTFT")
+        if any(r.get("engine_idle_s") is not None for r in measured):
+            warnings.append(f"client-side stalls checked by the engine-idle gauge only: {note}")
+        else:
+            warnings.append(f"client-side stalls not verified: {note}")
 
 
 def check_result(result: dict) -> tuple[list[str], list[str]]:
@@ -92,6 +140,7 @@ def check_result(result: dict) -> tuple[list[str], list[str]]:
         if not ps.get("salted") and (prov.get("server") or {}).get("prefix_caching") is not False:
             problems.append("prefill axis without salted prompts or prefix caching off "
                             "(cache hits contaminate prefill numbers)")
+    _stall_checks(result, problems, warnings)
     return problems, warnings
 
 

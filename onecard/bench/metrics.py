@@ -8,6 +8,14 @@ counters appear with the ``_total`` suffix in the text format. Samples are summe
 Gauges are reported as peak AND time-weighted mean (each sample held until the next one), with
 the run duration and sample count beside every peak: a peak polled every 250 ms on a longer run
 has more chances to be high, so a bare peak is not comparable across runs.
+
+Server-side view of one request (:func:`server_view`, C1 windows only: one request in flight):
+the delta of vLLM's request histograms (``_sum``/``_count``) between the last scrape before the
+request and a scrape after it, plus the engine-idle evidence from the sampled
+``vllm:num_requests_running`` gauge. vLLM's TTFT starts when its input processor sees the request
+(``arrival_time``), so a client TTFT far above the server's is time lost before the engine
+(client, network, HTTP server, event loop): see the ``client-side stall`` check in fairness.py.
+Optional: a server without these series gets ``None`` values and a note, never an error.
 """
 from __future__ import annotations
 
@@ -33,6 +41,14 @@ COUNTERS = {
     "spec_accepted": "vllm:spec_decode_num_accepted_tokens_total",
 }
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+#: per-request histograms (vLLM 0.27.1 names; exposed as <name>_sum / <name>_count / _bucket)
+HISTOGRAMS = {
+    "ttft": "vllm:time_to_first_token_seconds",      # arrival (input processor) -> first token
+    "e2e": "vllm:e2e_request_latency_seconds",       # arrival -> finished
+    "queue": "vllm:request_queue_time_seconds",      # engine: queued -> scheduled
+    "prefill": "vllm:request_prefill_time_seconds",  # engine: scheduled -> first token
+}
+RUNNING = GAUGES["running"]
 
 
 @dataclass
@@ -95,6 +111,85 @@ def counter_deltas(first: Snapshot, last: Snapshot) -> dict[str, Any]:
     positions = sorted(set(first.per_pos) | set(last.per_pos))
     per_pos = [last.per_pos.get(p, 0.0) - first.per_pos.get(p, 0.0) for p in positions]
     out["spec_accepted_per_pos"] = per_pos
+    return out
+
+
+def histogram_delta(first: Snapshot, last: Snapshot, name: str) -> tuple[float, float] | None:
+    """(sum, count) added to histogram ``name`` between two snapshots; None if not exposed."""
+    ks, kc = name + "_sum", name + "_count"
+    if kc not in last.values or ks not in last.values:
+        return None
+    return last.get(ks) - first.get(ks), last.get(kc) - first.get(kc)
+
+
+def engine_idle_s(samples: list[Snapshot], t_from: float, t_to: float) -> float | None:
+    """Longest stretch (first to last of consecutive samples inside [t_from, t_to]) in which
+    ``vllm:num_requests_running`` read 0; None when the gauge is not exposed. No extrapolation
+    beyond the samples, so it underestimates by up to one interval."""
+    if not any(RUNNING in s.values for s in samples):
+        return None
+    best, start, prev = 0.0, None, None
+    for s in samples:
+        if s.t < t_from or s.t > t_to or RUNNING not in s.values:
+            continue
+        if s.values[RUNNING] == 0:
+            start = s.t if start is None else start
+            prev = s.t
+            best = max(best, prev - start)
+        else:
+            start = None
+    return best
+
+
+def server_view(samples: list[Snapshot], t_start: float, t_first: float | None, t_end: float | None,
+                t_next: float | None = None) -> dict[str, Any]:
+    """The server's account of one request that was alone in flight from ``t_start`` (send) to
+    ``t_end``; ``t_next`` is when the next request of the same window was sent (None: the window's
+    last request). Each histogram's delta runs from the last scrape before the send to the last
+    scrape before ``t_next`` (or the window's end) that follows the moment vLLM records it (first
+    token for TTFT, the end for the others), and is kept only when it counted exactly one request
+    (otherwise None and a note). ``histograms``: whether the server exposes the TTFT histogram.
+    ``engine_idle_s``: how long the engine read 0 running requests while we waited for the first
+    token, not counting the engine's own prefill of this request (a long prefill step leaves the
+    gauge at its old value until the step ends); None when that prefill time is ambiguous or the
+    gauge is not exposed."""
+    out: dict[str, Any] = {f"server_{k}": None for k in HISTOGRAMS}
+    out["engine_idle_s"] = None
+    notes = []
+    before = [s for s in samples if s.t <= t_start]
+    out["histograms"] = any(HISTOGRAMS["ttft"] + "_count" in s.values for s in samples)
+    if not out["histograms"]:
+        notes.append(f"server exposes no {HISTOGRAMS['ttft']} histogram")
+    elif not before:
+        notes.append("no scrape before the request")
+    else:
+        first = before[-1]
+        for k, name in HISTOGRAMS.items():
+            recorded = t_first if k == "ttft" else t_end
+            if recorded is None:
+                continue
+            after = [s for s in samples if s.t >= recorded and (t_next is None or s.t <= t_next)]
+            d = histogram_delta(first, after[-1], name) if after else None
+            if d is None:
+                if k == "ttft":
+                    notes.append(f"no scrape of {name} between the first token and the next send"
+                                 if not after else f"server exposes no {name} histogram")
+                continue
+            total, count = d
+            if round(count) == 1:
+                out[f"server_{k}"] = total
+            elif k == "ttft":
+                notes.append(f"{name} counted {count:g} requests in the window (need exactly 1)")
+    if t_first is not None:
+        engine_s = out["server_prefill"] if out["server_prefill"] is not None else out["server_ttft"]
+        if engine_s is None and out["histograms"]:
+            notes.append("engine-idle not checked: this request's prefill time is ambiguous")
+        else:
+            out["engine_idle_s"] = engine_idle_s(samples, t_start, t_first - (engine_s or 0.0))
+            if out["engine_idle_s"] is None:
+                notes.append(f"server exposes no {RUNNING} gauge")
+    if notes:
+        out["note"] = "; ".join(notes)
     return out
 
 

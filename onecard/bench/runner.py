@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import fairness, prompts as P, provenance
+from . import fairness, metrics, prompts as P, provenance
 from .client import TOKEN_SOURCE, Client, RequestResult
 from .metrics import Sampler
 from .results import ResultFile
@@ -89,6 +89,25 @@ def _account(result: dict, rs: list[RequestResult]) -> None:
         if not r.ok:
             tr["failed"] += 1
             tr["first_error"] = tr["first_error"] or r.error
+
+
+def _server_side(t: Target, result: dict, sampler: Sampler,
+                 reqs: list[tuple[str, RequestResult]]) -> list[dict]:
+    """Record the server's view of requests sent one at a time (one in flight) inside
+    ``sampler``'s window, in order, in ``result["server_side"]["requests"]``; logs a stall the
+    moment it is seen (the contract's verdict comes at the end)."""
+    ss = result.setdefault("server_side", {"requests": []})
+    out = []
+    for i, (at, r) in enumerate(reqs):
+        t_next = reqs[i + 1][1].t_start if i + 1 < len(reqs) else None
+        rec = {"n": len(ss["requests"]) + 1, "at": at, "client_ttft": r.ttft,
+               **metrics.server_view(sampler.samples, r.t_start, r.t_first, r.t_end, t_next)}
+        ss["requests"].append(rec)
+        out.append(rec)
+        why = fairness.stall_reason(rec)
+        if why:
+            t.log(f"WARNING {why}")
+    return out
 
 
 def _finish(rf: ResultFile, result: dict) -> dict:
@@ -190,6 +209,9 @@ def ladder(t: Target, pset: P.PromptSet, ns: list[int], max_tokens: int = 256, r
                 _account(result, rs)
                 st = level_stats(rs, n)
                 st["rep"] = rep
+                if n == 1:  # one request in flight: the server's view is unambiguous
+                    sv = _server_side(t, result, sampler, [(f"C1 rep{rep}", rs[0])])[0]
+                    st["requests"][0]["server"] = sv
                 st["metrics"] = m
                 reps_out.append(st)
                 result["metrics"] = _merge_metrics(result.get("metrics"), m)
@@ -302,14 +324,16 @@ def depth(t: Target, contexts: list[int], max_tokens: int = 128) -> dict:
             r = c.stream(P.salt(prompt), max_tokens, t.sampling, keep_text=False)
             m = sampler.stop()
             _account(result, [r])
+            sv = _server_side(t, result, sampler, [(f"context {n}", r)])[0]
             result["metrics"] = _merge_metrics(result.get("metrics"), m)
             rows.append({"context": n, "prompt_tokens": r.prompt_tokens, "ttft": r.ttft,
+                         "server_ttft": sv["server_ttft"],
                          "prefill_tps": (r.prompt_tokens / r.ttft) if r.prompt_tokens and r.ttft else None,
                          "decode_tps": r.decode_tps, "ok": r.ok, "error": r.error,
                          "kv": (m.get("gauges") or {}).get("kv_usage")})
             rf.save()
-            t.log(f"depth {n}: prompt {r.prompt_tokens} tok, TTFT {_fmt(r.ttft, 3)} s, "
-                  f"decode {_fmt(r.decode_tps)} tok/s{'' if r.ok else ' FAILED: ' + str(r.error)}")
+            t.log(f"depth {n}: prompt {r.prompt_tokens} tok, TTFT {_fmt(r.ttft, 3)} s "
+                  f"(server {_fmt(sv['server_ttft'], 3)} s), decode {_fmt(r.decode_tps)} tok/s{'' if r.ok else ' FAILED: ' + str(r.error)}")
     except Exception as exc:  # noqa: BLE001
         rf.abort(f"aborted: {type(exc).__name__}: {exc}")
         result["path"] = str(rf.path)  # the partial result stays findable
@@ -339,15 +363,18 @@ def prefix_turns(t: Target, context_tokens: int = 4000, turns: int = 3, max_toke
             r = c.stream(prompt, max_tokens, t.sampling, keep_text=True)
             m = sampler.stop()
             _account(result, [r])
+            sv = _server_side(t, result, sampler, [(f"turn {i + 1}", r)])[0]
             result["metrics"] = _merge_metrics(result.get("metrics"), m)
             cnt = m.get("counters") or {}
             rows.append({"turn": i + 1, "prompt_tokens": r.prompt_tokens, "ttft": r.ttft,
+                         "server_ttft": sv["server_ttft"], "engine_idle_s": sv["engine_idle_s"],
                          "cached_tokens": r.cached_tokens,
                          "prefix_cache_hits": cnt.get("prefix_cache_hits"),
                          "prefix_cache_queries": cnt.get("prefix_cache_queries"),
                          "decode_tps": r.decode_tps, "ok": r.ok, "error": r.error})
             rf.save()
-            t.log(f"turn {i + 1}: prompt {r.prompt_tokens} tok, TTFT {_fmt(r.ttft, 3)} s, "
+            t.log(f"turn {i + 1}: prompt {r.prompt_tokens} tok, TTFT {_fmt(r.ttft, 3)} s "
+                  f"(server {_fmt(sv['server_ttft'], 3)} s), "
                   f"cache hits {cnt.get('prefix_cache_hits')}")
             history = f"{prompt}{r.text}"
     except Exception as exc:  # noqa: BLE001
@@ -377,22 +404,29 @@ def needle(t: Target, contexts: list[int], depths: list[float], max_tokens: int 
     t = dataclasses.replace(t, sampling={**t.sampling, "ignore_eos": False})  # answers may stop
     rf, result = _open(t, "needle", ps, max_tokens, warm)
     rows = result["data"]["cases"] = []
-    sampler = Sampler(t.url, t.metrics_interval, t.api_key).start()
+    sampler = None
     try:
         for n, d, w, prompt in cases:
             if not _fits(result, n, max_tokens, t):
                 continue
+            # one window per case: the server's TTFT of each case is then unambiguous
+            sampler = Sampler(t.url, t.metrics_interval, t.api_key).start()
             r = c.stream(P.salt(prompt), max_tokens, t.sampling, keep_text=True)
+            m = sampler.stop()
             _account(result, [r])
+            sv = _server_side(t, result, sampler, [(f"context {n} depth {d:.2f}", r)])[0]
+            sampler = None
+            result["metrics"] = _merge_metrics(result.get("metrics"), m)
             hit = w.lower() in r.text.lower()
             rows.append({"context": n, "depth": d, "prompt_tokens": r.prompt_tokens, "found": hit,
-                         "answer": r.text.strip()[:120], "ttft": r.ttft, "ok": r.ok, "error": r.error})
+                         "answer": r.text.strip()[:120], "ttft": r.ttft, "server_ttft": sv["server_ttft"],
+                         "ok": r.ok, "error": r.error})
             rf.save()
             t.log(f"needle ctx {n} depth {d:.2f}: {'FOUND' if hit else 'missed'} ({r.text.strip()[:40]!r})")
         result["data"]["recall"] = sum(x["found"] for x in rows) / len(rows) if rows else None
-        result["metrics"] = _merge_metrics(None, sampler.stop())
     except Exception as exc:  # noqa: BLE001
-        sampler.stop()
+        if sampler is not None:
+            sampler.stop()
         rf.abort(f"aborted: {type(exc).__name__}: {exc}")
         result["path"] = str(rf.path)  # the partial result stays findable
         return result
@@ -477,6 +511,8 @@ def spec(t: Target, psets: list[P.PromptSet], max_tokens: int = 128) -> dict:
             rs = [c.stream(p, max_tokens, t.sampling, keep_text=False) for p in s.prompts]
             m = sampler.stop()
             _account(result, rs)
+            # sequential, one in flight: each request's server view where a scrape separates them
+            _server_side(t, result, sampler, [(f"{s.id} #{j + 1}", r) for j, r in enumerate(rs)])
             result["metrics"] = _merge_metrics(result.get("metrics"), m)
             ok = [r for r in rs if r.ok]
             toks = sum(r.completion_tokens or 0 for r in ok)
