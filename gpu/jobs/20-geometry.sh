@@ -4,15 +4,21 @@
 # $MODELS/qwen38-27b-geom (kept for later jobs), print its size and build time, then boot it
 # with the patched vLLM (text-only, eager) and send one greedy completion to prove it loads.
 # Prints: build GiB / seconds, boot seconds, "Model loading took" GiB, KV cache tokens, the text.
+# Also builds the geometry DFlash2 drafter beside it ($MODELS/qwen38-27b-geom-dflash2: the
+# published 27B drafter's shapes, random bf16 weights drawn on the GPU, ~1.92 B params / 3.58 GiB;
+# skipped when a build with the same stamp is there) for job 31's SPEC=dflash2 arms; its
+# failure is reported in the summary and fails the job, after the serve check has run.
 set -u
 : "${JOB_OUT:=/var/tmp/out/20-geometry}" "${MODELS:=/var/tmp/models}"
 mkdir -p "$JOB_OUT" "$MODELS"
 M="$MODELS/qwen38-27b-geom"
+D="$MODELS/qwen38-27b-geom-dflash2"
 echo "== $(date -u +%FT%TZ) 20-geometry; repo $(git rev-parse --short HEAD 2>/dev/null)"
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader || true
 df -h "$MODELS" | tail -1
 free -g | head -2
 rm -rf "$MODELS"/.qwen38-27b-geom.tmp-* "$MODELS"/.qwen38-27b-geom.old-* 2>/dev/null
+rm -rf "$MODELS"/.qwen38-27b-geom-dflash2.tmp-* "$MODELS"/.qwen38-27b-geom-dflash2.old-* 2>/dev/null
 # never leave a server behind: the probe kills its own, this catches a probe killed with -9
 cleanup() { [ -s "$JOB_OUT/server.pid" ] && kill -9 -- "-$(cat "$JOB_OUT/server.pid")" 2>/dev/null; rm -f "$JOB_OUT/server.pid"; }
 trap cleanup EXIT
@@ -31,6 +37,18 @@ size=$(du -sh "$M" 2>/dev/null | cut -f1)
 echo "checkpoint: $M  size ${size:-?}  wall ${t_build}s"
 [ -f "$JOB_OUT/build.json" ] && cat "$JOB_OUT/build.json"
 ls -la "$M" 2>/dev/null | head -20
+
+echo "== geometry DFlash2 drafter (GPU random weights) -> $D"
+t0=$(date +%s)
+# DRAFT_EXTRA: scale-down overrides, only for dry runs on a CPU box
+target_arg=""
+[ -f "$M/config.json" ] && target_arg="--target $M"
+timeout 150 python3 -m onecard.dflash.tiny_drafter --geometry 27b $target_arg --out "$D" \
+    --report "$JOB_OUT/drafter.json" ${DRAFT_EXTRA:-}
+rc_draft=$?
+t_draft=$(( $(date +%s) - t0 ))
+[ $rc_draft -ne 0 ] && { rm -rf "$MODELS"/.qwen38-27b-geom-dflash2.tmp-* 2>/dev/null; echo "drafter build FAILED rc=$rc_draft after ${t_draft}s"; }
+echo "drafter: $D  size $(du -sh "$D" 2>/dev/null | cut -f1)  wall ${t_draft}s"
 df -h "$MODELS" | tail -1
 
 rc_serve=1
@@ -48,17 +66,20 @@ elif [ $rc_build -eq 0 ]; then
 fi
 
 echo "== summary 20-geometry"
-python3 - "$JOB_OUT" "$t_build" "$rc_build" "$rc_serve" <<'PY'
+python3 - "$JOB_OUT" "$t_build" "$rc_build" "$rc_serve" "$t_draft" "$rc_draft" <<'PY'
 import json, os, sys
 out, t_build, rc_b, rc_s = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+t_draft, rc_d = sys.argv[5], int(sys.argv[6])
 def load(n):
     try:
         return json.load(open(os.path.join(out, n)))
     except Exception:
         return {}
-b, s = load("build.json"), load("serve.json")
+b, s, d = load("build.json"), load("serve.json"), load("drafter.json")
 print(f"build : rc={rc_b} {b.get('gib', '?')} GiB, {b.get('shards', '?')} shards, {b.get('tensors', '?')} tensors, "
       f"{b.get('seconds', t_build)} s on {b.get('device', '?')}")
+print(f"drafter: rc={rc_d} {d.get('gib', '?')} GiB, {d.get('params', '?')} params, {d.get('tensors', '?')} tensors, "
+      f"{d.get('seconds', t_draft)} s on {d.get('device', '?')}" + (" (present, skipped)" if d.get("skipped") else ""))
 print(f"serve : rc={rc_s} ok={s.get('ok')} boot {s.get('boot_s')} s, model load {s.get('model_load_gib')} GiB "
       f"/ {s.get('model_load_s')} s, KV cache {s.get('kv_cache_tokens')} tokens ({s.get('kv_cache_gib')} GiB)")
 print(f"text  : {s.get('completion')!r} usage={s.get('usage')}")
@@ -67,4 +88,4 @@ if s.get("error"):
 for ln in s.get("error_lines", [])[-4:]:
     print(f"log   : {ln[:200]}")
 PY
-[ $rc_build -eq 0 ] && [ $rc_serve -eq 0 ]
+[ $rc_build -eq 0 ] && [ $rc_serve -eq 0 ] && [ $rc_draft -eq 0 ]
