@@ -30,7 +30,7 @@ def _load(name: str):
 class _Fake:
     """spec: one stream event per step, 1 token each (acceptance 0), drafts += steps."""
 
-    def __init__(self, spec: bool, step_s: float = 0.002, quant_noise: float = 0.0):
+    def __init__(self, spec: bool, step_s: float = 0.002, quant_noise: float = 0.0, port: int = 0):
         self.spec, self.step_s, self.noise = spec, step_s, quant_noise
         self.decode_sum = self.drafts = self.gen = self.iters = 0.0
         outer = self
@@ -104,7 +104,7 @@ class _Fake:
                 u = {"choices": [], "usage": {"prompt_tokens": ptoks, "completion_tokens": n}}
                 self.wfile.write(f"data: {json.dumps(u)}\n\ndata: [DONE]\n\n".encode())
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), H)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -180,9 +180,16 @@ def test_job31_dry_run_and_skip(tmp_path):
            "PYTHONPATH": str(REPO), "JOB31_DRY": "1"}
     env.pop("WIDE_VERIFY", None)
     r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
-                       text=True, timeout=120, cwd=str(tmp_path))
+                       text=True, timeout=180, cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("--speculative-config") == 2 and "int8_per_token_head" in r.stdout
+    # arms in order: off, mtp WIDE_VERIFY=1, dflash2 k7, dflash2 k15, mtp WIDE_VERIFY=0
+    labels = [ln.split()[2].rstrip(":") for ln in r.stdout.splitlines() if ln.startswith("-- plan ")]
+    assert labels == ["off", "mtp-wide1", "d2k7", "d2k15", "mtp-wide0"]
+    assert r.stdout.count("--speculative-config") == 4 and "int8_per_token_head" in r.stdout
+    assert r.stdout.count('"method":"mtp"') == 2 and r.stdout.count('"method":"dflash2"') == 2
+    draft = str(tmp_path / "out" / "dry-drafter")  # no geometry drafter in MODELS: a scaled-down one
+    assert f'"num_speculative_tokens":7,"model":"{draft}"' in r.stdout
+    assert f'"num_speculative_tokens":15,"model":"{draft}"' in r.stdout
     assert "ONECARD_WIDE_VERIFY" in r.stdout
     env.pop("JOB31_DRY")
     r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
@@ -190,24 +197,118 @@ def test_job31_dry_run_and_skip(tmp_path):
     assert r.returncode == 0 and "SKIP" in r.stdout, r.stdout + r.stderr
 
 
+def test_job31_budget_and_drafter_skips(tmp_path):
+    """Arms that cannot fit the time left are skipped and named (no boot is tried); dflash2 arms
+    without the geometry drafter are skipped; a skipped required arm (off) fails the job."""
+    models = tmp_path / "models"
+    (models / "qwen38-27b-geom").mkdir(parents=True)
+    (models / "qwen38-27b-geom" / "config.json").write_text("{}")
+    env = {**os.environ, "JOB_OUT": str(tmp_path / "out"), "MODELS": str(models), "PYTHONPATH": str(REPO),
+           "JOB_BUDGET_S": "60", "ARM_MIN_S": "110"}
+    env.pop("JOB31_DRY", None)
+    r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
+                       text=True, timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "off skipped:" in r.stdout and "< ARM_MIN_S=110s" in r.stdout
+    assert "arms skipped: off(time) mtp-wide1(time) d2k7(no-drafter) d2k15(no-drafter) mtp-wide0(time)" in r.stdout
+    assert "booting" not in r.stdout and "| depth | off ms/step |" in r.stdout
+    (models / "qwen38-27b-geom-dflash2").mkdir()
+    (models / "qwen38-27b-geom-dflash2" / "config.json").write_text("{}")
+    r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
+                       text=True, timeout=60, cwd=str(tmp_path))
+    assert "arms skipped: off(time) mtp-wide1(time) d2k7(time) d2k15(time) mtp-wide0(time)" in r.stdout
+
+
+def test_job31_all_arms_against_fake_servers(tmp_path):
+    """The whole job with every boot answered by a fake server (a python3 shim on PATH stands in
+    for `python3 -m onecard.launch` and logs the launcher env it got): five arms in order, each
+    measured, the dflash2 arms with DRAFT and DFLASH_TOKENS, the table with every column."""
+    models = tmp_path / "models"
+    for d in ("qwen38-27b-geom", "qwen38-27b-geom-dflash2"):
+        (models / d).mkdir(parents=True)
+        (models / d / "config.json").write_text("{}")
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    serve = ("import os, sys, time; sys.path.insert(0, %r); from test_verify_quality_jobs import _Fake; "
+             "e = os.environ; print('fake launch ' + ' '.join(f'{k}={e.get(k)}' for k in ('SPEC', 'WIDE_VERIFY', "
+             "'DFLASH_TOKENS', 'DRAFT', 'VLLM_ALLOW_LONG_MAX_MODEL_LEN')), flush=True); "
+             "f = _Fake(e['SPEC'] != 'off', port=int(e['PORT'])); time.sleep(600)") % str(REPO / "tests")
+    (shim / "python3").write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = "-m" ] && [ "$2" = "onecard.launch" ]; then exec {sys.executable} -c "{serve}"; fi\n'
+        f'exec {sys.executable} "$@"\n')
+    (shim / "python3").chmod(0o755)
+    env = {**os.environ, "JOB_OUT": str(tmp_path / "out"), "MODELS": str(models), "PYTHONPATH": str(REPO),
+           "PATH": f"{shim}{os.pathsep}{os.environ.get('PATH', '')}", "DEPTHS": "64,128", "OUT_TOK": "8"}
+    env.pop("JOB31_DRY", None)
+    r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
+                       text=True, timeout=240, cwd=str(tmp_path))
+    out = tmp_path / "out"
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "arms measured: off mtp-wide1 d2k7 d2k15 mtp-wide0" in r.stdout and "arms skipped" not in r.stdout
+    booted = [ln.split()[2] for ln in r.stdout.splitlines() if "] booting " in ln]
+    assert booted == ["off", "mtp-wide1", "d2k7", "d2k15", "mtp-wide0"]
+    logs = {k: (out / f"server-{k}.log").read_text() for k in booted}
+    draft = models / "qwen38-27b-geom-dflash2"
+    assert f"SPEC=dflash2 WIDE_VERIFY=1 DFLASH_TOKENS=7 DRAFT={draft} VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in logs["d2k7"]
+    assert "DFLASH_TOKENS=15" in logs["d2k15"] and "SPEC=mtp WIDE_VERIFY=0 DFLASH_TOKENS=None" in logs["mtp-wide0"]
+    assert "SPEC=off" in logs["off"]
+    for k in booted:
+        rec = json.loads((out / f"{k}.json").read_text())
+        assert [row["depth"] for row in rec["rows"]] == [64, 128] and rec["spec"] == (k != "off")
+    table = (out / "table.txt").read_text()
+    assert "dflash2 k15 ms/step (ratio)" in table and "mtp (WIDE_VERIFY=0) ms/step (ratio)" in table
+    assert table.count("| 64 |") == 1 and table.count("| 128 |") == 1
+
+
 @pytest.mark.parametrize("job", ["31-verify-e2e.sh", "32-kv-quality.sh"])
 def test_job_headers(job):
     text = (REPO / "gpu" / "jobs" / job).read_text()
     assert text.splitlines()[1].startswith("# timeout: ")
-    assert int(text.splitlines()[1].split(":")[1]) <= 420
+    assert int(text.splitlines()[1].split(":")[1]) <= 600  # one run call's limit
     r = subprocess.run(["bash", "-n", str(REPO / "gpu" / "jobs" / job)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 
 def test_job31_table(tmp_path):
-    """The summary table job 31 prints last: ratio vs the plain step, goal MET/MISSED, texts."""
+    """The summary table job 31 prints last: ms/step per arm with the ratio vs the plain step, the
+    mtp goal MET/MISSED, tokens per step, texts; a skipped depth row is left out."""
     script = (REPO / "gpu/jobs/31-verify-e2e.sh").read_text()
-    block = script.split("<<'PY'", 1)[1].split("\n", 1)[1].split("\nPY\n", 1)[0]
+    block = script.split("<<'PY'", 2)[2].split("\n", 1)[1].split("\nPY\n", 1)[0]
+    assert "ms per engine step" in block
     (tmp_path / "t.py").write_text(block)
-    for label, ms, text in (("mtp-wide1", 20.0, "abd"), ("off", 16.0, "abc"), ("mtp-wide0", 40.0, "abc")):
-        rows = [{"depth": 8192, "server_ms_per_step": ms, "client_ms_per_step": ms + 1, "text": text}]
+    for label, ms, text in (("mtp-wide1", 20.0, "abd"), ("off", 16.0, "abc"), ("d2k7", 24.0, "abc"),
+                            ("d2k15", 32.0, "ab")):
+        rows = [{"depth": 8192, "server_ms_per_step": ms, "client_ms_per_step": ms + 1, "text": text,
+                 "tokens_per_step": 1.0}]
+        if label == "d2k15":
+            rows.append({"depth": 73728, "skipped": "depth + out > max_model_len 33792", "problems": []})
         (tmp_path / f"{label}.json").write_text(json.dumps({"rows": rows}))
     r = subprocess.run([sys.executable, str(tmp_path / "t.py"), str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert "| 8192 | 16.00 / 17.00 | 20.00 / 21.00 | 1.25 | 40.00 / 41.00 | 2.50 | MET |" in r.stdout
-    assert "mtp-wide1: differs at char 2" in r.stdout and "mtp-wide0: same" in r.stdout
+    assert ("| depth | off ms/step | mtp (WIDE_VERIFY=1) ms/step (ratio) | dflash2 k7 ms/step (ratio) | "
+            "dflash2 k15 ms/step (ratio) | mtp goal <= 1.3x |") in r.stdout
+    assert ("| 8192 | 16.00 / 17.00 | 20.00 / 21.00 (1.25x) | 24.00 / 25.00 (1.50x) | 32.00 / 33.00 (2.00x) "
+            "| MET |") in r.stdout
+    assert "73728" not in r.stdout and "WIDE_VERIFY=0" not in r.stdout
+    assert "mtp-wide1: differs at char 2" in r.stdout and "d2k7: same" in r.stdout
+    assert "d2k15: prefix-equal (2 vs 3 chars)" in r.stdout
+    # the optional fifth arm gets its own column when it ran
+    (tmp_path / "mtp-wide0.json").write_text(json.dumps({"rows": [{"depth": 8192, "server_ms_per_step": 40.0,
+                                                                    "client_ms_per_step": 41.0, "text": "abc"}]}))
+    r = subprocess.run([sys.executable, str(tmp_path / "t.py"), str(tmp_path)], capture_output=True, text=True)
+    assert "| 40.00 / 41.00 (2.50x) | MET |" in r.stdout and "mtp-wide0: same" in r.stdout
+
+
+def test_verify_e2e_driver_skips_depths_past_max_len(tmp_path):
+    """A depth past the server's max_model_len (a dflash2 server's capped pool) is a skipped row."""
+    job = _load("31-verify-e2e")
+    fake = _Fake(True)
+    try:
+        out = tmp_path / "d.json"
+        rc = job.main(["--url", fake.url, "--model", "m", "--label", "d2k7", "--spec", "--depths", "64,131070",
+                       "--out-tokens", "4", "--warmup-tokens", "16", "--json", str(out)])
+    finally:
+        fake.close()
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 0 and rows[0]["steps"] == 3 and "max_model_len 131072" in rows[1]["skipped"]

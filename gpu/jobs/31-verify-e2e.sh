@@ -1,43 +1,86 @@
 #!/usr/bin/env bash
-# timeout: 420
-# 31-verify-e2e (issue #7): on the 27B-geometry random W4A16 checkpoint ($MODELS/qwen38-27b-geom,
-# built by job 20; skipped cleanly when absent), CTX=long (int8 per-token-head KV on TRITON_ATTN,
-# the plan's 3090 KV_MEM pin), C1 greedy, prompts of 8k / 32k / 72k tokens, 48 tokens out:
-# ms per engine step with SPEC=mtp (verify steps, WIDE_VERIFY=1) vs SPEC=off (plain decode
-# steps), from the server's counters (request_decode_time_seconds_sum / spec_decode_num_drafts)
-# and from the wall time between stream events; then SPEC=mtp with WIDE_VERIFY=0 when the
-# first two arms took < 170 s (THIRD_BOOT_IF_BEFORE_S), i.e. boots were warm and short.
-# Random weights: acceptance ~0, so every verify step yields one token; what is compared is the
-# cost of one step. Expected wall: 3-4.5 min for the two arms (two 27B boots + 2 x 114k tokens
-# of prefill), ~1.5 min more for the third.
-# Every boot goes through `python3 -m onecard.launch` (the launcher's argv and env).
-# Writes $JOB_OUT/{mtp-wide1,off,mtp-wide0}.json, server-*.log, table.txt, summary.txt.
-# Exit 0 when every arm that ran measured all depths validly (mtp-wide1 and off must run);
-# the goal (verify step <= 1.3x plain step) is printed as MET/MISSED, it does not set the exit.
-# Dry run without a GPU: JOB31_DRY=1 prints the three launcher plans and exits 0.
+# timeout: 600
+# 31-verify-e2e (issues #7, #8): ms per engine step vs SPEC=off on the 27B-geometry random W4A16
+# checkpoint ($MODELS/qwen38-27b-geom, built by job 20; skipped cleanly when absent), CTX=long
+# (int8 per-token-head KV on TRITON_ATTN, the plan's 3090 KV_MEM pin), C1 greedy, prompts of
+# 8k / 32k tokens (DEPTHS; 73728 may be added, e.g. DEPTHS=8192,32768,73728: a depth past a
+# server's max_model_len is skipped for that arm), 48 tokens out. Arms, one 27B boot each, in
+# this order:
+#   off        SPEC=off (plain decode steps)
+#   mtp-wide1  SPEC=mtp WIDE_VERIFY=1
+#   d2k7       SPEC=dflash2 DFLASH_TOKENS=7   DRAFT=$MODELS/qwen38-27b-geom-dflash2 (job 20 builds
+#              it: the published 27B DFlash2 drafter's shapes, random weights)
+#   d2k15      SPEC=dflash2 DFLASH_TOKENS=15  (7 drafter rows + 8 lookup positions, LOOKUP=1)
+#   mtp-wide0  SPEC=mtp WIDE_VERIFY=0 (informative; only when the time left fits it)
+# ms/step from the server's counters (request_decode_time_seconds_sum / steps, steps = delta
+# spec_decode_num_drafts with speculation: one draft per verify step at C1; else generated - 1)
+# and from the wall time between stream events. Random weights: acceptance ~0, so every verify
+# step yields ~one token; what is compared is the cost of one step.
+# Time budget: the job stops starting work at JOB_BUDGET_S (default 580 s, under the 600 s
+# timeout, so the table is always printed). An arm starts only when >= ARM_MIN_S (110 s: a warm
+# 27B boot ~70 s + measuring + stopping) are left; its boot may wait up to BOOT_WAIT_S (220 s) but
+# never into the MEASURE_S (60 s) kept for measuring. Skipped arms are named in the summary.
+# Expected wall on a warm machine: 4 boots x ~70-120 s + ~25 s of measuring each: 6.5-9.5 min;
+# with cold boots (up to ~190 s) the dflash2 arms are the ones cut (run the job again warm).
+# Every boot goes through `python3 -m onecard.launch` (the launcher's argv and env), with
+# VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (the geometry config's max_position_embeddings may be below
+# CTX=long's MAX_LEN).
+# Writes $JOB_OUT/{off,mtp-wide1,d2k7,d2k15,mtp-wide0}.json, server-*.log, table.txt, summary.txt.
+# Exit 0 when every arm that ran measured all its depths validly (an arm skipped for time or for a
+# missing drafter does not fail the job; off and mtp-wide1 must run); the mtp goal (verify step
+# <= 1.3x plain step) is printed as MET/MISSED, it does not set the exit.
+# Dry run without a GPU: JOB31_DRY=1 prints every arm's launcher plan (MODEL=tiny) and exits 0.
 set -u
 cd "$(dirname "$0")/../.."
 : "${JOB_OUT:=/var/tmp/out/31-verify-e2e}"
 . gpu/lib/job.sh  # MODELS, $summary, say, elapsed, free_port, boot_server, stop_server (trap EXIT)
 STOP_TRIES=30     # a 27B server: up to 15 s after SIGTERM
 M="$MODELS/qwen38-27b-geom"
-DEPTHS=${DEPTHS:-8192,32768,73728}
+D="${DRAFT_DIR:-$MODELS/qwen38-27b-geom-dflash2}"
+DEPTHS=${DEPTHS:-8192,32768}
 OUT_TOK=${OUT_TOK:-48}
-THIRD_BOOT_IF_BEFORE_S=${THIRD_BOOT_IF_BEFORE_S:-170}  # start the WIDE_VERIFY=0 arm only before this
+JOB_BUDGET_S=${JOB_BUDGET_S:-580}  # no work planned past this (the header's timeout is 600)
+ARM_MIN_S=${ARM_MIN_S:-110}        # an arm starts only with this much budget left
+BOOT_WAIT_S=${BOOT_WAIT_S:-220}    # the longest one boot may take
+MEASURE_S=${MEASURE_S:-60}         # kept for measuring + stopping after a boot
+# the arms, in order: LABEL SPEC WIDE_VERIFY DFLASH_TOKENS(- = none) REQUIRED(1: must run)
+ARMS=${ARMS:-"off:off:1:-:1 mtp-wide1:mtp:1:-:1 d2k7:dflash2:1:7:0 d2k15:dflash2:1:15:0 mtp-wide0:mtp:0:-:0"}
 
 say "== 31-verify-e2e $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 PORT=$(free_port)
 URL="http://127.0.0.1:$PORT"
-# the launcher env of one arm: arm_env SPEC WIDE_VERIFY
+# the launcher env of one arm: arm_env SPEC WIDE_VERIFY DFLASH_TOKENS(-: none)
 arm_env() {
-  echo "MODEL=$M CTX=long SPEC=$1 WIDE_VERIFY=$2 GDN_PREFILL=triton VISION=0 PORT=$PORT HOST=127.0.0.1 SERVED_NAME=geom"
+  local e="MODEL=$M CTX=long SPEC=$1 WIDE_VERIFY=$2 GDN_PREFILL=triton VISION=0 PORT=$PORT HOST=127.0.0.1"
+  e="$e SERVED_NAME=geom VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"
+  [ "$1" = dflash2 ] && e="$e DRAFT=$D DFLASH_TOKENS=$3"
+  echo "$e"
 }
 
 if [ "${JOB31_DRY:-0}" = 1 ]; then
-  for arm in "mtp 1" "off 1" "mtp 0"; do
-    set -- $arm
-    say "-- plan SPEC=$1 WIDE_VERIFY=$2"
-    env $(arm_env "$1" "$2") MODEL=tiny python3 -m onecard.launch --dry-run 2>&1 | grep -E '^(argv|child env|WIDE_VERIFY|KV |KV_MEM|SPEC)' | tee -a "$summary"
+  if [ ! -f "$D/config.json" ]; then
+    # a dry run's plan reads only DRAFT's config.json: the geometry drafter's, without weights
+    D="$JOB_OUT/dry-drafter"
+    python3 -m onecard.dflash.tiny_drafter --geometry 27b --out "$D" --config-only | tee -a "$summary"
+  fi
+  for arm in $ARMS; do
+    IFS=: read -r label spec wv k _ <<< "$arm"
+    say "-- plan $label: SPEC=$spec WIDE_VERIFY=$wv$([ "$k" != - ] && echo " DFLASH_TOKENS=$k")"
+    # a vLLM without patch 0080's marker (the pristine CPU test vLLM) refuses SPEC=dflash2 at
+    # plan time; the dry run plans as if it were installed (patch 0080 writes it on the GPU host)
+    env $(arm_env "$spec" "$wv" "$k") MODEL=tiny python3 - <<'PY' 2>&1 | grep -E '^(argv|child env|WIDE_VERIFY|KV |KV_MEM|SPEC|DFLASH|MAX_LEN|DRAFT|\(dry)' | tee -a "$summary"
+import importlib.util, pathlib, sys, tempfile, types
+from onecard import profiles
+if not profiles.feature_installed("dflash2"):
+    d = pathlib.Path(tempfile.mkdtemp())
+    (d / profiles.FEATURE_MARKERS["dflash2"]).write_text("job 31 dry run\n")
+    real = importlib.util.find_spec
+    importlib.util.find_spec = lambda name, *a: (types.SimpleNamespace(submodule_search_locations=[str(d)])
+                                                 if name == "vllm" else real(name, *a))
+    print("(dry run: this vLLM lacks patch 0080's dflash2 marker; planned as if installed)")
+from onecard.launch import main
+sys.exit(main(["--dry-run"]))
+PY
   done
   say "== 31-verify-e2e dry run done"
   exit 0
@@ -48,63 +91,87 @@ if [ ! -f "$M/config.json" ]; then
   exit 0
 fi
 
-# boot LABEL SPEC WIDE_VERIFY WAIT_S; returns 0 once /health answers
-boot() {
-  say "[$(elapsed)s] booting $1 (SPEC=$2 WIDE_VERIFY=$3)"
-  boot_server "$1" "$4" env $(arm_env "$2" "$3") python3 -m onecard.launch || return 1
-  grep -E "attention block size|GPU KV cache size|Maximum concurrency" "$JOB_OUT/server-$1.log" | tail -3 | tee -a "$summary"
+status=0
+ran=""
+skipped=""
+failed=""
+# run_arm LABEL SPEC WIDE_VERIFY DFLASH_TOKENS REQUIRED: boot, measure, stop; rc 0 measured,
+# 1 not valid, 2 skipped (time or drafter)
+run_arm() {
+  local label=$1 spec=$2 wv=$3 k=$4 left wait mt specflag=""
+  [ "$spec" != off ] && specflag="--spec"
+  if [ "$spec" = dflash2 ] && [ ! -f "$D/config.json" ]; then
+    say "($label skipped: no drafter at $D (job 20 builds it))"; skipped="$skipped $label(no-drafter)"; return 2
+  fi
+  left=$((JOB_BUDGET_S - $(elapsed)))
+  if [ "$left" -lt "$ARM_MIN_S" ]; then
+    say "($label skipped: ${left}s left of the ${JOB_BUDGET_S}s budget < ARM_MIN_S=${ARM_MIN_S}s for a 27B boot + measurement)"
+    skipped="$skipped $label(time)"; return 2
+  fi
+  wait=$((left - MEASURE_S)); [ "$wait" -gt "$BOOT_WAIT_S" ] && wait=$BOOT_WAIT_S
+  say "[$(elapsed)s] booting $label (SPEC=$spec WIDE_VERIFY=$wv$([ "$k" != - ] && echo " DFLASH_TOKENS=$k"); boot may take ${wait}s)"
+  if ! boot_server "$label" "$wait" env $(arm_env "$spec" "$wv" "$k") python3 -m onecard.launch; then
+    say "$label: boot failed or not healthy within ${wait}s"; failed="$failed $label(boot)"; return 1
+  fi
+  grep -E "attention block size|GPU KV cache size|Maximum concurrency|Model loading took" \
+    "$JOB_OUT/server-$label.log" | tail -4 | tee -a "$summary"
+  mt=$((JOB_BUDGET_S - $(elapsed) - 15)); [ "$mt" -gt 150 ] && mt=150; [ "$mt" -lt 20 ] && mt=20
+  timeout -k 5 "$mt" python3 gpu/jobs/31-verify-e2e.py --url "$URL" --model geom --label "$label" $specflag \
+    --depths "$DEPTHS" --out-tokens "$OUT_TOK" --json "$JOB_OUT/$label.json" 2>&1 | tee -a "$summary"
+  local rc=${PIPESTATUS[0]}
+  stop_server
+  if [ "$rc" != 0 ]; then
+    say "$label: measurement not valid (rc $rc$([ "$rc" = 124 ] && echo ", cut at ${mt}s"))"; failed="$failed $label"; return 1
+  fi
+  ran="$ran $label"
   return 0
 }
 
-status=0
-ran=""
-measure() {  # measure LABEL SPEC WIDE_VERIFY BOOT_WAIT_S
-  local label=$1 specflag=""
-  [ "$2" = mtp ] && specflag="--spec"
-  if boot "$1" "$2" "$3" "$4"; then
-    timeout -k 5 150 python3 gpu/jobs/31-verify-e2e.py --url "$URL" --model geom --label "$label" $specflag \
-      --depths "$DEPTHS" --out-tokens "$OUT_TOK" --json "$JOB_OUT/$label.json" 2>&1 | tee -a "$summary"
-    [ "${PIPESTATUS[0]}" = 0 ] || { say "$label: measurement not valid"; return 1; }
-    ran="$ran $label"
-    stop_server
-    return 0
-  fi
-  return 1
-}
-
-measure mtp-wide1 mtp 1 200 || status=1
-measure off off 1 160 || status=1
-if [ "$(elapsed)" -lt "$THIRD_BOOT_IF_BEFORE_S" ]; then
-  measure mtp-wide0 mtp 0 160 || say "(mtp-wide0 arm not valid; informative only)"
-else
-  say "(mtp-wide0 arm skipped: $(elapsed)s elapsed >= $THIRD_BOOT_IF_BEFORE_S s)"
-fi
+for arm in $ARMS; do
+  IFS=: read -r label spec wv k required <<< "$arm"
+  run_arm "$label" "$spec" "$wv" "$k"
+  rc=$?
+  if [ $rc = 1 ] && [ "$label" != mtp-wide0 ]; then status=1; fi
+  if [ $rc = 2 ] && [ "$required" = 1 ]; then status=1; fi
+done
 
 python3 - "$JOB_OUT" <<'PY' 2>&1 | tee "$JOB_OUT/table.txt" | tee -a "$summary"
 import json, os, sys
 out = sys.argv[1]
+LABELS = ("off", "mtp-wide1", "d2k7", "d2k15", "mtp-wide0")
+NAMES = {"mtp-wide1": "mtp (WIDE_VERIFY=1)", "d2k7": "dflash2 k7", "d2k15": "dflash2 k15",
+         "mtp-wide0": "mtp (WIDE_VERIFY=0)"}
 arms = {}
-for label in ("mtp-wide1", "off", "mtp-wide0"):
+for label in LABELS:
     p = os.path.join(out, label + ".json")
     if os.path.exists(p):
-        arms[label] = {r["depth"]: r for r in json.load(open(p))["rows"]}
+        arms[label] = {r["depth"]: r for r in json.load(open(p))["rows"] if not r.get("skipped")}
 f = lambda x: "-" if x is None else f"{x:.2f}"
-print("ms per engine step, C1, CTX=long int8 KV, 27B geometry (server counters | client stream gaps)")
-print("| depth | off (plain decode) | mtp verify, WIDE_VERIFY=1 | ratio | mtp verify, WIDE_VERIFY=0 | ratio | goal <= 1.3x |")
-print("|---|---|---|---|---|---|---|")
+cols = ["mtp-wide1", "d2k7", "d2k15"] + (["mtp-wide0"] if "mtp-wide0" in arms else [])
+print("ms per engine step, C1 greedy, CTX=long int8 KV, 27B geometry, random weights "
+      "(server counters / client stream gaps; ratio = server ms vs off)")
+print("| depth | off ms/step | " + " | ".join(f"{NAMES[c]} ms/step (ratio)" for c in cols) + " | mtp goal <= 1.3x |")
+print("|---|---|" + "---|" * len(cols) + "---|")
 depths = sorted({d for a in arms.values() for d in a})
+def cell(r):
+    return "-" if r is None else f"{f(r.get('server_ms_per_step'))} / {f(r.get('client_ms_per_step'))}"
 for d in depths:
-    off, w1, w0 = (arms.get(k, {}).get(d) for k in ("off", "mtp-wide1", "mtp-wide0"))
-    def cell(r):
-        return "-" if r is None else f"{f(r['server_ms_per_step'])} / {f(r['client_ms_per_step'])}"
+    off = arms.get("off", {}).get(d)
     def ratio(r):
         try:
             return r["server_ms_per_step"] / off["server_ms_per_step"]
         except (TypeError, KeyError, ZeroDivisionError):
             return None
-    r1, r0 = ratio(w1), ratio(w0)
+    cells = []
+    for c in cols:
+        r = arms.get(c, {}).get(d)
+        cells.append(f"{cell(r)} ({f(ratio(r))}x)" if r is not None else "-")
+    r1 = ratio(arms.get("mtp-wide1", {}).get(d))
     goal = "-" if r1 is None else ("MET" if r1 <= 1.3 else "MISSED")
-    print(f"| {d} | {cell(off)} | {cell(w1)} | {f(r1)} | {cell(w0)} | {f(r0)} | {goal} |")
+    print(f"| {d} | {cell(off)} | " + " | ".join(cells) + f" | {goal} |")
+print("tokens per verify step (acceptance; ~1.0 with random weights): " + "; ".join(
+    f"{c} " + ",".join(f(arms[c][d].get("tokens_per_step")) for d in depths if d in arms[c])
+    for c in cols if c in arms))
 def first_diff(a, b):
     if a is None or b is None:
         return "-"
@@ -115,10 +182,12 @@ def first_diff(a, b):
 print("greedy text vs SPEC=off (informative: random weights make near-ties, bf16 order can flip them):")
 for d in depths:
     off = arms.get("off", {}).get(d, {}).get("text")
-    for k in ("mtp-wide1", "mtp-wide0"):
+    for k in cols:
         if d in arms.get(k, {}):
             print(f"  depth {d} {k}: {first_diff(arms[k][d].get('text'), off)}")
 PY
 say "arms measured:${ran:- none}"
+[ -n "$skipped" ] && say "arms skipped:$skipped (not measured: see the lines above; a warm machine fits all four)"
+[ -n "$failed" ] && say "arms not valid:$failed"
 say "== 31-verify-e2e done in $(elapsed)s: $([ $status = 0 ] && echo PASS || echo FAIL)"
 exit $status
