@@ -180,8 +180,7 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
     for feat in (ctx.needs, spec.needs):
         if feat and not profiles.feature_installed(feat):
             which = "CTX=huge" if feat == "kvarn" else "SPEC=dflash2"
-            raise PlanError(f"{which} needs {feat}, which is not installed yet ({profiles.FEATURE_ISSUES[feat]}); "
-                            f"valid now: CTX=fast|long, SPEC=off|mtp")
+            raise PlanError(f"{which}: {profiles.FEATURE_INSTALL[feat]}; valid now: CTX=fast|long, SPEC=off|mtp")
 
     # KV dtype
     if plan.values["KV"].source == "default":

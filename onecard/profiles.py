@@ -135,7 +135,10 @@ TP_CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
                 "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
 
 FEATURE_MARKERS = {"kvarn": "kvarn_installed.txt", "dflash2": "dflash2_installed.txt"}
-FEATURE_ISSUES = {"kvarn": "the KVarN issue (kvarn/install.sh)", "dflash2": "the DFlash2 issue"}
+FEATURE_INSTALL = {  # what is missing and how to get it, for the launcher's one-line refusal
+    "kvarn": "the KVarN KV cache is not installed into this vLLM: run ./install.sh --kvarn (or kvarn/install.sh)",
+    "dflash2": "patch 0080 (DFlash2) is not applied to this vLLM: run ./install.sh (python3 -m onecard patches apply)",
+}
 
 
 def feature_installed(name: str) -> bool:

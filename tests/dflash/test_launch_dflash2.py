@@ -30,7 +30,7 @@ def _sc(plan) -> dict:
 
 def test_refused_until_the_marker_exists(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(P.PlanError, match="not installed yet"):
+    with pytest.raises(P.PlanError, match="is not (installed into|applied to) this vLLM"):
         P.make_plan({"SPEC": "dflash2", "MODEL": "tiny"}, tmp_path, python="python3")
 
 
