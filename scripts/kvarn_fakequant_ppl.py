@@ -1,0 +1,388 @@
+#!/usr/bin/env python3
+"""KV-cache fake quantization on CPU: teacher-forced NLL by token segment and a needle test.
+
+Loads a Llama-architecture checkpoint (transformers, float32, eager attention) and replaces
+its attention function by one that attends to K/V the way a quantized cache represents them:
+
+  none        K/V unchanged (float32)
+  kvarn_*     KVarN (onecard.kvarn.reference: rotate -> normalize -> quantize -> dequant) per
+              layer and kv head with the serving semantics of the vLLM backend: tiles
+              [1, L // tile) quantized (a query attends to the dequantized K/V of every completed
+              tile, its own included, as the prefill path and later decode steps read them);
+              tile 0 (sink) and the incomplete last tile fp16 (rotated rows, like the stage)
+  int8, int4  vLLM's int8/int4_per_token_head arithmetic on every token (no fp16 tiles):
+              int8 symmetric absmax; int4 Hadamard-rotated asymmetric (see _fake_int)
+
+``--only k`` / ``--only v`` quantizes one of K/V (the other stays fp16 rotated rows).
+``--self-tile fp16`` lets a query read its own tile in fp16 (what a decoded token sees: its
+tile is the partial one) instead of quantized.
+
+  kvarn_fakequant_ppl.py --model /tmp/smollm2-135m --configs none,kvarn_k4v2_g128,int8 --needle
+Texts: the two repo documents of gpu/jobs/32-kv-quality.py (README.md, docs/wide-verify.md,
+6,000 chars each); --text PATH adds others. Prints one table row per (text, config) and the
+needle answers; --json writes all numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SEGMENTS = ((0, 128), (128, 256), (256, 512), (512, 1024), (1024, None))
+DOCS = ("README.md", "docs/wide-verify.md")
+DOC_CHARS = 6000
+SECRET = "PELICAN-7"
+
+
+class Quant:
+    """What the attention hook applies (set per run)."""
+
+    def __init__(self, name: str, only: str | None = None, self_tile: str = "quant"):
+        self.name, self.only, self.self_tile = name, only, self_tile
+
+
+STATE = {"q": Quant("none")}
+
+
+def _fake_kvarn(k, v, q: Quant):
+    """k, v [L, H, D] float32 model space -> (k_fp16path, v_fp16path, k_q, v_q, ntiles_q):
+    the fp16-stage version of every row and the version the cache serves (quantized tiles
+    [1, L // tile) dequantized, others fp16)."""
+    import torch
+    from onecard.kvarn import reference as R
+    p = preset_of(q.name)
+    T = p.tile
+    L = k.shape[0]
+    hn = R.hadamard(k.shape[-1], torch.float32)
+    kr = (k.float() @ hn).half()  # the backend: fp32 matmul, stored fp16
+    vr = (v.float() @ hn).half()
+    kq, vq = kr.float().clone(), vr.float().clone()
+    for t in range(1, L // T):
+        sl = slice(t * T, (t + 1) * T)
+        qt = R.quantize_tile(kr[sl], vr[sl], p)
+        dk, dv = R.dequant_tile(qt, torch.float32)
+        if q.only in (None, "k"):
+            kq[sl] = dk.half().float()  # the prefill path dequantizes into fp16 rows
+        if q.only in (None, "v"):
+            vq[sl] = dv.half().float()
+    return (kr.float() @ hn, vr.float() @ hn, kq @ hn, vq @ hn)
+
+
+def preset_of(name: str):
+    """kvarn_<preset> of onecard.kvarn.format, or any kvarn_k{2,4,8}v{2,4,8}_g<tile> (what-if
+    bit budgets with the same algorithm)."""
+    import re
+    from onecard.kvarn.format import PRESETS, Preset
+    short = name[len("kvarn_"):]
+    if short in PRESETS:
+        return PRESETS[short]
+    m = re.fullmatch(r"k(\d)v(\d)_g(\d+)", short)
+    if not m:
+        raise ValueError(f"config {name!r} is not valid; valid: kvarn_kKvV_gTILE")
+    return Preset(short, int(m[1]), int(m[2]), int(m[3]))
+
+
+def _fake_int(x, bits: int):
+    """vLLM 0.27.1's per-token-head modes: int8 = symmetric absmax / 127; int4 = Hadamard
+    rotation (vLLM also flips signs first: omitted), asymmetric min/max over the head, an
+    integer zero point, 15 levels, un-rotated after dequantization."""
+    import torch
+    if bits == 8:
+        s = x.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 127
+        return torch.clamp(torch.round(x / s), -128, 127) * s
+    from onecard.kvarn import reference as R
+    hn = R.hadamard(x.shape[-1], torch.float32)
+    r = x.float() @ hn
+    lo, hi = r.amin(-1, keepdim=True), r.amax(-1, keepdim=True)
+    s = ((hi - lo) / 15).clamp_min(1e-6)
+    zp = torch.clamp(torch.round(-lo / s), 0, 15)
+    return ((torch.clamp(torch.round(r / s + zp), 0, 15) - zp) * s @ hn).to(x.dtype)
+
+
+def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
+    """Drop-in for transformers' eager_attention_forward (query [B, Hq, Lq, D], key/value
+    [B, Hkv, Lk, D], additive float mask)."""
+    import torch
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    q = STATE["q"]
+    B, hkv, Lk, D = key.shape
+    Lq = query.shape[2]
+    same = None
+    if q.name.startswith("kvarn"):
+        ks_f, vs_f, ks_q, vs_q = [], [], [], []
+        for b in range(B):
+            kf, vf, kq, vq = _fake_kvarn(key[b].transpose(0, 1), value[b].transpose(0, 1), q)
+            ks_f.append(kf.transpose(0, 1))
+            vs_f.append(vf.transpose(0, 1))
+            ks_q.append(kq.transpose(0, 1))
+            vs_q.append(vq.transpose(0, 1))
+        k_f, v_f = torch.stack(ks_f).to(query.dtype), torch.stack(vs_f).to(query.dtype)
+        key, value = torch.stack(ks_q).to(query.dtype), torch.stack(vs_q).to(query.dtype)
+        if q.self_tile == "fp16":
+            T = preset_of(q.name).tile
+            qpos = torch.arange(Lk - Lq, Lk)
+            same = (qpos[:, None] // T) == (torch.arange(Lk)[None, :] // T)  # [Lq, Lk]
+    elif q.name in ("int8", "int4"):
+        bits = 8 if q.name == "int8" else 4
+        if q.only in (None, "k"):
+            key = _fake_int(key, bits)
+        if q.only in (None, "v"):
+            value = _fake_int(value, bits)
+    elif q.name != "none":
+        raise ValueError(f"config {q.name!r} is not valid")
+    g = module.num_key_value_groups
+    s = torch.matmul(query, repeat_kv(key, g).transpose(2, 3)) * scaling
+    if same is not None:
+        s_f = torch.matmul(query, repeat_kv(k_f, g).transpose(2, 3)) * scaling
+        s = torch.where(same, s_f, s)
+    if attention_mask is not None:
+        s = s + attention_mask
+    pr = torch.softmax(s, dim=-1, dtype=torch.float32).to(query.dtype)
+    if same is not None:
+        out = torch.matmul(pr * same, repeat_kv(v_f, g)) + torch.matmul(pr * ~same, repeat_kv(value, g))
+    else:
+        out = torch.matmul(pr, repeat_kv(value, g))
+    return out.transpose(1, 2).contiguous(), pr
+
+
+def load(model_dir: str):
+    import torch
+    import transformers.models.llama.modeling_llama as ml
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (Path(model_dir) / "config.json").is_file():
+        raise SystemExit(f"error: {model_dir}/config.json not found; valid: a converted HF "
+                         f"checkpoint directory (onecard.prepare.gguf.convert_gguf)")
+    ml.eager_attention_forward = attention  # looked up from module globals at call time
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    if model.config.model_type != "llama":
+        raise SystemExit(f"error: model_type {model.config.model_type!r} is not valid; valid: llama")
+    return tok, model
+
+
+def nll(model, ids) -> list[float]:
+    """NLL (nats) of tokens 1..n-1 given their prefix (index i-1 of the list = token i)."""
+    import torch
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits[:-1], -1)
+    return (-lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]).tolist()
+
+
+def segments(tok_nll: list[float]) -> dict:
+    n = len(tok_nll) + 1
+    out = {}
+    for a, b in SEGMENTS:
+        b = n if b is None else min(b, n)
+        if a >= n:
+            continue
+        vals = tok_nll[max(a, 1) - 1:b - 1]
+        out[f"{a}:{b}"] = sum(vals) / len(vals)
+    out["all"] = sum(tok_nll) / len(tok_nll)
+    out["past_tile0"] = sum(tok_nll[127:]) / max(1, len(tok_nll[127:]))
+    return out
+
+
+def repo_text(rel: str, rev: str | None = None) -> str:
+    """A repository file from the working tree, or at git revision ``rev``."""
+    if rev is None:
+        return (REPO / rel).read_text(encoding="utf-8")
+    import subprocess
+    r = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{rel}"], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"error: git show {rev}:{rel} failed: {r.stderr.strip().splitlines()[-1:]}")
+    return r.stdout
+
+
+def needle_prompt(chars: int = 9000, rev: str | None = None) -> str:
+    """gpu/jobs/61-kvarn-serve.py needle: haystack repeated to ``chars``, passphrase at 40 %."""
+    hay = repo_text("bench/prompts/haystack.txt", rev)
+    body = ((hay + "\n") * (chars // len(hay) + 1))[:chars]
+    cut = body.rfind(". ", 0, int(0.4 * len(body))) + 2
+    return (body[:cut] + f"The secret passphrase is {SECRET}. Remember it. " + body[cut:]
+            + "\n\nQuestion: what is the secret passphrase?\nAnswer: The secret passphrase is")
+
+
+def greedy(model, tok, text: str, n: int) -> tuple[str, int]:
+    import torch
+    ids = tok(text)["input_ids"]
+    out = []
+    with torch.no_grad():  # the cache holds unquantized K/V; the hook quantizes on every read
+        r = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            out.append(int(r.logits[0, -1].argmax()))
+            r = model(torch.tensor([[out[-1]]]), past_key_values=r.past_key_values, use_cache=True)
+    return tok.decode(out), len(ids)
+
+
+def parse_config(s: str) -> Quant:
+    """NAME[:k|:v][+selffp16], e.g. kvarn_k4v2_g128:v, kvarn_k4v2_g128+selffp16."""
+    self_tile = "quant"
+    if s.endswith("+selffp16"):
+        s, self_tile = s[: -len("+selffp16")], "fp16"
+    name, _, only = s.partition(":")
+    valid = ("none", "int8", "int4", "kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64",
+             "kvarn_kKvV_gTILE (K, V in 2/4/8 bits)")
+    ok = name in ("none", "int8", "int4")
+    if name.startswith("kvarn_"):
+        try:
+            ok = preset_of(name).tile >= 16
+        except ValueError:
+            ok = False
+    if not ok or only not in ("", "k", "v"):
+        raise SystemExit(f"error: config {s!r} is not valid; valid: one of {', '.join(valid)}, "
+                         f"optionally :k or :v (quantize only K or V) and +selffp16")
+    return Quant(name, only or None, self_tile)
+
+
+def kernel_check(model, tok, text: str, layer: int, ntok: int, preset: str) -> float:
+    """Real K/V/Q of one layer through the serving code path (stage planner + pack + prefill
+    + split-KV decode kernels of onecard.kvarn, chunks 256 / rest / 6 decode steps) vs this
+    script's simulation (float64 attention over _fake_kvarn's K/V). Returns the max relative
+    error (|got - ref| / max(1, |ref|)); prints one line per step."""
+    import torch
+    import transformers.models.llama.modeling_llama as ml
+    from onecard.kvarn import kernels as K
+    from onecard.kvarn import reference as R
+    from onecard.kvarn import stage as S
+
+    cap = {}
+
+    def hook(module, query, key, value, attention_mask, scaling, **kw):
+        if module.layer_idx == layer:
+            cap.update(q=query[0].transpose(0, 1), k=key[0].transpose(0, 1),
+                       v=value[0].transpose(0, 1), scale=scaling)
+        return attention(module, query, key, value, attention_mask, scaling, **kw)
+
+    ml.eager_attention_forward = hook
+    STATE["q"] = Quant("none")
+    ids = tok(text)["input_ids"][:ntok]
+    if len(ids) < 256 + 8:
+        raise SystemExit(f"error: --kernel-check needs >= 264 tokens; the text has {len(ids)}")
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    ml.eager_attention_forward = attention
+    if not cap:
+        raise SystemExit(f"error: layer {layer} is not valid; valid: 0..{model.config.num_hidden_layers - 1}")
+    q, k, v, scale = cap["q"].half(), cap["k"].half(), cap["v"].half(), cap["scale"]
+    L, hkv, d = k.shape
+    hq = q.shape[1]
+    p = preset_of("kvarn_" + preset)
+    T = p.tile
+    chunks = [256, L - 256 - 6] + [1] * 6
+    nb, slots = -(-L // T) + 4, 10
+    cache = torch.zeros(nb, hkv, p.layout(d).block_bytes, dtype=torch.uint8)
+    stage_k = torch.zeros(slots * T, hkv, d, dtype=torch.float16)
+    stage_v = torch.zeros_like(stage_k)
+    planner = S.StagePlanner(p, slots, 1)
+    bt = (torch.randperm(nb - 1, generator=torch.Generator().manual_seed(0)) + 1).to(torch.int32)[None]
+    worst, c = 0.0, 0
+    for ql in chunks:
+        s = c + ql
+        tb = S.tile_block_ids(bt, {0: planner.tile_cols(c, s)}, 1)
+        plan = planner.plan([c], [s], [0], tb, null_page_blocks=1, prefill_min_q=S.MAX_QUERY_LEN + 1)
+        S.apply_write(plan, R.rotate(k[c:s], torch.float32).half(), R.rotate(v[c:s], torch.float32).half(),
+                      stage_k, stage_v, cache, p, K.kvarn_pack_rows)
+        out = torch.zeros(ql, hq, d)
+        S.apply_attention(plan, q[c:s], out, cache, stage_k, stage_v,
+                          block_table=bt[plan.req_index].contiguous(), req_block_table=bt,
+                          softmax_scale=scale, preset=p, tiles_per_page=1,
+                          attention_rows=K.kvarn_attention_rows, prefill=K.kvarn_prefill)
+        _, _, kq, vq = _fake_kvarn(k[:s].float(), v[:s].float(), Quant("kvarn_" + preset))
+        ref = R.attention_f64(q[c:s], kq.double(), vq.double(), scale)
+        exact = R.attention_f64(q[c:s], k[:s].double(), v[:s].double(), scale)
+        e = float(((out.double() - ref).abs() / ref.abs().clamp_min(1)).max())
+        eq = float(((ref - exact).abs() / exact.abs().clamp_min(1)).max())
+        print(f"layer {layer} step ctx {c} q {ql}: kernels vs simulation {e:.1e}; "
+              f"simulation vs unquantized {eq:.3f}", flush=True)
+        worst, c = max(worst, e), s
+    return worst
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[2:]))
+    ap.add_argument("--model", required=True,
+                    help="converted HF checkpoint directory (e.g. onecard.prepare.gguf.ensure_smollm2())")
+    ap.add_argument("--configs", default="none,kvarn_k4v2_g128,kvarn_k4v4_g128,kvarn_k4v2_g64,int8",
+                    help="comma-separated configs (NAME[:k|:v][+selffp16]); put none first "
+                         "for the ppl delta column")
+    ap.add_argument("--text", action="append", default=[], help="extra text file (whole file)")
+    ap.add_argument("--no-docs", action="store_true", help="skip the two repo documents")
+    ap.add_argument("--rev", help="read the repo documents (and the haystack) at this git "
+                    "revision instead of the working tree (they change: pin them)")
+    ap.add_argument("--needle", action="store_true", help="also run the needle prompt (greedy)")
+    ap.add_argument("--needle-configs", default="none,kvarn_k4v2_g128",
+                    help="configs for the needle (comma-separated)")
+    ap.add_argument("--needle-tokens", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    ap.add_argument("--json", help="write all numbers here")
+    ap.add_argument("--kernel-check", metavar="LAYER", type=int,
+                    help="instead: one layer's real Q/K/V (first --kernel-tokens tokens of the "
+                         "README doc) through onecard.kvarn's planner + Triton kernels "
+                         "(TRITON_INTERPRET=1 on CPU) vs the simulation; exit 1 above 1e-2")
+    ap.add_argument("--kernel-tokens", type=int, default=400)
+    ap.add_argument("--kernel-preset", default="k4v2_g128")
+    a = ap.parse_args(argv)
+    configs = [(c, parse_config(c)) for c in a.configs.split(",") if c]
+    needle_cfgs = [(c, parse_config(c)) for c in a.needle_configs.split(",") if c] if a.needle else []
+    import torch
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    texts = [] if a.no_docs else [(f"doc-{Path(r).stem}", repo_text(r, a.rev)[:DOC_CHARS]) for r in DOCS]
+    for path in a.text:
+        if not Path(path).is_file():
+            raise SystemExit(f"error: --text {path} is not a file")
+        texts.append((Path(path).stem, Path(path).read_text()))
+    if a.kernel_check is not None:
+        import os
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # before onecard.kvarn.kernels imports triton
+        tok, model = load(a.model)
+        worst = kernel_check(model, tok, repo_text(DOCS[0], a.rev)[:DOC_CHARS], a.kernel_check,
+                             a.kernel_tokens, a.kernel_preset)
+        print(f"max kernels-vs-simulation error {worst:.1e} ({'OK' if worst <= 1e-2 else 'FAIL'})")
+        return 0 if worst <= 1e-2 else 1
+    tok, model = load(a.model)
+    rec = {"model": a.model, "rev": a.rev, "rows": [], "needle": []}
+    base: dict = {}
+    for tid, text in texts:
+        ids = tok(text)["input_ids"]
+        for raw, cfg in configs:
+            STATE["q"] = cfg
+            t0 = time.time()
+            seg = segments(nll(model, ids))
+            if cfg.name == "none":
+                base[tid] = seg
+            row = {"text": tid, "tokens": len(ids), "config": raw, "nll": seg,
+                   "ppl_delta_pct": (100 * (math.exp(seg["all"] - base[tid]["all"]) - 1)
+                                     if tid in base else None)}
+            rec["rows"].append(row)
+            segs = " ".join(f"[{k}] {v:.3f}" for k, v in seg.items())
+            d = "" if row["ppl_delta_pct"] is None else f" ppl {row['ppl_delta_pct']:+.1f}%"
+            print(f"{tid} {len(ids)} {raw}: {segs}{d} ({time.time() - t0:.0f}s)", flush=True)
+    if a.needle:
+        text = needle_prompt(rev=a.rev)
+        for raw, cfg in needle_cfgs:
+            STATE["q"] = cfg
+            ans, n = greedy(model, tok, text, a.needle_tokens)
+            found = SECRET.split("-")[0] in ans
+            rec["needle"].append({"config": raw, "prompt_tokens": n, "answer": ans, "found": found})
+            print(f"needle ({n} tokens) {raw}: {'FOUND' if found else 'missed'}: {ans!r}", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rec, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
