@@ -27,7 +27,9 @@ Checks, in order (each phase prints one ``[dflash2]`` line):
 Run: ``python3 tests/gpu/test_dflash2.py --out DIR`` (the GPU job gpu/jobs/70-dflash2.sh) or
 ``pytest -m gpu tests/gpu/test_dflash2.py``; ``--dry-run`` builds the tiny pair, prints every
 argv and self-checks the analysis on synthetic data (CPU; tests/dflash/test_gpu_dflash2_dry.py).
-Writes OUT/dflash2.json (atomic) and OUT/server-*.log.
+Writes OUT/dflash2.json (atomic) and OUT/server-*.log. The machinery (server_plan with a server
+table, base knobs and EXTRA as parameters, Server, greedy_prompts(base_len=), compare_pass,
+pass_line, parse_prefix_cache) is shared with tests/gpu/spec_kv_sweep.py (jobs 71 and 63).
 """
 from __future__ import annotations
 
@@ -142,12 +144,45 @@ def chi2_two_sample(a: list[int], b: list[int], min_count: int = 10) -> tuple[fl
     return stat, dof, p
 
 
-def greedy_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
-    """128 prompts of lengths BASE_LEN..BASE_LEN+127, all prefixes of one sequence (prefix-cache
+def greedy_prompts(vocab: int, seed: int = 0, base_len: int = BASE_LEN) -> list[list[int]]:
+    """128 prompts of lengths base_len..base_len+127, all prefixes of one sequence (prefix-cache
     hits between them), token ids away from the special ids at the top of the vocabulary."""
     rng = random.Random(seed)
-    doc = [rng.randrange(10, vocab - 300) for _ in range(BASE_LEN + 127)]
-    return [doc[:BASE_LEN + r] for r in range(128)]
+    doc = [rng.randrange(10, vocab - 300) for _ in range(base_len + 127)]
+    return [doc[:base_len + r] for r in range(128)]
+
+
+def parse_prefix_cache(text: str) -> dict:
+    """vllm:prefix_cache_{queries,hits}_total of a /metrics page (summed over label sets), in tokens."""
+    out = {"queries": 0.0, "hits": 0.0}
+    pat = re.compile(r'^vllm:prefix_cache_(queries|hits)_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)$')
+    for line in text.splitlines():
+        m = pat.match(line.strip())
+        if m:
+            out[m.group(1)] += float(m.group(2))
+    return out
+
+
+def compare_pass(off: list[dict], spec: list[dict], base_len: int = BASE_LEN) -> dict:
+    """One pass of the residue sweep: compare_greedy per prompt (prompt i has base_len + i
+    tokens). Returns {"equal": n identical, "near_ties": [...], "bad": [...]} (residue = length
+    mod 128 for each non-identical prompt)."""
+    cmp = [compare_greedy(o, s) for o, s in zip(off, spec)]
+    if len(off) != len(spec):
+        cmp.append({"equal": False, "ok": False, "pos": None, "why": "missing outputs"})
+    ties = [dict(residue=(base_len + i) % 128, **c) for i, c in enumerate(cmp)
+            if not c["equal"] and c["ok"]]
+    bad = [dict(residue=(base_len + i) % 128, **c) for i, c in enumerate(cmp) if not c["ok"]]
+    return {"equal": sum(c["equal"] for c in cmp), "near_ties": ties, "bad": bad}
+
+
+def pass_line(name: str, ref: str, rnd: str, r: dict) -> str:
+    """The one-line report of compare_pass for spec server ``name`` vs ``ref``."""
+    bad = r["bad"]
+    return (f"greedy {name} vs {ref} {rnd}: {r['equal']}/128 identical, {len(r['near_ties'])} bf16 "
+            f"near-ties (<= 2 ulps), {len(bad)} real divergences"
+            + (f"; first bad: residue {bad[0]['residue']} pos {bad[0]['pos']} {bad[0]['why']}"
+               if bad else ""))
 
 
 def self_check() -> dict:
@@ -189,39 +224,66 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_argv(name: str, model: Path, port: int, root: Path) -> list[str]:
-    """What the launcher would exec for this server (MODEL=tiny, the tiny drafter), plus the
-    probabilistic drafting switch for d2k15 (a test-only speculative_config field)."""
+def server_plan(name: str, model: Path, port: int, root: Path, servers: dict | None = None,
+                base: dict | None = None, extra: list[str] | None = None,
+                probabilistic: set | None = None):
+    """The launcher's plan for this server (MODEL=tiny, the tiny drafter): ``servers[name]``'s
+    knobs over ``base``, ``extra`` (+ the server's own "EXTRA" list) as EXTRA_ARGS; servers in
+    ``probabilistic`` get the probabilistic drafting switch (a test-only speculative_config
+    field). Defaults: job 70's table. Returns (argv, child_env, plan)."""
     from onecard import memory
     from onecard.plan import make_plan
 
-    env = {**BASE_KNOBS, **SERVERS[name], "PORT": str(port), "EXTRA_ARGS": shlex.join(EXTRA)}
+    servers = SERVERS if servers is None else servers
+    knobs = {k: v for k, v in servers[name].items() if k != "EXTRA"}
+    words = [*(EXTRA if extra is None else extra), *servers[name].get("EXTRA", [])]
+    env = {**(BASE_KNOBS if base is None else base), **knobs, "PORT": str(port),
+           "EXTRA_ARGS": shlex.join(words)}
     plan = make_plan(env, root, sys.executable, str(model),
                      memory.ModelGeometry.from_model_dir(model))
     argv = list(plan.argv)
-    if name in PROBABILISTIC:
+    if name in (PROBABILISTIC if probabilistic is None else probabilistic):
         i = argv.index("--speculative-config") + 1
         sc = json.loads(argv[i])
         sc["draft_sample_method"] = "probabilistic"
         argv[i] = json.dumps(sc, separators=(",", ":"))
-    return argv
+    return argv, dict(plan.child_env), plan
+
+
+def server_argv(name: str, model: Path, port: int, root: Path, **kw) -> list[str]:
+    """What the launcher would exec for this server (server_plan's argv)."""
+    return server_plan(name, model, port, root, **kw)[0]
 
 
 class Server:
-    def __init__(self, name: str, argv: list[str], port: int, out: Path):
+    def __init__(self, name: str, argv: list[str], port: int, out: Path,
+                 child_env: dict | None = None):
         self.name, self.argv, self.port = name, argv, port
+        self.child_env = dict(child_env or {})   # what the launcher adds (ONECARD_WIDE_VERIFY, ...)
         self.url = f"http://{HOST}:{port}"
         self.log = out / f"server-{name}.log"
         self.proc = None
         self.t0 = 0.0
         self.boot_s = None
+        self._client = None
+
+    def client(self):
+        """One pooled HTTP client per server (thread-safe): a fresh httpx.post per request builds
+        an SSL context each time, ~60 ms of CPU, i.e. a whole core of the GPU host per sweep."""
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.Client(limits=httpx.Limits(max_connections=128,
+                                                            max_keepalive_connections=128))
+        return self._client
 
     def start(self, env: dict) -> None:
         f = open(self.log, "w")
         f.write(shlex.join(self.argv) + "\n\n")
         f.flush()
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT, env=env,
+        self.proc = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT,
+                                     env={**env, **self.child_env},
                                      cwd=str(REPO), start_new_session=True)
         with open(self.log.parent / "server.pids", "a") as pids:   # the job's leftover cleanup
             pids.write(f"{self.proc.pid}\n")
@@ -249,6 +311,9 @@ class Server:
             return ""
 
     def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
@@ -261,17 +326,16 @@ class Server:
                 pass
 
     def complete(self, prompt: list[int], **kw) -> dict:
-        import httpx
-
         body = {"model": "tiny", "prompt": prompt, "return_tokens_as_token_ids": True, **kw}
-        r = httpx.post(self.url + "/v1/completions", json=body, timeout=120)
+        r = self.client().post(self.url + "/v1/completions", json=body, timeout=120)
         r.raise_for_status()
         return r.json()["choices"][0]
 
-    def metrics(self) -> dict:
-        import httpx
+    def metrics_text(self) -> str:
+        return self.client().get(self.url + "/metrics", timeout=10).text
 
-        return parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text)
+    def metrics(self) -> dict:
+        return parse_metrics(self.metrics_text())
 
 
 def _tok(s: str) -> int:
@@ -330,7 +394,8 @@ def run(out: Path, deadline_s: float, samples: int) -> int:
     try:
         for name in SERVERS:
             port = free_port()
-            srv = Server(name, server_argv(name, model, port, out), port, out)
+            argv, child, _ = server_plan(name, model, port, out)
+            srv = Server(name, argv, port, out, child)
             rec["servers"][name] = {"argv": srv.argv}
             srv.start(env)
             servers[name] = srv
@@ -350,19 +415,11 @@ def run(out: Path, deadline_s: float, samples: int) -> int:
         for rnd in ("pass1", "pass2-cached"):
             res = {n: greedy_run(servers[n], prompts) for n in SERVERS}
             for n in ("d2k7", "d2k15"):
-                cmp = [compare_greedy(o, s) for o, s in zip(res["off"], res[n])]
-                eq = sum(c["equal"] for c in cmp)
-                ties = [dict(residue=(BASE_LEN + i) % 128, **c) for i, c in enumerate(cmp)
-                        if not c["equal"] and c["ok"]]
-                bad = [dict(residue=(BASE_LEN + i) % 128, **c) for i, c in enumerate(cmp)
-                       if not c["ok"]]
-                rec["greedy"][f"{n}-{rnd}"] = {"equal": eq, "near_ties": ties, "bad": bad}
-                say(f"greedy {n} vs off {rnd}: {eq}/128 identical, {len(ties)} bf16 near-ties "
-                    f"(<= 2 ulps), {len(bad)} real divergences"
-                    + (f"; first bad: residue {bad[0]['residue']} pos {bad[0]['pos']} "
-                       f"{bad[0]['why']}" if bad else ""))
-                if bad:
-                    rec["failures"].append(f"greedy {n} {rnd}: {len(bad)} divergences")
+                r = compare_pass(res["off"], res[n])
+                rec["greedy"][f"{n}-{rnd}"] = r
+                say(pass_line(n, "off", rnd, r))
+                if r["bad"]:
+                    rec["failures"].append(f"greedy {n} {rnd}: {len(r['bad'])} divergences")
         rec["greedy_wall_s"] = round(time.monotonic() - t, 1)
 
         # /metrics: per-position counters, then the copy task

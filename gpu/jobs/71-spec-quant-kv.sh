@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# timeout: 600
+# 71-spec-quant-kv (issue 7): SPEC=mtp and SPEC=dflash2 on int8 and int4 per-token-head KV, on the
+# tiny model (+ its tiny DFlash2 drafter). tests/gpu/spec_kv_sweep.py --suite quant boots six
+# servers through the launcher's plan: CTX=long with KV=int8_per_token_head and
+# KV=int4_per_token_head (TRITON_ATTN, wide verify on), each SPEC=off, SPEC=mtp (k 3) and
+# SPEC=dflash2 DFLASH_TOKENS=7; prefix caching on, CUDA graphs, MAX_LEN 2048, KV_MEM 1G,
+# MAX_SEQS 16, --gpu-memory-utilization min(0.06, GPU_UTIL/6). int8-off boots alone first (compile
+# caches; at most 240 s), then the other five at once; per-server boot times are printed.
+# Checks: greedy, 128 prompts of 1,664..1,791 tokens (every residue mod 128; long enough for a
+# prefix-cache hit under speculation: B = 400/416 int8, 768..800 int4), 32 tokens, two passes
+# (the 2nd hits the prefix cache: hit tokens per server printed), all servers at once; mtp and
+# dflash2 == off of the same KV dtype token for token, a divergence allowed only as a bf16
+# near-tie (spec token within 2 bf16 ulps of off's top raw logit), identical / near-ties / real
+# divergences reported per pair and pass; spec-decode counters from /metrics (printed only).
+# Expected wall: 250-520 s (warm caches: boots 60-200 s; sweep ~40 s). Exit 0 only if every
+# server booted and no pair has a real divergence.
+# Writes $JOB_OUT/{quant.json,run.txt,server-*.log,summary.txt}. CPU dry run:
+# python3 tests/gpu/spec_kv_sweep.py --suite quant --dry-run (tests/test_gpu_spec_kv_dry.py).
+set -u
+cd "$(dirname "$0")/../.."
+: "${JOB_OUT:=/var/tmp/out/71-spec-quant-kv}"
+. gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
+mkdir -p "$MODELS"
+say "== 71-spec-quant-kv $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+python3 -c "import vllm, pathlib; p = pathlib.Path(vllm.__file__).parent / 'dflash2_installed.txt'; \
+print(f'vllm {vllm.__version__} at {p.parent}; dflash2 marker: {p.is_file()}')" 2>&1 | tail -1 | tee -a "$summary"
+
+# the tiny model and its DFlash2 drafter (CPU, cached in $MODELS across jobs)
+timeout 90 python3 -c "from onecard.prepare.tiny import main; raise SystemExit(main(['--drafter']))" \
+    > "$JOB_OUT/build.txt" 2>&1
+rc=$?
+tail -2 "$JOB_OUT/build.txt" | tee -a "$summary"
+if [ $rc -ne 0 ]; then say "tiny model/drafter build FAILED rc=$rc"; say "== 71-spec-quant-kv: FAIL"; exit 1; fi
+
+# whatever the build took comes off the driver's time: everything ends inside the 600 s header
+left=$(( 585 - SECONDS ))
+timeout -k 10 "$left" python3 tests/gpu/spec_kv_sweep.py --suite quant --out "$JOB_OUT" \
+    --deadline $(( left - 20 )) > "$JOB_OUT/run.txt" 2>&1
+rc=$?
+grep '^\[quant\]' "$JOB_OUT/run.txt" | grep -v '^\[quant\] launch ' | tee -a "$summary"
+[ $rc -eq 0 ] || tail -20 "$JOB_OUT/run.txt" | tee -a "$summary"
+# the driver stops its servers; after a kill by timeout, end their process groups (each server
+# runs in its own session; the driver records the pids in server.pids)
+kill_leftover_groups "$JOB_OUT/server.pids"
+say "== 71-spec-quant-kv: $([ $rc -eq 0 ] && echo PASS || echo FAIL) (rc=$rc)"
+exit $rc
