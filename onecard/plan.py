@@ -188,6 +188,14 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
     kv = plan.get("KV")
     if plan.values["KV"].source != "profile" and ctx.name == "huge":
         raise PlanError("KV cannot be overridden with CTX=huge (KVarN); valid: KV with CTX=fast|long")
+    if ctx.name == "huge" and spec.name == "dflash2":
+        # vLLM's backend check: the DFlash2 drafter's attention is non-causal, the KVARN backend
+        # has no non-causal path, and no other backend reads a KVarN cache (2026-12-02, CPU check
+        # for job 63): the server would die at boot. A bf16 cache for the drafter's layers
+        # (--kv-cache-dtype-skip-layers) is job 63's unverified arm.
+        raise PlanError("CTX=huge with SPEC=dflash2 does not boot yet: the DFlash2 drafter's attention is "
+                        "non-causal and KVarN's backend has no non-causal path; valid: CTX=huge with "
+                        "SPEC=off|mtp, or SPEC=dflash2 with CTX=fast|long")
 
     # k
     if spec.name == "off":

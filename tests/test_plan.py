@@ -37,7 +37,13 @@ def mk(env, root, **kw):
     return P.make_plan(env, root, python="python3", **kw)
 
 
-COMBOS = [(c, s) for c in ("fast", "long", "huge") for s in ("off", "mtp", "dflash2")]
+COMBOS = [(c, s) for c in ("fast", "long", "huge") for s in ("off", "mtp", "dflash2") if (c, s) != ("huge", "dflash2")]
+
+
+def test_huge_with_dflash2_is_refused_before_boot(root, features):
+    with pytest.raises(P.PlanError, match="non-causal") as e:
+        mk({"CTX": "huge", "SPEC": "dflash2", "DRAFT": str(features)}, root)
+    assert "valid: CTX=huge with SPEC=off|mtp" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("ctx,spec", COMBOS)
