@@ -7,16 +7,17 @@
 # tests/gpu/spec_kv_sweep.py --suite kvarn boots through the launcher's plan, CTX=huge (KVarN),
 # MAX_LEN 4096 (tiny KVarN block B = 1,024: a hit under speculation needs prompts > 2B), KV_MEM
 # 1G, MAX_SEQS 16, prefix caching on, CUDA graphs (KVARN itself runs eager: piecewise graphs):
-#   kvarn-off, kvarn-mtp (k 3), kvarn-d2k7 (DFLASH_TOKENS=7), and kvarn-d2k7-skipdraft (the same
-#   with --kv-cache-dtype-skip-layers <the drafter's layer indices>: the drafter's KV stays bf16).
+#   kvarn-off, kvarn-mtp (k 3), and kvarn-d2k7-skipdraft (DFLASH_TOKENS=7 with
+#   --kv-cache-dtype-skip-layers <the drafter's layer indices>: the drafter's KV stays bf16).
 # Known gap, predicted on CPU by the dry run: the DFlash2 drafter's attention is non-causal and
-# KVARN has no non-causal attention, so kvarn-d2k7 is expected to die at boot ("non-causal
-# attention not supported"); kvarn-d2k7-skipdraft is the smallest change that could serve
-# dflash2 over KVarN today (informational: its boot does not gate, a divergence after it booted does).
+# KVARN has no non-causal attention, so plain CTX=huge + SPEC=dflash2 would die at boot; the
+# launcher refuses it (onecard/plan.py) unless EXTRA_ARGS keeps the drafter's layers out of KVarN.
+# kvarn-d2k7-skipdraft is that configuration (informational: its boot does not gate, a divergence
+# after it booted does).
 # Checks: greedy, 128 prompts of 2,176..2,303 tokens (every residue mod 128 = the KVarN tile), 32
 # tokens, two passes (2nd hits the prefix cache; hit tokens printed), all servers at once; each
 # spec server == kvarn-off token for token (bf16 near-tie rule), reported per pair and pass.
-# Expected wall: 250-520 s. Exit 0 only if kvarn-off/-mtp/-d2k7 booted and no pair diverged.
+# Expected wall: 250-520 s. Exit 0 only if kvarn-off/-mtp booted and no pair diverged.
 # Writes $JOB_OUT/{kvarn.json,run.txt,server-*.log,summary.txt}. CPU dry run:
 # python3 tests/gpu/spec_kv_sweep.py --suite kvarn --dry-run (tests/test_gpu_spec_kv_dry.py).
 set -u

@@ -13,9 +13,9 @@ Suites (``--suite``):
          under speculation on every server (vLLM 0.27.1 drops one block per hit under
          speculation: a hit needs L > 2B; B = 400/416 int8, 768..800 int4; docs/prefix-cache.md).
   kvarn  (job 63) CTX=huge (KVarN kvarn_k4v2_g128, installed into a private view by the job),
-         servers off, mtp, dflash2 k7, and dflash2 k7 with the drafter's layers kept out of
-         KVarN (``--kv-cache-dtype-skip-layers`` = the drafter's layer indices; informational,
-         see below). MAX_LEN 4096 (B = 1,024 on the tiny model: a spec hit needs L > 2,048);
+         servers off, mtp, and dflash2 k7 with the drafter's layers kept out of KVarN
+         (``--kv-cache-dtype-skip-layers`` = the drafter's layer indices; informational, see
+         below): the launcher refuses plain CTX=huge + SPEC=dflash2. MAX_LEN 4096 (B = 1,024 on the tiny model: a spec hit needs L > 2,048);
          prompts of 2,176..2,303 tokens.
 
 Every server: the launcher's plan (onecard.plan.make_plan, MODEL=tiny), prefix caching on (+
@@ -35,8 +35,9 @@ server the /metrics spec-decode counters (drafts, tokens/step: random drafters, 
 Exit 0 only when every gating server booted and no pair has a real divergence. A server marked
 informational (the kvarn suite's skip-layers dflash2 arm) does not gate on its boot, but a real
 divergence after it booted still fails. Known gap (CPU-checked by ``--dry-run``): the DFlash2
-drafter's attention is non-causal and the KVARN backend has no non-causal attention, so the plain
-kvarn dflash2 server is predicted to fail at boot with "non-causal attention not supported".
+drafter's attention is non-causal and the KVARN backend has no non-causal attention, so a plain
+kvarn dflash2 server would fail at boot with "non-causal attention not supported"; the launcher
+refuses that configuration before boot (onecard/plan.py).
 
 ``--dry-run``: builds the tiny pair, prints every argv, parses each with the vLLM on the path's
 own serve parser (the fields that matter as JSON), predicts each server's attention backends
@@ -102,7 +103,6 @@ def suite(name: str, model: Path | None = None) -> dict:
         servers = {
             "kvarn-off": {"SPEC": "off"},
             "kvarn-mtp": {"SPEC": "mtp"},
-            "kvarn-d2k7": {"SPEC": "dflash2", "DFLASH_TOKENS": "7"},
             "kvarn-d2k7-skipdraft": {"SPEC": "dflash2", "DFLASH_TOKENS": "7",
                                      "EXTRA": ["--kv-cache-dtype-skip-layers", *skip]},
         }
