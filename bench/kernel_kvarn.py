@@ -136,18 +136,29 @@ def check_prefill(name, preset, q_len, seq_len, tpp, window, group, device, gen_
     case = R.make_case(q_lens=[q_len], seq_lens=[seq_len], num_q_heads=SHAPE["hq"],
                        num_kv_heads=SHAPE["hkv"], head_dim=SHAPE["d"], preset=preset,
                        packed_tiles=[seq_len // T], tiles_per_page=tpp, generator=gen_cpu)
-    dev = case.to(device)
     slot = int(case.stage_slot[0])
+    # the read rule: own tiles fp16 (this step's rows new_k / new_v; the rows of the tile
+    # holding ctx before ctx from the stage ring), sink fp16, older tiles packed
+    ctx = seq_len - q_len
+    kr = R.rotate(case.k_true[0], torch.float32).half()
+    vr = R.rotate(case.v_true[0], torch.float32).half()
+    pos = torch.arange(ctx // T * T, ctx)
+    case.stage_k[slot, R.ring_row(pos, T)] = kr[pos]
+    case.stage_v[slot, R.ring_row(pos, T)] = vr[pos]
+    dev = case.to(device)
     out = torch.full(dev.q.shape, float("nan"), dtype=dev.q.dtype, device=device)
     K.kvarn_prefill(dev.q, dev.cache, dev.stage_k.flatten(0, 1), dev.stage_v.flatten(0, 1), out,
-                    block_table_row=dev.block_table[0].contiguous(), ctx_len=seq_len - q_len,
+                    block_table_row=dev.block_table[0].contiguous(), ctx_len=ctx,
                     seq_len=seq_len, packed_tiles=seq_len // T, sink_row=slot * 3 * T,
                     tail_row=slot * 3 * T + T, ring=2 * T, softmax_scale=case.softmax_scale,
+                    new_k=kr[ctx:].contiguous().to(device), new_v=vr[ctx:].contiguous().to(device),
                     preset=preset, tiles_per_page=tpp, window_tokens=window, query_group=group)
     if device.type == "cuda":
         torch.cuda.synchronize()
     o = out.double().cpu()
-    ref = R.reference_attention(case)
+    kq, vq = R.gather_kv(case, 0, sink=False)
+    ref = R.own_tile_attention_f64(case.q.cpu(), R.rotate(kr), R.rotate(vr), R.rotate(kq),
+                                   R.rotate(vq), T, case.softmax_scale)
     row = {"what": "prefill", "name": name, "preset": preset, "q_len": q_len, "seq_len": seq_len,
            "tiles_per_page": tpp, "window": window, "query_group": group,
            "nan": bool(torch.isnan(o).any())}
@@ -320,10 +331,14 @@ def prefill_row(chunk, prefix, *, device, gen, with_old=True, with_sdpa=True) ->
     row = {"chunk": chunk, "prefix": prefix,
            "flops": 4 * chunk * (prefix + (chunk + 1) / 2) * d * hq}
 
+    nk = torch.randn(chunk, hkv, d, device=device).half()  # this step's rows (own tiles)
+    nv = torch.randn_like(nk)
+
     def new():
         K.kvarn_prefill(c.q, c.cache, rows_k, rows_v, out, block_table_row=bt_row,
                         ctx_len=prefix, seq_len=seq, packed_tiles=packed, sink_row=0,
-                        tail_row=T, ring=2 * T, softmax_scale=c.softmax_scale, preset=c.preset)
+                        tail_row=T, ring=2 * T, softmax_scale=c.softmax_scale, preset=c.preset,
+                        new_k=nk, new_v=nv)
 
     try:
         row["kvarn_ms"] = kv.bench_ms(new, device)

@@ -247,8 +247,10 @@ def parse_config(s: str) -> Quant:
 def kernel_check(model, tok, text: str, layer: int, ntok: int, preset: str) -> float:
     """Real K/V/Q of one layer through the serving code path (stage planner + pack + prefill
     + split-KV decode kernels of onecard.kvarn, chunks 256 / rest / 6 decode steps) vs this
-    script's simulation (float64 attention over _fake_kvarn's K/V). Returns the max relative
-    error (|got - ref| / max(1, |ref|)); prints one line per step."""
+    script's simulation of the read rule (``+selffp16``: float64 attention over _fake_kvarn's
+    K/V, each query's own tile fp16, ``reference.own_tile_attention_f64``). Returns the max
+    relative error (|got - ref| / max(1, |ref|)); prints one line per step, with the distance
+    to the all-tiles-quantized simulation (the pre-2026-12-02 prefill semantics) beside it."""
     import torch
     import transformers.models.llama.modeling_llama as ml
     from onecard.kvarn import kernels as K
@@ -290,20 +292,24 @@ def kernel_check(model, tok, text: str, layer: int, ntok: int, preset: str) -> f
         s = c + ql
         tb = S.tile_block_ids(bt, {0: planner.tile_cols(c, s)}, 1)
         plan = planner.plan([c], [s], [0], tb, null_page_blocks=1, prefill_min_q=S.MAX_QUERY_LEN + 1)
-        S.apply_write(plan, R.rotate(k[c:s], torch.float32).half(), R.rotate(v[c:s], torch.float32).half(),
-                      stage_k, stage_v, cache, p, K.kvarn_pack_rows)
+        kr, vr = R.rotate(k[c:s], torch.float32).half(), R.rotate(v[c:s], torch.float32).half()
+        S.apply_write(plan, kr, vr, stage_k, stage_v, cache, p, K.kvarn_pack_rows)
         out = torch.zeros(ql, hq, d)
         S.apply_attention(plan, q[c:s], out, cache, stage_k, stage_v,
                           block_table=bt[plan.req_index].contiguous(), req_block_table=bt,
                           softmax_scale=scale, preset=p, tiles_per_page=1,
-                          attention_rows=K.kvarn_attention_rows, prefill=K.kvarn_prefill)
-        _, _, kq, vq = _fake_kvarn(k[:s].float(), v[:s].float(), Quant("kvarn_" + preset))
-        ref = R.attention_f64(q[c:s], kq.double(), vq.double(), scale)
+                          attention_rows=K.kvarn_attention_rows, prefill=K.kvarn_prefill,
+                          key_rot=kr, val_rot=vr)
+        kf, vf, kq, vq = _fake_kvarn(k[:s].float(), v[:s].float(), Quant("kvarn_" + preset))
+        ref = R.own_tile_attention_f64(q[c:s], kf.double(), vf.double(), kq.double(), vq.double(),
+                                       T, scale)  # the +selffp16 simulation
+        old = R.attention_f64(q[c:s], kq.double(), vq.double(), scale)  # own tiles quantized
         exact = R.attention_f64(q[c:s], k[:s].double(), v[:s].double(), scale)
-        e = float(((out.double() - ref).abs() / ref.abs().clamp_min(1)).max())
-        eq = float(((ref - exact).abs() / exact.abs().clamp_min(1)).max())
-        print(f"layer {layer} step ctx {c} q {ql}: kernels vs simulation {e:.1e}; "
-              f"simulation vs unquantized {eq:.3f}", flush=True)
+        rel = lambda a, b: float(((a - b).abs() / b.abs().clamp_min(1)).max())  # noqa: E731
+        e, eo, eq = rel(out.double(), ref), rel(out.double(), old), rel(ref, exact)
+        print(f"layer {layer} step ctx {c} q {ql}: kernels vs +selffp16 simulation {e:.1e} "
+              f"(vs all-quantized simulation {eo:.3f}); simulation vs unquantized {eq:.3f}",
+              flush=True)
         worst, c = max(worst, e), s
     return worst
 

@@ -218,15 +218,9 @@ for step in STEPS:
         s = c + m
         kr = R.rotate(K[r][:s].half(), torch.float32).half()
         vr = R.rotate(V[r][:s].half(), torch.float32).half()
-        ks, vs = [kr[:T].double()], [vr[:T].double()]  # the sink stays fp16
-        for t in range(1, s // T):
-            qt = R.quantize_tile(kr[t * T:(t + 1) * T].float(), vr[t * T:(t + 1) * T].float(), DT)
-            a, b = R.dequant_tile(qt)
-            ks.append(a); vs.append(b)
-        if s // T == 0:
-            ks, vs = [], []
-        ks.append(kr[s // T * T:].double()); vs.append(vr[s // T * T:].double())
-        ref = R.attention_f64(q[cu[r]:cu[r] + m].float(), R.rotate(torch.cat(ks)), R.rotate(torch.cat(vs)), D ** -0.5)
+        kq, vq = R.quantized_view(kr, vr, DT)  # the read rule: own tile + sink fp16
+        ref = R.own_tile_attention_f64(q[cu[r]:cu[r] + m].float(), R.rotate(kr), R.rotate(vr),
+                                       R.rotate(kq), R.rotate(vq), T, D ** -0.5)
         got = out[cu[r]:cu[r] + m].view(m, HQ, D).double()
         errs.append(float(((got - ref).abs() / ref.abs().clamp_min(1)).max()))
 print("JSON" + json.dumps({"errs": errs, "shape": list(shape), "prefill_jobs": prefill_jobs,
@@ -260,7 +254,7 @@ def test_backend_long_prefill_in_chunks_against_reference(site):
     """A 700-token prompt in scheduler chunks of 256 / 256 / 188 through the installed backend
     (the default preset k4v2_g128, pages of 2 tiles, GQA 4 kv x 6 heads), another request
     prefilling and decoding in the same batches, then decode: equals the float64 reference
-    over what the cache holds (sink and partial tile fp16, full tiles quantized)."""
+    under the read rule (each query's own tile and the sink fp16, older tiles quantized)."""
     out = _run_glue(site, '"kvarn_k4v2_g128", 64, 4, 24, 128, 256',
                     "([(0, 256), (0, 40)], [(256, 256), (40, 1)], [(512, 188), (41, 1)],"
                     " [(700, 1), (42, 1)])")

@@ -271,19 +271,41 @@ def test_rejects_bad_arguments(gen):
 
 
 def _prefill(case, s, *, sink=True, **kw):
+    """kvarn_prefill of sequence s's queries (the last q_len positions): sink and own-tile rows
+    before ctx in an fp16 rows buffer ([0, T) the sink, [T, 2T) the tile holding ctx, ring T),
+    this step's rows as new_k / new_v; everything rotated like the stage."""
     T = case.preset.tile
-    slot = int(case.stage_slot[s])
     cu = case.cu_seqlens_q.tolist()
     q = case.q[cu[s]:cu[s + 1]]
     L = int(case.seq_lens[s])
+    ctx = L - q.shape[0]
+    kr = R.rotate(case.k_true[s], torch.float32).half()
+    vr = R.rotate(case.v_true[s], torch.float32).half()
+    rows_k = torch.randn(2 * T, *kr.shape[1:], generator=torch.Generator().manual_seed(1)).half()
+    rows_v = torch.randn_like(rows_k)
+    rows_k[:min(T, L)], rows_v[:min(T, L)] = kr[:T], vr[:T]
+    h0 = ctx // T * T
+    rows_k[T:T + ctx - h0], rows_v[T:T + ctx - h0] = kr[h0:ctx], vr[h0:ctx]
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     K.kvarn_prefill(
-        q, case.cache, case.stage_k.flatten(0, 1), case.stage_v.flatten(0, 1), out,
-        block_table_row=case.block_table[s].contiguous(), ctx_len=L - q.shape[0], seq_len=L,
-        packed_tiles=int(case.packed_tiles[s]), sink_row=slot * 3 * T if sink else -1,
-        tail_row=slot * 3 * T + T, ring=2 * T, softmax_scale=case.softmax_scale,
-        preset=case.preset, tiles_per_page=case.tiles_per_page, **kw)
+        q, case.cache, rows_k, rows_v, out,
+        block_table_row=case.block_table[s].contiguous(), ctx_len=ctx, seq_len=L,
+        packed_tiles=int(case.packed_tiles[s]), sink_row=0 if sink else -1,
+        tail_row=T, ring=T, new_k=kr[ctx:].contiguous(), new_v=vr[ctx:].contiguous(),
+        softmax_scale=case.softmax_scale, preset=case.preset, tiles_per_page=case.tiles_per_page, **kw)
     return out
+
+
+def _prefill_reference(case, s, sink):
+    """The read rule in float64: own tile (and the sink) fp16, older tiles as the cache holds
+    them (dequantized from their blocks)."""
+    cu = case.cu_seqlens_q.tolist()
+    kr = R.rotate(case.k_true[s], torch.float32).half()
+    vr = R.rotate(case.v_true[s], torch.float32).half()
+    kq, vq = R.gather_kv(case, s, sink=False)
+    return R.own_tile_attention_f64(case.q[cu[s]:cu[s + 1]], R.rotate(kr), R.rotate(vr),
+                                    R.rotate(kq), R.rotate(vq), case.preset.tile,
+                                    case.softmax_scale, sink=sink)
 
 
 PREFILL_CASES = {
@@ -304,11 +326,9 @@ def test_prefill_matches_dequantized_reference(name, gen):
     case = R.make_case(q_lens=[a for a, _ in runs], seq_lens=[b for _, b in runs],
                        num_q_heads=hq, num_kv_heads=hkv, head_dim=D, preset=preset,
                        packed_tiles=[b // T for _, b in runs], tiles_per_page=tpp, generator=gen)
-    want = R.reference_attention(case, sink=sink)
-    cu = case.cu_seqlens_q.tolist()
     for s in range(len(runs)):
         out = _prefill(case, s, sink=sink, window_tokens=win, query_group=grp)
-        ref = want[cu[s]:cu[s + 1]]
+        ref = _prefill_reference(case, s, sink)
         assert not torch.isnan(out).any(), f"unwritten rows (seed {gen.initial_seed()})"
         err = (out.double() - ref).abs().max().item()
         assert err <= TOL * max(1.0, ref.abs().max().item()), f"{name}[{s}] err {err:.3g} seed {gen.initial_seed()}"

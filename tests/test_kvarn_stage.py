@@ -92,36 +92,26 @@ class Sim:
             block_table=bt[plan.req_index].contiguous(), req_block_table=bt,
             softmax_scale=D ** -0.5, preset=PRESET, tiles_per_page=self.tpp,
             attention_rows=K.kvarn_attention_rows, prefill=prefill,
-            max_tokens_per_launch=self.max_tokens_per_launch)
+            max_tokens_per_launch=self.max_tokens_per_launch, key_rot=krot, val_rot=vrot)
         err = 0.0
         for i, (r, c, ql) in enumerate(rows):
             s = c + ql
-            kr, vr = self._represented(r, s, sink=plan.sink_rows.numel() > 0)
-            ref = R.attention_f64(q[q0[i]:q0[i] + ql], R.rotate(kr), R.rotate(vr), D ** -0.5)
+            ref = self._reference(r, s, q[q0[i]:q0[i] + ql])
             got = out[q0[i]:q0[i] + ql].double()
             assert torch.isfinite(got).all()
             err = max(err, float(((got - ref).abs() / ref.abs().clamp_min(1)).max()))
         return err
 
-    def _represented(self, r, s, sink):
-        """Rotated K/V [s] as the cache holds them: full tiles quantized (tile 0 fp16 when its
-        slot is alive), the partial tile fp16."""
+    def _reference(self, r, s, q):
+        """Float64 attention of the last q.shape[0] positions of request r under the read rule
+        (reference.own_tile_attention_f64): own tile fp16, tile 0 fp16 while its slot lives,
+        other tiles quantized."""
         kr = R.rotate(self.k[r][:s], torch.float32).half()
         vr = R.rotate(self.v[r][:s], torch.float32).half()
-        ks, vs = [], []
-        for t in range(s // T):
-            blk = int(self.bt[r, t // self.tpp]) * self.tpp + t % self.tpp
-            if t == 0 and blk in self.planner.slot_of:
-                ks.append(kr[:T].double())
-                vs.append(vr[:T].double())
-                continue
-            qt = R.quantize_tile(kr[t * T:(t + 1) * T].float(), vr[t * T:(t + 1) * T].float(), PRESET)
-            k, v = R.dequant_tile(qt)
-            ks.append(k)
-            vs.append(v)
-        ks.append(kr[s // T * T:].double())
-        vs.append(vr[s // T * T:].double())
-        return torch.cat(ks), torch.cat(vs)
+        kq, vq = R.quantized_view(kr, vr, PRESET)
+        sink = int(self.bt[r, 0]) * self.tpp in self.planner.slot_of
+        return R.own_tile_attention_f64(q, R.rotate(kr), R.rotate(vr), R.rotate(kq), R.rotate(vq),
+                                        T, D ** -0.5, sink=sink)
 
 
 @pytest.fixture
@@ -185,8 +175,9 @@ def test_planner_evicts_sinks_first():
     p.plan([0], [5], [0], b)  # B: partial tile 0 (block 20)
     plan = p.plan([5], [T + 2], [0], b)  # B fills tile 0, needs tile 1: A's sink goes
     assert 10 not in p.slot_of and {11, 20, 21} <= set(p.slot_of)
-    assert set(plan.sink_rows.tolist()) == {p.slot_of[20] * T}  # 61 queries: 4 pseudo-sequences
-    assert plan.cu_seqlens_q.tolist() == [0, 16, 32, 48, 61]
+    job, = plan.prefill  # 61 queries: a prefill job (runs > 16 always are)
+    assert job.sink_row == p.slot_of[20] * T and job.tail_row == p.slot_of[20] * T  # from 5
+    assert (job.ctx, job.seq, job.packed) == (5, T + 2, 1) and plan.seq_lens.numel() == 0
     plan = p.plan([T + 1], [T + 2], [0], a)  # A reads tile 0 packed now
     assert plan.sink_rows.tolist() == [-1] and plan.packed_tiles.tolist() == [1]
 
@@ -195,7 +186,7 @@ def test_planner_errors_and_release():
     p = S.StagePlanner(PRESET, 2)
     tb = {(0, t): 10 + t for t in range(8)}
     plan = p.plan([0], [T + 5], [0], tb)  # tiles 0 (sink) and 1 (partial)
-    assert plan.pack_stage_blocks.tolist() == [10] and plan.tail_rows.tolist()[-1] >= 0
+    assert plan.pack_stage_blocks.tolist() == [10] and set(p.slot_of) == {10, 11}
     with pytest.raises(S.StageExhausted, match="valid:"):
         p.plan([T + 5, 0], [T + 6, 2 * T + 1], [0, 1], {**tb, **{(1, t): 20 + t for t in range(4)}})
     q = S.StagePlanner(PRESET, 3)
@@ -227,13 +218,24 @@ def test_planner_prefill_jobs():
     tb = {(r, t): 10 * r + t for r in range(2) for t in range(8)}
     plan = p.plan([0, 0], [3 * T + 5, 40], [0, 3 * T + 5], tb, prefill_min_q=17)
     a, b = plan.prefill
-    assert (a.packed, a.sink_row, a.tail_row) == (3, p.slot_of[0] * T, p.slot_of[3] * T)
-    assert (b.packed, b.sink_row, b.tail_row) == (0, -1, p.slot_of[10] * T)
+    assert (a.packed, a.sink_row, a.tail_row) == (3, p.slot_of[0] * T, -1)  # own tiles: new rows
+    assert (b.packed, b.sink_row, b.tail_row) == (0, -1, -1)
     assert plan.pack_stage_blocks.tolist() == [0, 2] and plan.pack_new_blocks.tolist() == [1]
     assert plan.seq_lens.numel() == 0 and plan.num_tokens == 3 * T + 45
     plan = p.plan([3 * T + 5, 40], [3 * T + 30, 41], [0, 25], tb, prefill_min_q=17)
     assert [j.tok0 for j in plan.prefill] == [0] and plan.seq_tok0 == [25]
     assert plan.prefill[0].packed == 3 and plan.cu_seqlens_q.tolist() == [0, 1]
+    assert plan.prefill[0].tail_row == p.slot_of[3] * T  # the first tile's rows before ctx
+    assert plan.packed_tiles.tolist() == [0] and plan.tail_rows.tolist() == [p.slot_of[10] * T]
+    # a verify block crossing a tile boundary: one pseudo-sequence per tile, each reading its
+    # own tile from its slot (the full one too, packed by this step's write)
+    p = S.StagePlanner(PRESET, 10)
+    p.plan([0], [2 * T - 3], [0], tb, prefill_min_q=17)
+    plan = p.plan([2 * T - 3], [2 * T + 4], [0], tb, prefill_min_q=17)
+    assert plan.cu_seqlens_q.tolist() == [0, 3, 7] and plan.seq_lens.tolist() == [2 * T, 2 * T + 4]
+    assert plan.packed_tiles.tolist() == [1, 2] and plan.pack_stage_blocks.tolist() == [1]
+    assert plan.tail_rows.tolist() == [p.slot_of[1] * T, p.slot_of[2] * T]
+    assert plan.sink_rows.tolist() == [p.slot_of[0] * T] * 2
 
 
 def test_memory_model_stage_reserve():
@@ -247,3 +249,73 @@ def test_memory_model_stage_reserve():
     win = 16384 * 4 * 256 * 2 * 2
     assert memory.kvarn_prefill_scratch_bytes(g) == win + 2048 * 24 * 1544 == 142_999_552
     assert memory.kvarn_reserve_bytes(g, "kvarn", 2) == 89_128_960 + 142_999_552
+
+
+def _run_schedule(steps, k, v, q, gen, num_slots=10, tiles_per_page=1):
+    """One request through the real planner + write + attention, steps (context c, q_len);
+    K/V/q of a position are fixed (a re-written position gets the same rows). Returns the
+    output [L, HQ, D] float64, each position from the last step that computed it."""
+    L = k.shape[0]
+    layout = R.get_preset(PRESET).layout(D)
+    pages = L // T + 3
+    cache = torch.randint(0, 256, (pages * tiles_per_page, HKV, layout.block_bytes),
+                          dtype=torch.uint8, generator=gen)
+    stage_k = torch.randn(num_slots * T, HKV, D, generator=gen).half()
+    stage_v = torch.randn(num_slots * T, HKV, D, generator=gen).half()
+    bt = (torch.randperm(pages - 1, generator=gen) + 1)[None].to(torch.int32)
+    planner = S.StagePlanner(PRESET, num_slots, tiles_per_page)
+    out = torch.full((L, HQ, D), float("nan"), dtype=torch.float64)
+    krot = R.rotate(k, torch.float32).half()
+    vrot = R.rotate(v, torch.float32).half()
+    for c, ql in steps:
+        s = c + ql
+        tb = S.tile_block_ids(bt, {0: planner.tile_cols(c, s)}, tiles_per_page)
+        plan = planner.plan([c], [s], [0], tb, prefill_min_q=S.MAX_QUERY_LEN + 1)
+        S.apply_write(plan, krot[c:s], vrot[c:s], stage_k, stage_v, cache, PRESET, K.kvarn_pack_rows)
+        o = torch.full((ql, HQ, D), float("nan"))
+        S.apply_attention(plan, q[c:s], o, cache, stage_k, stage_v,
+                          block_table=bt[plan.req_index].contiguous(), req_block_table=bt,
+                          softmax_scale=D ** -0.5, preset=PRESET, tiles_per_page=tiles_per_page,
+                          attention_rows=K.kvarn_attention_rows, prefill=K.kvarn_prefill,
+                          key_rot=krot[c:s], val_rot=vrot[c:s])
+        out[c:s] = o.double()
+    return out
+
+
+@inproc
+def test_attention_does_not_depend_on_the_step_schedule(gen):
+    """The read rule (reference.own_tile_attention_f64): a query reads its own tile and the
+    sink in fp16, older tiles quantized. So one prefill chunk, odd chunks starting mid-tile,
+    verify blocks of 7 / 16 crossing tile boundaries (with rejected drafts re-written), and
+    one-token decode give the same attention at every position (teacher forcing == generation;
+    speculative verify == plain decode)."""
+    L = 3 * T + 40
+    k = ((torch.randn(L, HKV, D, generator=gen) * 1.5 + 0.3)).half()
+    v = torch.randn(L, HKV, D, generator=gen).half()
+    q = (torch.randn(L, HQ, D, generator=gen) * 1.2).half()
+    verify, c = [(0, 60)], 60
+    for i, n in enumerate([7, 16] * 20):
+        if c >= L:
+            break
+        n = min(n, L - c)
+        verify.append((c, n))
+        c += n if i % 3 else max(1, n - 4)  # every third block: the last 4 drafts rejected
+    schedules = {
+        "one-chunk": [(0, L)],
+        "odd-chunks": [(0, 37), (37, 53), (90, 9), (99, 62), (161, L - 161)],
+        "verify-7-16": verify,
+        "decode": [(p, 1) for p in range(L)],
+    }
+    kr = R.rotate(k, torch.float32).half()
+    vr = R.rotate(v, torch.float32).half()
+    kq, vq = R.quantized_view(kr, vr, PRESET)
+    want = R.own_tile_attention_f64(q, R.rotate(kr), R.rotate(vr), R.rotate(kq), R.rotate(vq),
+                                    T, D ** -0.5)
+    got = {name: _run_schedule(st, k, v, q, gen) for name, st in schedules.items()}
+    rel = lambda a, b: float(((a - b).abs() / b.abs().clamp_min(1)).max())  # noqa: E731
+    errs = {name: rel(o, want) for name, o in got.items()}
+    diffs = {name: rel(o, got["decode"]) for name, o in got.items()}
+    print("vs reference", errs, "vs decode", diffs)
+    assert all(torch.isfinite(o).all() for o in got.values())
+    assert max(errs.values()) < TOL, errs
+    assert max(diffs.values()) < TOL, diffs

@@ -15,7 +15,8 @@ runs of more than 16 tokens). The forward then: rotates K/V (Walsh-Hadamard), wr
 packs full tiles (Triton), runs the split-KV attention kernel for decode and verify queries, and
 the prefill kernel for each prefill chunk (kernels.kvarn_prefill: the prefix is dequantized once
 per chunk into a bounded fp16 window scratch, then a flash kernel with a log-sum-exp merge over
-windows; a chunk's queries read its own full tiles packed, the partial tile and the sink fp16).
+windows; then each query's own tile in fp16 from this step's rows). The read rule is the
+same for all paths: a query reads its own tile fp16, the sink fp16, older tiles quantized.
 
 Limits (one-line errors): decoder self-attention only; no sliding window, ALiBi, soft cap,
 KV sharing, sinks, or fp8 output quantization. CUDA graphs: never (attention runs eager inside
@@ -254,5 +255,5 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
             req_block_table=attn_metadata.req_block_table, softmax_scale=self.scale,
             preset=self.preset, tiles_per_page=tpp, attention_rows=kvarn_kernels.kvarn_attention_rows,
             prefill=kvarn_kernels.kvarn_prefill, max_tokens_per_launch=MAX_TOKENS_PER_LAUNCH,
-            cu_cpu=attn_metadata.cu_cpu)
+            cu_cpu=attn_metadata.cu_cpu, key_rot=k_rot, val_rot=v_rot)
         return output

@@ -562,12 +562,71 @@ def _kvarn_prefill_kernel(
     stride_k_row: tl.int64, stride_k_head: tl.int64,
     stride_a_t: tl.int64, stride_a_h: tl.int64,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FIRST: tl.constexpr, LAST: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
+    FIRST: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    # program (query block, q head): BLOCK_M queries (positions q_pos0 + i) against the window's
-    # keys (positions w0 + j, j < w_len; scratch rows j), causal. The running state (unnormalized
-    # fp32 acc, log2 max m, sum l) is carried across windows in acc/m/l; LAST stores acc / l.
+    # pass 1, program (query block, q head): BLOCK_M queries (positions q_pos0 + i) against the
+    # window's keys (positions w0 + j, j < w_len; scratch rows j, quantized tiles and the fp16
+    # sink) of tiles BEFORE each query's own tile (the own tile is pass 2's). The running state
+    # (unnormalized fp32 acc, log2 max m, sum l) is carried across windows in acc/m/l.
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_ok = offs_m < n_q
+    qtile = (q_pos0 + offs_m) // TILE
+    q = tl.load(q_ptr + offs_m.to(tl.int64)[:, None] * stride_q_t + h * stride_q_h + offs_d[None, :],
+                mask=m_ok[:, None], other=0.0).to(tl.float16)
+    a_off = offs_m.to(tl.int64)[:, None] * stride_a_t + h * stride_a_h + offs_d[None, :]
+    ml_off = offs_m.to(tl.int64) * NUM_Q_HEADS + h
+    if FIRST:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    else:
+        m_i = tl.load(m_ptr + ml_off, mask=m_ok, other=float("-inf"))
+        l_i = tl.load(l_ptr + ml_off, mask=m_ok, other=0.0)
+        acc = tl.load(acc_ptr + a_off, mask=m_ok[:, None], other=0.0)
+    # keys of this window that some row of the block reads quantized: before the last row's tile
+    last_q = tl.minimum((mb + 1) * BLOCK_M, n_q) - 1
+    hi = tl.minimum(w_len, (q_pos0 + last_q) // TILE * TILE - w0)
+    kbase = k_ptr + kvh * stride_k_head
+    vbase = v_ptr + kvh * stride_k_head
+    for j0 in range(0, hi, BLOCK_N):
+        cols = j0 + offs_n
+        c_ok = cols < hi
+        kt = tl.load(kbase + cols.to(tl.int64)[None, :] * stride_k_row + offs_d[:, None],
+                     mask=c_ok[None, :], other=0.0)
+        s = _dot(q, kt, DOT_F32) * qk_scale
+        s = tl.where((((w0 + cols) // TILE)[None, :] < qtile[:, None]) & c_ok[None, :], s,
+                     float("-inf"))
+        p, alpha, m_i, l_i = _online_update(s, m_i, l_i)
+        vt = tl.load(vbase + cols.to(tl.int64)[:, None] * stride_k_row + offs_d[None, :],
+                     mask=c_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(tl.float16), vt, DOT_F32)
+    tl.store(acc_ptr + a_off, acc, mask=m_ok[:, None])
+    tl.store(m_ptr + ml_off, m_i, mask=m_ok)
+    tl.store(l_ptr + ml_off, l_i, mask=m_ok)
+
+
+@triton.jit
+def _kvarn_prefill_own_kernel(
+    q_ptr, nk_ptr, nv_ptr, rk_ptr, rv_ptr, acc_ptr, m_ptr, l_ptr,
+    n_q, q_pos0, ctx, rows_lim, tail0, ring, qk_scale,
+    stride_q_t: tl.int64, stride_q_h: tl.int64,
+    stride_n_row: tl.int64, stride_n_head: tl.int64,
+    stride_r_row: tl.int64, stride_r_head: tl.int64,
+    stride_a_t: tl.int64, stride_a_h: tl.int64,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
+    FIRST: tl.constexpr, HAS_NEW: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # pass 2, program (query block, q head): each query's OWN tile in fp16, causal: positions
+    # >= ctx from this step's rotated rows nk/nv (row p - ctx; HAS_NEW), positions < rows_lim
+    # (the chunk's first tile begun in an earlier step, or all when not HAS_NEW) from the fp16
+    # rows tail0 + p % ring. Merges into the pass-1 state (unless FIRST) and stores acc / l.
     mb = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -588,35 +647,40 @@ def _kvarn_prefill_kernel(
         m_i = tl.load(m_ptr + ml_off, mask=m_ok, other=float("-inf"))
         l_i = tl.load(l_ptr + ml_off, mask=m_ok, other=0.0)
         acc = tl.load(acc_ptr + a_off, mask=m_ok[:, None], other=0.0)
-    # keys of this window that some row of the block sees: positions <= the block's last query
     last_q = tl.minimum((mb + 1) * BLOCK_M, n_q) - 1
-    hi = tl.minimum(w_len, q_pos0 + last_q + 1 - w0)
-    kbase = k_ptr + kvh * stride_k_head
-    vbase = v_ptr + kvh * stride_k_head
-    for j0 in range(0, hi, BLOCK_N):
+    lo = (q_pos0 + mb * BLOCK_M) // TILE * TILE
+    hi = q_pos0 + last_q + 1
+    tail_base = tl.maximum(tail0, 0)
+    for j0 in range(lo, hi, BLOCK_N):
         cols = j0 + offs_n
         c_ok = cols < hi
-        kt = tl.load(kbase + cols.to(tl.int64)[None, :] * stride_k_row + offs_d[:, None],
-                     mask=c_ok[None, :], other=0.0)
+        from_new = c_ok & (cols >= ctx)
+        from_rows = c_ok & (cols < rows_lim)
+        nrow = tl.maximum(cols - ctx, 0).to(tl.int64)
+        rrow = (tail_base + cols % ring).to(tl.int64)
+        n_off = nrow * stride_n_row + kvh * stride_n_head
+        r_off = rrow * stride_r_row + kvh * stride_r_head
+        kt = tl.load(rk_ptr + r_off[None, :] + offs_d[:, None], mask=from_rows[None, :], other=0.0)
+        if HAS_NEW:
+            kt += tl.load(nk_ptr + n_off[None, :] + offs_d[:, None], mask=from_new[None, :], other=0.0)
         s = _dot(q, kt, DOT_F32) * qk_scale
-        s = tl.where(((w0 + cols)[None, :] <= qpos[:, None]) & c_ok[None, :], s, float("-inf"))
+        vis = (c_ok[None, :] & (cols[None, :] <= qpos[:, None])
+               & ((cols // TILE)[None, :] == (qpos // TILE)[:, None]))
+        s = tl.where(vis, s, float("-inf"))
         p, alpha, m_i, l_i = _online_update(s, m_i, l_i)
-        vt = tl.load(vbase + cols.to(tl.int64)[:, None] * stride_k_row + offs_d[None, :],
-                     mask=c_ok[:, None], other=0.0)
+        vt = tl.load(rv_ptr + r_off[:, None] + offs_d[None, :], mask=from_rows[:, None], other=0.0)
+        if HAS_NEW:
+            vt += tl.load(nv_ptr + n_off[:, None] + offs_d[None, :], mask=from_new[:, None], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(tl.float16), vt, DOT_F32)
-    if LAST:
-        o = tl.where(l_i[:, None] > 0.0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-        tl.store(acc_ptr + a_off, o, mask=m_ok[:, None])
-    else:
-        tl.store(acc_ptr + a_off, acc, mask=m_ok[:, None])
-        tl.store(m_ptr + ml_off, m_i, mask=m_ok)
-        tl.store(l_ptr + ml_off, l_i, mask=m_ok)
+    o = tl.where(l_i[:, None] > 0.0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    tl.store(acc_ptr + a_off, o, mask=m_ok[:, None])
 
 
 def kvarn_prefill(
     q: torch.Tensor, cache: torch.Tensor, rows_k: torch.Tensor, rows_v: torch.Tensor,
     out: torch.Tensor, *, block_table_row: torch.Tensor, ctx_len: int, seq_len: int,
     packed_tiles: int, sink_row: int, tail_row: int, ring: int, softmax_scale: float,
+    new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None,
     preset: str | Preset | None = None, tiles_per_page: int = 1,
     window_tokens: int = PREFILL_WINDOW_TOKENS, query_group: int = PREFILL_QUERY_GROUP,
     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
@@ -625,17 +689,22 @@ def kvarn_prefill(
     """Causal attention of one request's prefill chunk over a KVarN cache; writes ``out``
     [n, Hq, D] (model space), n = seq_len - ctx_len, and returns it.
 
-    The chunk's queries are positions [ctx_len, seq_len). Keys are what the cache represents
-    (the same addressing as ``kvarn_attention_rows``): tiles [0, packed_tiles) packed in the
-    blocks of ``block_table_row`` (pages of ``tiles_per_page`` tiles), tile 0 read from fp16
-    rows [sink_row, + tile) when sink_row >= 0; positions [packed * tile, seq_len) are fp16
-    rows ``tail_row + p % ring`` of ``rows_*``.
+    The chunk's queries are positions [ctx_len, seq_len). The read rule (one for all paths,
+    ``reference.own_tile_attention_f64``): a query at position p reads its OWN tile p // tile in
+    fp16 and every earlier tile as the cache holds it: tiles [0, packed_tiles) packed in the
+    blocks of ``block_table_row`` (pages of ``tiles_per_page`` tiles; packed_tiles >= the last
+    query's tile), tile 0 from fp16 rows [sink_row, + tile) when sink_row >= 0. Own-tile fp16
+    rows: positions >= ctx_len from ``new_k`` / ``new_v`` [n, Hkv, D] (this step's rotated rows,
+    row p - ctx_len), earlier ones (the chunk's first tile begun in an earlier step) from rows
+    ``tail_row + p % ring`` of ``rows_*``; without ``new_k`` all own-tile rows come from there.
 
-    Per group of ``query_group`` queries (one group for chunks up to that size), the keys the
-    group sees are dequantized ONCE, window by window (``window_tokens`` keys, a multiple of the
-    tile), into an fp16 scratch; a flash kernel (BLOCK_M queries x one q head per program)
-    runs over each window, carrying an fp32 online-softmax state from window to window (the
-    log-sum-exp merge). Memory: ``prefill_scratch_bytes``."""
+    Pass 1, per group of ``query_group`` queries (one group for chunks up to that size): the
+    tiles before the group's last query's tile are dequantized ONCE, window by window
+    (``window_tokens`` keys, a multiple of the tile), into an fp16 scratch; a flash kernel
+    (BLOCK_M queries x one q head per program) runs over each window, each row masked to the
+    tiles before its own, carrying an fp32 online-softmax state (the log-sum-exp merge). Pass 2:
+    a flash kernel over each row's own tile from the fp16 rows merges and normalizes. Memory:
+    ``prefill_scratch_bytes`` (the fresh rows are the caller's)."""
     p = get_preset(preset)
     T = p.tile
     n, hq, d = q.shape
@@ -646,13 +715,20 @@ def kvarn_prefill(
         raise ValueError(f"fp16 rows must be [R, Hkv, {d}] fp16 with equal K/V strides; got "
                          f"{tuple(rows_k.shape)} {rows_k.dtype}")
     nkv = rows_k.shape[1]
+    has_new = new_k is not None
+    if has_new and (new_v is None or new_k.shape != (n, nkv, d) or new_v.shape != new_k.shape
+                    or new_k.dtype != torch.float16 or new_v.dtype != torch.float16
+                    or new_k.stride() != new_v.stride() or new_k.stride(2) != 1):
+        raise ValueError(f"new_k / new_v must be fp16 [{n}, {nkv}, {d}] with equal strides; got "
+                         f"{None if new_k is None else tuple(new_k.shape)}")
     layout = p.layout(d)
     _check_cache(cache, layout, nkv)
     if hq % nkv:
         raise ValueError(f"{hq} query heads is not a multiple of {nkv} kv heads")
-    if not 0 <= packed_tiles <= -(-seq_len // T) or (packed_tiles * T < seq_len and tail_row < 0):
+    if not (seq_len - 1) // T <= packed_tiles <= -(-seq_len // T) or (not has_new and tail_row < 0):
         raise ValueError(f"packed_tiles {packed_tiles} / tail_row {tail_row} are not valid for "
-                         f"seq_len {seq_len}; valid: positions past the packed tiles in fp16 rows")
+                         f"seq_len {seq_len}; valid: tiles before the last query's tile packed, "
+                         f"own-tile rows in new_k or at tail_row")
     if window_tokens < T or window_tokens % T:
         raise ValueError(f"window_tokens {window_tokens} is not valid; valid: a multiple of {T}")
     cuda = q.device.type == "cuda"
@@ -672,22 +748,22 @@ def kvarn_prefill(
     cache_u8, cache_f16 = storage[cache.storage_offset():], c16[cache.storage_offset() // 2:]
     consts = _layout_consts(layout)
     scale = softmax_scale * _LOG2E
-    n_tiles_max = -(-seq_len // T)
-    w_tiles = min(window_tokens // T, n_tiles_max)
-    sk = torch.empty((w_tiles * T, nkv, d), dtype=torch.float16, device=q.device)
+    n_tiles_max = (seq_len - 1) // T  # tiles any query reads from the cache (before its own)
+    w_tiles = max(1, min(window_tokens // T, n_tiles_max))
+    sk = torch.empty((w_tiles * T if n_tiles_max else 0, nkv, d), dtype=torch.float16, device=q.device)
     sv = torch.empty_like(sk)
     g_n = min(n, query_group)
     q_rot = torch.empty((g_n, hq, d), dtype=torch.float16, device=q.device)
     acc = torch.empty((g_n, hq, d), dtype=torch.float32, device=q.device)
     m_st = torch.empty((g_n, hq), dtype=torch.float32, device=q.device)
     l_st = torch.empty_like(m_st)
+    nk, nv = (new_k, new_v) if has_new else (rows_k, rows_v)
     for g0 in range(0, n, query_group):
         gn = min(n, g0 + query_group) - g0
         for r0 in range(0, gn, rows_per):
             r1 = min(gn, r0 + rows_per)
             q_rot[r0:r1] = (q[g0 + r0:g0 + r1].float().reshape(-1, d) @ hn).view(r1 - r0, hq, d)
-        kv_len = ctx_len + g0 + gn  # keys this group sees
-        n_tiles = -(-kv_len // T)
+        n_tiles = (ctx_len + g0 + gn - 1) // T  # tiles before the group's last query's tile
         windows = list(range(0, n_tiles, w_tiles))
         for wi, t0 in enumerate(windows):
             nt = min(n_tiles, t0 + w_tiles) - t0
@@ -699,16 +775,25 @@ def kvarn_prefill(
                 HEAD_DIM=d, TILE=T, K_BITS=p.k_bits, V_BITS=p.v_bits, **consts,
                 num_warps=8 if T * d >= 128 * 128 else 4,
             )
-            w0 = t0 * T
             _kvarn_prefill_kernel[(triton.cdiv(gn, block_m), hq)](
                 q_rot, sk, sv, acc, m_st, l_st,
-                gn, ctx_len + g0, w0, min(nt * T, seq_len - w0), scale,
+                gn, ctx_len + g0, t0 * T, nt * T, scale,
                 q_rot.stride(0), q_rot.stride(1), sk.stride(0), sk.stride(1),
                 acc.stride(0), acc.stride(1),
                 NUM_Q_HEADS=hq, GROUP=hq // nkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                FIRST=wi == 0, LAST=wi == len(windows) - 1, DOT_F32=not cuda,
+                TILE=T, FIRST=wi == 0, DOT_F32=not cuda,
                 num_warps=num_warps, num_stages=num_stages,
             )
+        _kvarn_prefill_own_kernel[(triton.cdiv(gn, block_m), hq)](
+            q_rot, nk, nv, rows_k, rows_v, acc, m_st, l_st,
+            gn, ctx_len + g0, ctx_len, (ctx_len if has_new else seq_len) if tail_row >= 0 else 0,
+            tail_row, ring, scale,
+            q_rot.stride(0), q_rot.stride(1), nk.stride(0), nk.stride(1),
+            rows_k.stride(0), rows_k.stride(1), acc.stride(0), acc.stride(1),
+            NUM_Q_HEADS=hq, GROUP=hq // nkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+            TILE=T, FIRST=not windows, HAS_NEW=has_new, DOT_F32=not cuda,
+            num_warps=num_warps, num_stages=num_stages,
+        )
         for r0 in range(0, gn, rows_per):  # un-rotate once
             r1 = min(gn, r0 + rows_per)
             out[g0 + r0:g0 + r1] = (acc[r0:r1].reshape(-1, d) @ hn).view(r1 - r0, hq, d)

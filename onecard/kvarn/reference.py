@@ -236,6 +236,54 @@ def attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
+def quantized_view(k_rot: torch.Tensor, v_rot: torch.Tensor, preset: str | Preset | None = None,
+                   dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated fp16 rows [L, H, D] -> the same rows with every full tile quantized and
+    dequantized (``quantize_tile`` + ``dequant_tile``); the partial last tile unchanged."""
+    T = get_preset(preset).tile
+    ks, vs = [], []
+    L = k_rot.shape[0]
+    for t in range(L // T):
+        a, b = dequant_tile(quantize_tile(k_rot[t * T:(t + 1) * T].float(),
+                                          v_rot[t * T:(t + 1) * T].float(), preset), dtype)
+        ks.append(a)
+        vs.append(b)
+    ks.append(k_rot[L // T * T:].to(dtype))
+    vs.append(v_rot[L // T * T:].to(dtype))
+    return torch.cat(ks), torch.cat(vs)
+
+
+def own_tile_attention_f64(q: torch.Tensor, k_fp: torch.Tensor, v_fp: torch.Tensor,
+                           k_q: torch.Tensor, v_q: torch.Tensor, tile: int, softmax_scale: float,
+                           sink: bool = True) -> torch.Tensor:
+    """THE READ RULE of KVarN, in float64. Queries q [ql, Hq, D] are the last ql positions of
+    the L keys; ``k_fp``/``v_fp`` [L, Hkv, D] are the fp16 rows, ``k_q``/``v_q`` the same keys
+    as the packed tiles represent them (any linear space, the same for all four). A query at
+    position p in tile T(p) = p // tile reads:
+    * keys of its own tile T(p) (up to p) from the fp16 rows;
+    * keys of tile 0 from the fp16 rows when ``sink`` (the stage's sink slot lives);
+    * keys of every other tile < T(p) quantized (k_q / v_q).
+    So a position's attention does not depend on how the tokens were batched into steps
+    (prefill chunks, verify blocks, one-token decode): teacher-forced scoring equals generation.
+    """
+    ql, L = q.shape[0], k_fp.shape[0]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    pos = torch.arange(L - ql, L)
+    for t in sorted(set((pos // tile).tolist())):
+        sel = (pos // tile == t).nonzero().flatten()
+        a, b = int(sel[0]), int(sel[-1]) + 1
+        hi = int(pos[b - 1]) + 1
+        k = k_q[:hi].double().clone()
+        v = v_q[:hi].double().clone()
+        k[t * tile:] = k_fp[t * tile:hi].double()
+        v[t * tile:] = v_fp[t * tile:hi].double()
+        if sink:
+            k[:tile] = k_fp[:min(tile, hi)].double()
+            v[:tile] = v_fp[:min(tile, hi)].double()
+        out[a:b] = attention_f64(q[a:b], k, v, softmax_scale)
+    return out
+
+
 def reference_attention(case: "KvarnCase", exact: bool = False, sink: bool = True) -> torch.Tensor:
     """Float64 attention [Tq, Hq, D] in model space. ``exact=False``: over the cache's
     dequantized K/V (what the kernel must match); ``exact=True``: over the unquantized K/V the

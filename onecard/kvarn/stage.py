@@ -16,15 +16,21 @@ Per step, for every request (context ``c`` committed tokens, ``s`` after this st
   New rows of staged tiles go to their slot.
 * Every tile that is full after the write is packed: staged ones from their slot, the others
   (interior tiles of a long prefill chunk) straight from the new rotated rows.
-* Attention reads tiles ``[0, s // tile)`` packed (tile 0 from its sink slot when it has one)
-  and positions ``[s // tile * tile, s)`` from the slot of the partial tile.
-* A query run of at least ``prefill_min_q`` queries (a prefill chunk; the backend passes
-  ``MAX_QUERY_LEN + 1``) becomes a ``PrefillJob``: ``kernels.kvarn_prefill`` dequantizes the
-  tiles ``[0, s // tile)`` once (tile 0 from its sink slot when it has one) and reads the
-  partial tile from its slot. Without ``prefill_min_q`` (or for shorter runs) a run longer than
-  ``MAX_QUERY_LEN`` is split into pseudo-sequences of 16 queries; pseudo-sequence i ends at
-  ``c + 16 (i + 1)`` and reads the tile holding its last key packed (masked by causality)
-  unless that tile is the partial one.
+* Attention follows one read rule for every path (``reference.own_tile_attention_f64``): a
+  query at position p reads its own tile p // tile in fp16, tile 0 from its sink slot (while
+  that lives) and every other earlier tile packed. So the attention at a position does not
+  depend on how tokens were grouped into steps: a prompt scored in one chunk, in odd chunks,
+  by verify blocks or one token at a time sees the same keys (teacher forcing == generation;
+  speculative verify == plain decode).
+* Query runs of more than ``MAX_QUERY_LEN`` (or at least ``prefill_min_q``) queries become
+  ``PrefillJob``s for ``kernels.kvarn_prefill``: tiles before each query's own are dequantized
+  once per chunk (tile 0 from its sink slot when it has one); own tiles come from this step's
+  rotated rows (``apply_attention``'s ``key_rot`` / ``val_rot``) and, for a chunk starting
+  mid-tile, the first tile's earlier rows from its slot (``tail_row``). Shorter runs are
+  pseudo-sequences of at most 16 queries that never cross a tile: pseudo-sequence queries in
+  tile t read tiles ``[0, t)`` packed and ``[t * tile, end)`` from tile t's slot (a verify
+  block crossing a tile boundary is two pseudo-sequences). A tile is packed as soon as it is
+  full (the write precedes attention); its slot keeps the fp16 rows for queries inside it.
 * Slots of tiles that are committed and not tile 0 (``(t + 1) * tile <= c - STAGE_LAST``: a
   drafter's build may pass unverified positions as context) are released;
   others age out LRU (sinks first). Running out of slots is an error, never a silent reuse.
@@ -59,9 +65,9 @@ class PrefillJob:
     tok0: int  # first query's index among this step's tokens
     ctx: int
     seq: int
-    packed: int  # tiles [0, packed) read from the cache (tile 0 from sink_row when >= 0)
+    packed: int  # tiles [0, packed) packed in the cache (tile 0 read from sink_row when >= 0)
     sink_row: int
-    tail_row: int  # positions [packed * tile, seq) at rows tail_row + p % tile (-1: none)
+    tail_row: int  # own-tile rows before ctx (chunk starting mid-tile): tail_row + p % tile
     null: bool = False  # on vLLM's null page (a dummy run): nothing staged, garbage read
 
     @property
@@ -153,7 +159,9 @@ class StagePlanner:
         ``tile_cols(ctx_lens[r], seq_lens[r])``. A request with a tile in a block below
         ``null_page_blocks`` (vLLM's null page 0: dummy and profile runs) writes nothing and
         reads its tiles packed (garbage in, garbage out, nothing staged). Query runs of at
-        least ``prefill_min_q`` tokens become ``PrefillJob``s instead of pseudo-sequences."""
+        least ``prefill_min_q`` tokens, and every run longer than ``MAX_QUERY_LEN`` (only the
+        prefill kernel reads an interior tile's fp16 rows: this step's), become
+        ``PrefillJob``s; shorter runs become pseudo-sequences."""
         T = self.tile
         self.step += 1
         used: set[int] = set()
@@ -202,34 +210,40 @@ class StagePlanner:
                     assert lo == t * T
                     p2r.append(q0 + lo - c)
                     p2b.append(blk)
-            # attention pseudo-sequences
+            # attention. The read rule: a query at position p reads its own tile p // T in fp16
+            # (stage rows / this step's rows), tile 0 from the sink slot when it lives, and the
+            # other earlier tiles packed -- the same for prefill, verify and decode.
             sink_sl = self.slot_of.get(tile_block.get((r, 0), -1)) if s >= T and not null else None
             if sink_sl is not None:
                 used.add(sink_sl)
                 self.last_use[sink_sl] = self.step
-            part_t = s // T  # the partial tile (if s % T)
-            tail_sl = self.slot_of.get(tile_block[(r, part_t)]) if s % T and not null else None
-            if prefill_min_q is not None and q_len >= prefill_min_q:
+            if q_len > MAX_QUERY_LEN or (prefill_min_q is not None and q_len >= prefill_min_q):
+                # own tiles of a chunk: this step's rows, plus the first tile's earlier rows
+                head_sl = self.slot_of.get(tile_block[(r, c // T)]) if c % T and not null else None
                 pre.append(PrefillJob(
-                    req=r, tok0=q0, ctx=c, seq=s, packed=-(-s // T) if null else part_t,
+                    req=r, tok0=q0, ctx=c, seq=s, packed=-(-s // T) if null else s // T,
                     sink_row=sink_sl * T if sink_sl is not None else -1,
-                    tail_row=tail_sl * T if tail_sl is not None else -1, null=null))
+                    tail_row=head_sl * T if head_sl is not None else -1, null=null))
                 continue
-            for i0 in range(0, q_len, MAX_QUERY_LEN):
-                n = min(MAX_QUERY_LEN, q_len - i0)
-                si = c + i0 + n
-                if s % T and si > part_t * T and not null:
-                    pk_i, tail_i = part_t, tail_sl * T
+            # pseudo-sequences: at most MAX_QUERY_LEN queries, all in one tile t, which they
+            # read from its stage slot (staged: it ends after c >= s - STAGE_LAST)
+            a = c
+            while a < s:
+                t = a // T
+                b = min(s, a + MAX_QUERY_LEN, (t + 1) * T)
+                if null:
+                    pk_i, tail_i = -(-b // T), -1
                 else:
-                    pk_i, tail_i = -(-si // T), -1
+                    pk_i, tail_i = t, self.slot_of[tile_block[(r, t)]] * T
                 req.append(r)
-                tok0.append(q0 + i0)
-                cu.append(cu[-1] + n)
-                sl_.append(si)
+                tok0.append(q0 + a - c)
+                cu.append(cu[-1] + b - a)
+                sl_.append(b)
                 pk.append(pk_i)
                 sink.append(sink_sl * T if sink_sl is not None and pk_i >= 1 else -1)
                 tail.append(tail_i)
-                max_q = max(max_q, n)
+                max_q = max(max_q, b - a)
+                a = b
         i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
         i64 = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
         return StepPlan(
@@ -271,12 +285,19 @@ def apply_attention(plan: StepPlan, q: torch.Tensor, out: torch.Tensor, cache: t
                     stage_k: torch.Tensor, stage_v: torch.Tensor, *, block_table: torch.Tensor,
                     req_block_table: torch.Tensor | None, softmax_scale: float,
                     preset: str | Preset | None, tiles_per_page: int, attention_rows, prefill,
-                    max_tokens_per_launch: int = 1024, cu_cpu: list | None = None) -> None:
+                    max_tokens_per_launch: int = 1024, cu_cpu: list | None = None,
+                    key_rot: torch.Tensor | None = None,
+                    val_rot: torch.Tensor | None = None) -> None:
     """Run a plan's attention on one layer (after ``apply_write``): pseudo-sequences through
     ``attention_rows`` (kernels.kvarn_attention_rows) in launches of runs contiguous in the
     batch of at most ``max_tokens_per_launch`` tokens; each prefill job through ``prefill``
     (kernels.kvarn_prefill). q / out [N, Hq, D]; ``block_table`` [S', pages] rows of the
-    pseudo-sequences; ``req_block_table`` [requests, pages]."""
+    pseudo-sequences; ``req_block_table`` [requests, pages]; ``key_rot`` / ``val_rot`` [N, Hkv,
+    D] fp16: this step's rotated rows (what ``apply_write`` got), the prefill jobs' own tiles
+    (required when the plan has prefill jobs)."""
+    if plan.prefill and (key_rot is None or val_rot is None):
+        raise ValueError("KVarN prefill jobs need this step's rotated rows; valid: "
+                         "apply_attention(..., key_rot=, val_rot=)")
     T = get_preset(preset).tile
     cu = cu_cpu if cu_cpu is not None else plan.cu_seqlens_q.tolist()
     tok0 = plan.seq_tok0
@@ -302,4 +323,5 @@ def apply_attention(plan: StepPlan, q: torch.Tensor, out: torch.Tensor, cache: t
         prefill(q[t0:t1], cache, stage_k, stage_v, out[t0:t1],
                 block_table_row=req_block_table[job.req], ctx_len=job.ctx, seq_len=job.seq,
                 packed_tiles=job.packed, sink_row=job.sink_row, tail_row=job.tail_row, ring=T,
+                new_k=key_rot[t0:t1], new_v=val_rot[t0:t1],
                 softmax_scale=softmax_scale, preset=preset, tiles_per_page=tiles_per_page)
