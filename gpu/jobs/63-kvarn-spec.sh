@@ -35,25 +35,12 @@ SRC=$(python3 -c 'import importlib.util as u; print(list(u.find_spec("vllm").sub
 timeout 60 python3 gpu/jobs/61-kvarn-serve.py setup --src "${SRC:-/var/tmp/site/vllm}" --site "$SITE" 2>&1 | tail -2 | tee -a "$summary"
 if [ "${PIPESTATUS[0]}" != 0 ]; then say "FAIL: kvarn install into $SITE"; say "== 63-kvarn-spec: FAIL"; exit 1; fi
 export PYTHONPATH="$(pwd):$SITE:${PYTHONPATH:-/var/tmp/site}"
-python3 -c "import vllm, pathlib; d = pathlib.Path(vllm.__file__).parent; \
-print(f'vllm {vllm.__version__} at {d}; kvarn marker: {(d / \"kvarn_installed.txt\").is_file()}; dflash2 marker: {(d / \"dflash2_installed.txt\").is_file()}')" 2>&1 | tail -1 | tee -a "$summary"
-
-# the tiny model and its DFlash2 drafter (CPU, cached in $MODELS across jobs)
-timeout 90 python3 -c "from onecard.prepare.tiny import main; raise SystemExit(main(['--drafter']))" \
-    > "$JOB_OUT/build.txt" 2>&1
-rc=$?
-tail -2 "$JOB_OUT/build.txt" | tee -a "$summary"
-if [ $rc -ne 0 ]; then say "tiny model/drafter build FAILED rc=$rc"; say "== 63-kvarn-spec: FAIL"; exit 1; fi
-
+vllm_markers
+ensure_tiny_drafter 63-kvarn-spec   # the tiny model and its DFlash2 drafter
 # whatever setup and build took comes off the driver's time: everything ends inside the header
-left=$(( 585 - SECONDS ))
-timeout -k 10 "$left" python3 tests/gpu/spec_kv_sweep.py --suite kvarn --out "$JOB_OUT" \
-    --deadline $(( left - 20 )) > "$JOB_OUT/run.txt" 2>&1
+run_driver kvarn 585 python3 tests/gpu/spec_kv_sweep.py --suite kvarn --out "$JOB_OUT"
 rc=$?
-grep '^\[kvarn\]' "$JOB_OUT/run.txt" | grep -v '^\[kvarn\] launch ' | tee -a "$summary"
-[ $rc -eq 0 ] || tail -20 "$JOB_OUT/run.txt" | tee -a "$summary"
 grep -h "Setting attention block size\|GPU KV cache size" "$JOB_OUT"/server-kvarn-*.log 2>/dev/null \
   | cut -c1-200 | head -8 | sed 's/^/  /' | tee -a "$summary"
-kill_leftover_groups "$JOB_OUT/server.pids"
 say "== 63-kvarn-spec: $([ $rc -eq 0 ] && echo PASS || echo FAIL) (rc=$rc)"
 exit $rc

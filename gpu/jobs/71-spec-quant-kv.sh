@@ -23,25 +23,10 @@ cd "$(dirname "$0")/../.."
 . gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
 mkdir -p "$MODELS"
 say "== 71-spec-quant-kv $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-python3 -c "import vllm, pathlib; p = pathlib.Path(vllm.__file__).parent / 'dflash2_installed.txt'; \
-print(f'vllm {vllm.__version__} at {p.parent}; dflash2 marker: {p.is_file()}')" 2>&1 | tail -1 | tee -a "$summary"
-
-# the tiny model and its DFlash2 drafter (CPU, cached in $MODELS across jobs)
-timeout 90 python3 -c "from onecard.prepare.tiny import main; raise SystemExit(main(['--drafter']))" \
-    > "$JOB_OUT/build.txt" 2>&1
+vllm_markers
+ensure_tiny_drafter 71-spec-quant-kv   # the tiny model and its DFlash2 drafter
+# everything ends inside the 600 s header
+run_driver quant 585 python3 tests/gpu/spec_kv_sweep.py --suite quant --out "$JOB_OUT"
 rc=$?
-tail -2 "$JOB_OUT/build.txt" | tee -a "$summary"
-if [ $rc -ne 0 ]; then say "tiny model/drafter build FAILED rc=$rc"; say "== 71-spec-quant-kv: FAIL"; exit 1; fi
-
-# whatever the build took comes off the driver's time: everything ends inside the 600 s header
-left=$(( 585 - SECONDS ))
-timeout -k 10 "$left" python3 tests/gpu/spec_kv_sweep.py --suite quant --out "$JOB_OUT" \
-    --deadline $(( left - 20 )) > "$JOB_OUT/run.txt" 2>&1
-rc=$?
-grep '^\[quant\]' "$JOB_OUT/run.txt" | grep -v '^\[quant\] launch ' | tee -a "$summary"
-[ $rc -eq 0 ] || tail -20 "$JOB_OUT/run.txt" | tee -a "$summary"
-# the driver stops its servers; after a kill by timeout, end their process groups (each server
-# runs in its own session; the driver records the pids in server.pids)
-kill_leftover_groups "$JOB_OUT/server.pids"
 say "== 71-spec-quant-kv: $([ $rc -eq 0 ] && echo PASS || echo FAIL) (rc=$rc)"
 exit $rc

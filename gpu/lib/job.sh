@@ -89,3 +89,35 @@ kill_leftover_groups() {
     fi
   done < "$1"
 }
+
+# --- the tiny-model speculation jobs (70, 71, 63) ---------------------------------------------
+# vllm_markers: one line naming the vLLM on PYTHONPATH and which onecard feature markers it has
+vllm_markers() {
+  "${PY:-python3}" -c "import vllm, pathlib; d = pathlib.Path(vllm.__file__).parent; \
+print(f'vllm {vllm.__version__} at {d}; ' + ', '.join(f'{m} marker: {(d / (m + \"_installed.txt\")).is_file()}' for m in ('dflash2', 'kvarn')))" \
+    2>&1 | tail -1 | tee -a "$summary"
+}
+# ensure_tiny_drafter JOBNAME: the tiny model and its DFlash2 drafter (CPU, cached in $MODELS
+# across jobs); on failure says so and ends the job with exit 1
+ensure_tiny_drafter() {
+  timeout 90 "${PY:-python3}" -c "from onecard.prepare.tiny import main; raise SystemExit(main(['--drafter']))" \
+    > "$JOB_OUT/build.txt" 2>&1
+  local rc=$?
+  tail -2 "$JOB_OUT/build.txt" | tee -a "$summary"
+  if [ $rc -ne 0 ]; then say "tiny model/drafter build FAILED rc=$rc"; say "== $1: FAIL"; exit 1; fi
+}
+# run_driver TAG END_S CMD...: run a Python driver (it gets --deadline, 20 s inside the time left
+# until END_S seconds of the job's clock, which must end inside the job's `# timeout:` header:
+# whatever the builds took comes off the driver), its output in $JOB_OUT/run.txt; prints its
+# "[TAG] ..." lines (without the launch lines) and, if it failed, its last 20 lines; returns its rc.
+# Afterwards ends any server group it recorded in server.pids (a driver killed by timeout cannot).
+run_driver() {
+  local tag=$1 end=$2 left rc; shift 2
+  left=$(( end - SECONDS ))
+  timeout -k 10 "$left" "$@" --deadline $(( left - 20 )) > "$JOB_OUT/run.txt" 2>&1
+  rc=$?
+  grep "^\[$tag\]" "$JOB_OUT/run.txt" | grep -v "^\[$tag\] launch " | tee -a "$summary"
+  [ $rc -eq 0 ] || tail -20 "$JOB_OUT/run.txt" | tee -a "$summary"
+  kill_leftover_groups "$JOB_OUT/server.pids"
+  return $rc
+}
