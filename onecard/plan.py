@@ -185,7 +185,6 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
     # KV dtype
     if plan.values["KV"].source == "default":
         plan.set("KV", ctx.kv, "profile", f"CTX={ctx.name}")
-    kv = plan.get("KV")
     if plan.values["KV"].source != "profile" and ctx.name == "huge":
         raise PlanError("KV cannot be overridden with CTX=huge (KVarN); valid: KV with CTX=fast|long")
 
@@ -468,11 +467,29 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     if environ.get("TRITON_CACHE_AUTOTUNING", "") == "":
         plan.child_env["TRITON_CACHE_AUTOTUNING"] = "1"
     if check_paths:  # a real launch: look at this machine (dry runs stay machine-independent)
+        if plan.get("CTX") == "huge":
+            problem = kvarn_install_problem()
+            if problem:
+                raise PlanError(f"CTX=huge: the KVarN install in this vLLM does not match this checkout "
+                                f"({problem}); valid: run ./install.sh --kvarn (kvarn/install.sh) again")
         env, note = flashinfer_sampler(environ)
         plan.child_env.update(env)
         if note:
             plan.notes.append(note)
     return plan
+
+
+def kvarn_install_problem(vllm_dir=None) -> str | None:
+    """What is stale or missing in this vLLM's KVarN install against this checkout's kvarn/
+    (patch, copied files, marker; onecard.kvarn.installer.state), None when it matches. A `git
+    pull` that changes kvarn/ leaves the old kernels installed until kvarn/install.sh runs again."""
+    from onecard import patching
+    from onecard.kvarn import installer as kin
+
+    try:
+        return ", ".join(kin.problems(kin.state(patching.locate_vllm(vllm_dir)))) or None
+    except patching.PatchError as exc:
+        return str(exc)
 
 
 def flashinfer_sampler(environ: Mapping[str, str], which=shutil.which, find_spec=None) -> tuple[dict, str | None]:

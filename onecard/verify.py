@@ -132,10 +132,7 @@ def check_kvarn(ctx) -> Result:
     if st["patch"] == patching.APPLIED and st["marker"] == "ok" and all(f == "ok" for f in files):
         return Result(PASS, "kvarn", f"installed: kvarn_k4v2_g128/k4v4_g128/k4v2_g64, {len(st['files'])} files "
                                      f"equal to this checkout, patch applied, marker ok")
-    bad = [f"patch {st['patch']}"] if st["patch"] != patching.APPLIED else []
-    bad += [f"marker {st['marker']}"] if st["marker"] != "ok" else []
-    bad += [f"{rel.rsplit('/', 1)[-1]} {s}" for rel, s in st["files"].items() if s != "ok"]
-    return Result(FAIL, "kvarn", "half-installed or stale: " + ", ".join(bad)
+    return Result(FAIL, "kvarn", "half-installed or stale: " + ", ".join(kin.problems(st))
                   + "; run kvarn/install.sh (or kvarn/install.sh --uninstall)")
 
 

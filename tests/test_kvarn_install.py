@@ -270,3 +270,20 @@ def test_patches_cli_audit_with_the_kvarn_series(site, capsys):
     capsys.readouterr()
     assert cli.main(["patches", "audit", "--vllm-dir", str(vdir)]) == 1  # kvarn's files differ
     assert cli.main(["patches", "audit", "--vllm-dir", str(vdir), "--also-series", str(kin.SERIES)]) == 0
+
+
+def test_launcher_refuses_a_stale_install(site):
+    """A `git pull` that changes kvarn/ leaves the old kernels in vLLM until kvarn/install.sh runs
+    again: the launcher's real-launch check (plan.kvarn_install_problem) names what differs."""
+    from onecard import plan as P
+
+    vdir = site / "vllm"
+    assert "marker missing" in P.kvarn_install_problem(vdir)
+    assert kin.main(["--vllm-dir", str(vdir)]) == 0
+    assert P.kvarn_install_problem(vdir) is None
+    rel, _ = next(iter(kin.sources().items()))
+    target = site / rel
+    target.unlink()   # installed files may be links into the overlay's source: replace, not write through
+    target.write_text("# an older kernel\n")
+    why = P.kvarn_install_problem(vdir)
+    assert f"{rel.rsplit('/', 1)[-1]} differs" in why

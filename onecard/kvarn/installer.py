@@ -89,6 +89,13 @@ def state(vllm_dir: Path) -> dict:
     return {"patch": pstate, "patch_detail": detail, "files": files, "marker": marker}
 
 
+def problems(st: dict) -> list[str]:
+    """What a state() lacks against this checkout: [] when patch, files and marker all match."""
+    bad = [f"patch {st['patch']}"] if st["patch"] != patching.APPLIED else []
+    bad += [f"marker {st['marker']}"] if st["marker"] != "ok" else []
+    return bad + [f"{rel.rsplit('/', 1)[-1]} {s}" for rel, s in st["files"].items() if s != "ok"]
+
+
 def install(vllm_dir: Path, dry_run: bool = False) -> list[str]:
     site = vllm_dir.parent
     st = state(vllm_dir)
