@@ -20,7 +20,7 @@ the record of the session (boots, argv, per-test wall time, results) to
 Knobs: ONECARD_GPU_EAGER=1 (all servers --enforce-eager), ONECARD_GPU_BOOT_TIMEOUT (default
 400 s, from launch), ONECARD_GPU_MEM (per-server gpu_memory_utilization, default 0.06),
 ONECARD_GPU_CONFIGS (comma list, overrides what the collected tests ask for),
-ONECARD_GPU_WARM_FIRST (default ``off``: that server boots alone first; empty: all at once).
+ONECARD_GPU_WARM_FIRST (a server name: it boots alone first; default empty: all at once).
 """
 from __future__ import annotations
 
@@ -45,9 +45,11 @@ REPO = HERE.parent.parent
 BOOT_TIMEOUT = float(os.environ.get("ONECARD_GPU_BOOT_TIMEOUT", "400"))
 GPU_MEM = os.environ.get("ONECARD_GPU_MEM", "0.06")
 EAGER = os.environ.get("ONECARD_GPU_EAGER", "") not in ("", "0")
-# Boot this server alone first (its compile fills the caches the others reuse; on a bare
-# machine nine cold boots at once took 147-388 s each, 2026-12-02); "" boots all at once.
-WARM_FIRST = os.environ.get("ONECARD_GPU_WARM_FIRST", "off")
+# ONECARD_GPU_WARM_FIRST=<server>: boot that one alone first, so the others reuse its compile
+# caches. Measured 2026-12-02 (bare H200): `off` alone 274 s, then eight at once 227-234 s each
+# (every vLLM profiling run still 80-91 s: per-process autotuning) = ~510 s before the first
+# sweep, against 147-388 s for all at once in an overloaded lease: so all at once by default.
+WARM_FIRST = os.environ.get("ONECARD_GPU_WARM_FIRST", "")
 SHIM_DIR = HERE / "fp32_shim"
 STRUCTURED = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
 
