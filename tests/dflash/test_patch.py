@@ -179,6 +179,7 @@ def test_speculative_config_dflash2(checks):
     assert "dflash2_lookup needs method 'dflash2'" in errs["lookup_without_dflash2"]
     for msg in errs.values():
         assert "\n" not in msg and "valid" in msg
-    # the launcher goldens (fast/long/huge: k 7, lookup on) and the GPU job's d2k15 server
-    assert sc["configs"][:-1] == [["dflash", True, 7, True, "greedy"]] * 3
+    # the launcher goldens (fast/long: k 7, lookup on; huge+dflash2 is refused by the launcher)
+    # and the GPU job's d2k15 server
+    assert sc["configs"][:-1] == [["dflash", True, 7, True, "greedy"]] * 2
     assert sc["configs"][-1] == ["dflash", True, 15, True, "probabilistic"]
