@@ -52,7 +52,7 @@ KVARN_CACHE_DTYPES = tuple(p.cache_dtype for p in kvarn_format.PRESETS.values())
 PAGE_ALIGN = 128  # block sizes are multiples of the largest tile
 # Query tokens per split-KV launch (decode / verify pseudo-sequences): bounds its fp32 partials
 # (tokens x heads x parts x head_dim). Prefill chunks take kvarn_prefill, whose scratch is
-# kernels.prefill_scratch_bytes (~137 MiB at 24 q / 4 kv heads of 256, counted in onecard.memory).
+# format.prefill_scratch_bytes (~137 MiB at 24 q / 4 kv heads of 256, counted in onecard.memory).
 MAX_TOKENS_PER_LAUNCH = 1024
 _ACTIVE: dict[str, str] = {}  # "cache_dtype": the kvarn dtype of this process
 

@@ -30,8 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .format import (EPS, PREFILL_QUERY_GROUP, PREFILL_WINDOW_TOKENS, Preset, get_preset,
-                     prefill_scratch_bytes)
+from .format import EPS, PREFILL_QUERY_GROUP, PREFILL_WINDOW_TOKENS, Preset, get_preset
 
 MAX_QUERY_LEN = 16
 _LOG2E = 1.4426950408889634
@@ -555,6 +554,32 @@ def _kvarn_dequant_kernel(
 
 
 @triton.jit
+def _prefill_block_state(q_ptr, acc_ptr, m_ptr, l_ptr, mb, h, n_q,
+                         stride_q_t, stride_q_h, stride_a_t, stride_a_h,
+                         NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                         FIRST: tl.constexpr):
+    """Both prefill passes' start for one (query block mb, q head h): the block's rows and mask,
+    its queries in fp16, the acc / (m, l) offsets, and the running state: fresh when FIRST, else
+    the state the previous window or pass stored (unnormalized fp32 acc, log2 max m, sum l)."""
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_ok = offs_m < n_q
+    q = tl.load(q_ptr + offs_m.to(tl.int64)[:, None] * stride_q_t + h * stride_q_h + offs_d[None, :],
+                mask=m_ok[:, None], other=0.0).to(tl.float16)
+    a_off = offs_m.to(tl.int64)[:, None] * stride_a_t + h * stride_a_h + offs_d[None, :]
+    ml_off = offs_m.to(tl.int64) * NUM_Q_HEADS + h
+    if FIRST:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    else:
+        m_i = tl.load(m_ptr + ml_off, mask=m_ok, other=float("-inf"))
+        l_i = tl.load(l_ptr + ml_off, mask=m_ok, other=0.0)
+        acc = tl.load(acc_ptr + a_off, mask=m_ok[:, None], other=0.0)
+    return offs_m, m_ok, q, a_off, ml_off, m_i, l_i, acc
+
+
+@triton.jit
 def _kvarn_prefill_kernel(
     q_ptr, k_ptr, v_ptr, acc_ptr, m_ptr, l_ptr,
     n_q, q_pos0, w0, w_len, qk_scale,
@@ -572,23 +597,12 @@ def _kvarn_prefill_kernel(
     mb = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    m_ok = offs_m < n_q
+    offs_m, m_ok, q, a_off, ml_off, m_i, l_i, acc = _prefill_block_state(
+        q_ptr, acc_ptr, m_ptr, l_ptr, mb, h, n_q, stride_q_t, stride_q_h, stride_a_t, stride_a_h,
+        NUM_Q_HEADS, HEAD_DIM, BLOCK_M, FIRST)
     qtile = (q_pos0 + offs_m) // TILE
-    q = tl.load(q_ptr + offs_m.to(tl.int64)[:, None] * stride_q_t + h * stride_q_h + offs_d[None, :],
-                mask=m_ok[:, None], other=0.0).to(tl.float16)
-    a_off = offs_m.to(tl.int64)[:, None] * stride_a_t + h * stride_a_h + offs_d[None, :]
-    ml_off = offs_m.to(tl.int64) * NUM_Q_HEADS + h
-    if FIRST:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    else:
-        m_i = tl.load(m_ptr + ml_off, mask=m_ok, other=float("-inf"))
-        l_i = tl.load(l_ptr + ml_off, mask=m_ok, other=0.0)
-        acc = tl.load(acc_ptr + a_off, mask=m_ok[:, None], other=0.0)
     # keys of this window that some row of the block reads quantized: before the last row's tile
     last_q = tl.minimum((mb + 1) * BLOCK_M, n_q) - 1
     hi = tl.minimum(w_len, (q_pos0 + last_q) // TILE * TILE - w0)
@@ -630,23 +644,12 @@ def _kvarn_prefill_own_kernel(
     mb = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    m_ok = offs_m < n_q
+    offs_m, m_ok, q, a_off, ml_off, m_i, l_i, acc = _prefill_block_state(
+        q_ptr, acc_ptr, m_ptr, l_ptr, mb, h, n_q, stride_q_t, stride_q_h, stride_a_t, stride_a_h,
+        NUM_Q_HEADS, HEAD_DIM, BLOCK_M, FIRST)
     qpos = q_pos0 + offs_m
-    q = tl.load(q_ptr + offs_m.to(tl.int64)[:, None] * stride_q_t + h * stride_q_h + offs_d[None, :],
-                mask=m_ok[:, None], other=0.0).to(tl.float16)
-    a_off = offs_m.to(tl.int64)[:, None] * stride_a_t + h * stride_a_h + offs_d[None, :]
-    ml_off = offs_m.to(tl.int64) * NUM_Q_HEADS + h
-    if FIRST:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    else:
-        m_i = tl.load(m_ptr + ml_off, mask=m_ok, other=float("-inf"))
-        l_i = tl.load(l_ptr + ml_off, mask=m_ok, other=0.0)
-        acc = tl.load(acc_ptr + a_off, mask=m_ok[:, None], other=0.0)
     last_q = tl.minimum((mb + 1) * BLOCK_M, n_q) - 1
     lo = (q_pos0 + mb * BLOCK_M) // TILE * TILE
     hi = q_pos0 + last_q + 1
