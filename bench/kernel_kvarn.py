@@ -193,18 +193,13 @@ def correctness(device, smoke: bool) -> list[dict]:
             ("prefill-midtile-windows-groups", "k4v2_g128", 333, 1000, 16, 256, 128),
             ("prefill-k4v4", "k4v4_g128", 200, 900, 1, 16384, 2048),
         ]
-    for a in att:
-        try:
-            rows.append(check_attention(*a, device=device, gen_cpu=gen))
-        except Exception as exc:  # noqa: BLE001
-            rows.append({"what": "attention", "name": a[0], "ok": False, "error": repr(exc)[:400],
-                         "trace": traceback.format_exc()[-1500:]})
-    for a in pre:
-        try:
-            rows.append(check_prefill(*a, device=device, gen_cpu=gen))
-        except Exception as exc:  # noqa: BLE001
-            rows.append({"what": "prefill", "name": a[0], "ok": False, "error": repr(exc)[:400],
-                         "trace": traceback.format_exc()[-1500:]})
+    for what, check, cases in (("attention", check_attention, att), ("prefill", check_prefill, pre)):
+        for a in cases:
+            try:
+                rows.append(check(*a, device=device, gen_cpu=gen))
+            except Exception as exc:  # noqa: BLE001
+                rows.append({"what": what, "name": a[0], "ok": False, "error": repr(exc)[:400],
+                             "trace": traceback.format_exc()[-1500:]})
     for r in rows:
         log(json.dumps({k: v for k, v in r.items() if k != "trace"}))
         if "trace" in r:

@@ -242,9 +242,10 @@ def kvarn_prefill_scratch_bytes(geom: ModelGeometry) -> int:
     return kvarn_format.prefill_scratch_bytes(geom.num_attention_heads, geom.num_kv_heads, geom.head_dim)
 
 
-def kvarn_reserve_bytes(geom: ModelGeometry, kv: str, max_seqs: int) -> int:
-    """Everything KVarN takes outside the KV pin: the fp16 stage + the prefill scratch."""
-    return kvarn_stage_bytes(geom, kv, max_seqs) + kvarn_prefill_scratch_bytes(geom)
+def kvarn_reserve_bytes(geom: ModelGeometry, kv: str, max_seqs: int, attn_layers: int | None = None) -> int:
+    """Everything KVarN takes outside the KV pin: the fp16 stage (per layer and slot; layers as
+    kvarn_stage_bytes) + the prefill scratch (once per process)."""
+    return kvarn_stage_bytes(geom, kv, max_seqs, attn_layers) + kvarn_prefill_scratch_bytes(geom)
 
 
 def gdn_state_bytes(geom: ModelGeometry, num_spec: int = 0, ssm_state_bytes: int | None = None) -> int:

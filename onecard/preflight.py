@@ -180,9 +180,7 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
     kv = str(plan.get("KV"))
     stage = 0
     if kv == "kvarn" or kv.startswith("kvarn_"):
-        # the fp16 stage (per layer and slot) + the prefill scratch (once per process)
-        stage = (memory.kvarn_stage_bytes(geom, kv, int(plan.get("MAX_SEQS")), attn_layers)
-                 + memory.kvarn_prefill_scratch_bytes(geom))
+        stage = memory.kvarn_reserve_bytes(geom, kv, int(plan.get("MAX_SEQS")), attn_layers)
     b = memory.vram_budget(kv_mem, weights, drafter.weight_bytes if drafter else 0, head, stage)
     b["sources"] = {"weights": wsrc, "drafter_weights": drafter.source if drafter else "",
                     "draft_lm_head": hsrc}

@@ -129,10 +129,11 @@ def check_kvarn(ctx) -> Result:
     files = st["files"].values()
     if st["patch"] != patching.APPLIED and st["marker"] == "missing" and all(f == "missing" for f in files):
         return Result(PASS, "kvarn", "not installed (CTX=huge needs ./install.sh --kvarn)")
-    if st["patch"] == patching.APPLIED and st["marker"] == "ok" and all(f == "ok" for f in files):
+    bad = kin.problems(st)
+    if not bad:
         return Result(PASS, "kvarn", f"installed: kvarn_k4v2_g128/k4v4_g128/k4v2_g64, {len(st['files'])} files "
                                      f"equal to this checkout, patch applied, marker ok")
-    return Result(FAIL, "kvarn", "half-installed or stale: " + ", ".join(kin.problems(st))
+    return Result(FAIL, "kvarn", "half-installed or stale: " + ", ".join(bad)
                   + "; run kvarn/install.sh (or kvarn/install.sh --uninstall)")
 
 

@@ -8,7 +8,7 @@ caching off, and no client-side stall (:func:`stall_reason`): for each request m
 flight, the client's TTFT may not exceed the server's (vLLM's TTFT histogram over the request's
 window) by more than max(0.5 s, 50 %), and the engine may not sit idle (sampled
 ``vllm:num_requests_running`` = 0) for more than 1 s while the request waits for its first token.
-INVALID on TTFT axes (prefix_turns, depth, needle), a warning elsewhere.
+INVALID on axes whose figures contain TTFT (``TTFT_KINDS``), a warning elsewhere.
 
 Per comparison (:func:`compare`): both results valid, same kind, same prompts (hash), same output
 lengths, same sampling, same token-count source, warmup done in both; configs that differ in
