@@ -156,10 +156,6 @@ def iter_weights(cfg: DrafterConfig, seed: int, device: str = "cpu"):
         yield name, t.to(torch.bfloat16).contiguous()
 
 
-def make_weights(cfg: DrafterConfig, seed: int, device: str = "cpu") -> dict:
-    return dict(iter_weights(cfg, seed, device))
-
-
 STAMP = "onecard-build.txt"
 
 
