@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# timeout: 360
+# The DFlash2 lookup lane measured end to end (patch 0080): tests/gpu/dflash2_lane.py builds an
+# "agreeing pair" (onecard.dflash.agree: a tiny Qwen3.5 target and a tiny DFlash2 drafter that
+# both always predict one ordinary token X, so every draft is accepted and verify positions
+# 7..14 are reached) and boots four servers at once through the launcher's plan, MODEL=<agree
+# dir> DRAFT=<agree drafter>: off; dflash2 DFLASH_TOKENS=7; DFLASH_TOKENS=15 (lookup on);
+# DFLASH_TOKENS=15 LOOKUP=0. Prefix caching on, default CUDA graphs, GDN_PREFILL=triton,
+# --gpu-memory-utilization GPU_UTIL/4 each (default 0.08).
+# Checks: 8 prompts (4 with a run of 40 X, 4 without), greedy 96 tokens: every server's output
+# is all X and == off's; /metrics tokens/step (1 + accepted/drafts) d2k15 > d2k7 + 3 and d2k15
+# accepted at positions 7..14 > 0. d2k15-nolook is reported only (its fill repeats X: accepted).
+# Expected: d2k7 ~8, d2k15 and d2k15-nolook ~13-16 tokens/step; boots 45-200 s, checks ~10 s.
+# Writes $JOB_OUT/{run.txt,lane.json,server-*.log,summary.txt,build.txt}. Exit 0 only if every
+# check held. CPU dry run: python3 tests/gpu/dflash2_lane.py --dry-run
+# (tests/dflash/test_agree_pair.py).
+set -u
+cd "$(dirname "$0")/../.."
+: "${JOB_OUT:=/var/tmp/out/72-dflash2-lane}"
+. gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
+mkdir -p "$MODELS"
+say "== 72-dflash2-lane $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+vllm_markers
+# the tiny model and the agreeing pair (CPU, cached in $MODELS)
+timeout 120 "${PY:-python3}" -m onecard.dflash.agree > "$JOB_OUT/build.txt" 2>&1
+rc=$?
+tail -1 "$JOB_OUT/build.txt" | tee -a "$summary"
+if [ $rc -ne 0 ]; then say "agreeing pair build FAILED rc=$rc"; say "== 72-dflash2-lane: FAIL"; exit 1; fi
+# everything ends inside the 360 s header
+run_driver lane 345 python3 tests/gpu/dflash2_lane.py --out "$JOB_OUT"
+rc=$?
+say "== 72-dflash2-lane: $([ $rc -eq 0 ] && echo PASS || echo FAIL) (rc=$rc)"
+exit $rc
