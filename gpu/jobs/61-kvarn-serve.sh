@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# timeout: 300
+# timeout: 360
 # 61-kvarn-serve (issue 9): the KVarN KV cache served by vLLM 0.27.1. kvarn/install.sh's
 # installer puts KVarN into a private view of the patched tree (/var/tmp/site-kvarn: symlinks +
 # copies; /var/tmp/site is not written), put first on PYTHONPATH. Then:
@@ -7,7 +7,8 @@
 #     same flags as job 32 minus --attention-backend): teacher-forced logprobs + 96-token greedy
 #     continuations of job 32's 6 texts (gpu/jobs/32-kv-quality.py measure), one needle (~2.2k
 #     tokens); perplexity delta vs bf16 and int8 from job 32's files of this session
-#     (/var/tmp/out/32-kv-quality), or a bf16 boot of our own when they are missing.
+#     (/var/tmp/out/32-kv-quality; compared after part 2, waiting for job 32 when it runs beside
+#     this one in a `+` group), or a bf16 boot of our own when job 32 did not run.
 #  2. If $MODELS/qwen38-27b-geom exists: CTX=huge through `python3 -m onecard.launch` (SPEC=mtp
 #     default, KV_MEM pin, 245,760): "GPU KV cache size" vs onecard.memory's prediction, block
 #     size, health, C1 decode tok/s at an 8k prompt; CTX=long (int8) the same if time is left.
@@ -54,11 +55,22 @@ if boot kvarn 130 --kv-cache-dtype kvarn_k4v2_g128; then
 else
   status=1
 fi
+# --- 2. 27B geometry, CTX=huge -------------------------------------------------------------------
+say "[$(elapsed)s] 27B geometry: CTX=huge via onecard.launch"
+timeout -k 5 $(( 295 - $(elapsed) )) python3 "$H" huge --out "$JOB_OUT" --models "$MODELS" \
+  --deadline $(( T0 + 290 )) 2>&1 | tee -a "$summary"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+grep -h "Setting attention block size\|Padding mamba page\|GPU KV cache size" "$JOB_OUT"/server-*huge*.log 2>/dev/null \
+  | cut -c1-200 | head -4 | sed 's/^/  /' | tee -a "$summary"
 J32=/var/tmp/out/32-kv-quality
+# Job 32 may run beside this one in a `+` group (its bf16 / int8 files are the baselines): wait for
+# them while it is still running and the time left allows; only without job 32 boot our own bf16.
+while [ -d "$J32" ] && [ ! -f "$J32/kvq-int8.json" ] && pgrep -f "32-kv-quality" >/dev/null 2>&1 \
+      && [ "$(elapsed)" -lt 330 ]; do sleep 3; done
 for arm in bf16 int8; do
   [ -f "$J32/kvq-$arm.json" ] && cp "$J32/kvq-$arm.json" "$JOB_OUT/" && say "baseline $arm from job 32 of this session"
 done
-if [ ! -f "$JOB_OUT/kvq-bf16.json" ] && [ -f "$JOB_OUT/kvq-kvarn.json" ] && [ "$(elapsed)" -lt 110 ]; then
+if [ ! -f "$JOB_OUT/kvq-bf16.json" ] && [ -f "$JOB_OUT/kvq-kvarn.json" ] && [ ! -d "$J32" ] && [ "$(elapsed)" -lt 200 ]; then
   if boot bf16 100 --attention-backend TRITON_ATTN; then
     timeout -k 5 40 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label bf16 \
       --json "$JOB_OUT/kvq-bf16.json" 2>&1 | tail -2 | tee -a "$summary"
@@ -75,13 +87,6 @@ else
   say "FAIL: no kvarn/bf16 pair to compare"; status=1
 fi
 
-# --- 2. 27B geometry, CTX=huge -------------------------------------------------------------------
-say "[$(elapsed)s] 27B geometry: CTX=huge via onecard.launch"
-timeout -k 5 $(( 295 - $(elapsed) )) python3 "$H" huge --out "$JOB_OUT" --models "$MODELS" \
-  --deadline $(( T0 + 290 )) 2>&1 | tee -a "$summary"
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
-grep -h "Setting attention block size\|Padding mamba page\|GPU KV cache size" "$JOB_OUT"/server-*huge*.log 2>/dev/null \
-  | cut -c1-200 | head -4 | sed 's/^/  /' | tee -a "$summary"
 if [ -f "$JOB_OUT/server.pid" ]; then  # the helper's server group, by id, should it have outlived it
   pid=$(cat "$JOB_OUT/server.pid")
   if kill -0 "$pid" 2>/dev/null; then say "killing leftover server group $pid"; kill -KILL -- "-$pid" 2>/dev/null; fi
