@@ -144,7 +144,9 @@ def test_stock_boot_failure_is_a_row(tmp_path, geom_dir):
 
 def test_budget_skips_optional_boots_with_a_reason(tmp_path, geom_dir):
     doc = reference.Reference(_cfg(tmp_path, geom_dir, budget_s=0.0)).run()
-    assert {b["spec"] for b in doc["boots"]} == {"off"}  # the essential plain boots always run
+    # the essential plain boots always run; plan refusals (dflash2, huge here) are rows, never boots
+    assert {b["spec"] for b in doc["boots"] if not b.get("skipped")} == {"off"}
+    assert all("refuses this plan" in b["skipped"] for b in doc["boots"] if b.get("skipped"))
     assert any("budget" in s["reason"] for s in doc["skipped"])
     assert _row(doc, "step mtp")["arms"]["patched"]["value"] is None
 
@@ -256,3 +258,107 @@ def test_rebuild_the_table_from_a_killed_run(tmp_path, geom_dir):
     assert _row(again, "decode 50 C1")["arms"]["patched"]["value"] == _row(doc, "decode 50 C1")["arms"]["patched"]["value"]
     assert again["missing"] == doc["missing"] and "| decode 50 C1 (" in md.read_text()
     assert reference.main(["--rebuild", str(tmp_path / "nope.json")]) == 2
+
+
+def _lease_arms(tmp_path):
+    """Arms whose PYTHONPATH starts with a vllm dir of their own, as on the GPU machine: the
+    patched one with the DFlash2 and KVarN markers, the stock one (pristine 0.27.1) without."""
+    from onecard import profiles
+    pp = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    paths = {}
+    for arm, markers in (("patched", profiles.FEATURE_MARKERS.values()), ("stock", ())):
+        d = tmp_path / f"site-{arm}" / "vllm"
+        d.mkdir(parents=True)
+        (d / "__init__.py").write_text("")
+        for m in markers:
+            (d / m).write_text("1")
+        paths[arm] = os.pathsep.join([str(d.parent), pp])
+    draft = tmp_path / "drafter"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")  # the memory model falls back to the published drafter
+    return [reference.Arm("patched", paths["patched"]), reference.Arm("stock", paths["stock"])], str(draft)
+
+
+def test_lease_tier_schedule_rows_and_estimate(tmp_path, geom_dir):
+    """The lease tier: SPEC=off of both arms first (fast: every decode/prefill/prefix row; long:
+    the plain step, which also gives the long pool), mtp on both arms, dflash2 and the huge pool
+    on the patched arm only (refused for stock by its own vLLM's plan, at no cost), no pool-only
+    boot where another boot already logs the pool, and the issue's rows as essential."""
+    lease = reference.TIERS["lease"]
+    assert lease.boots == 1 and 1000 <= lease.budget_s <= 1050 and lease.decode_tokens == 128
+    assert lease.decode == ((1000, (1, 2, 4, 8)), (32000, (1, 2, 4, 8))) and lease.prefill == (1000, 16000, 60000)
+    assert lease.spec == ("mtp", "dflash2") and lease.prefix_context == 60000
+    assert set(lease.essential) == {
+        "pool fast/off", "pool long/off", "pool huge/off",
+        *(f"decode {s} C{n}" for s in ("1k", "32k") for n in (1, 2, 4, 8)),
+        "prefill 1k", "prefill 16k", "prefill 60k", "prefix 60k turn2/turn1",
+        "verify mtp/plain long", "verify dflash2/plain long"}
+    assert set(lease.patched_only) == {"pool huge/off", "verify dflash2/plain long"}
+    arms, draft = _lease_arms(tmp_path)
+    logs = []
+    cfg = _cfg(tmp_path, geom_dir, tier=lease, draft=draft)
+    cfg.arms, cfg.log = arms, logs.append
+    ref = reference.Reference(cfg)
+    plan = ref.schedule(arms)
+    got = [(b["arm"].name, b["ctx"], b["spec"], b["steps"], bool(b["refused"])) for b in plan]
+    assert got == [("patched", "fast", "off", "plain", False), ("stock", "fast", "off", "plain", False),
+                   ("patched", "long", "off", "verify", False), ("stock", "long", "off", "verify", False),
+                   ("patched", "long", "mtp", "verify", False), ("stock", "long", "mtp", "verify", False),
+                   ("patched", "long", "dflash2", "verify", False), ("stock", "long", "dflash2", "verify", True),
+                   ("patched", "huge", "off", "pool", False), ("stock", "huge", "off", "pool", True)]
+    assert "DFlash2" in plan[7]["refused"] and "KVarN" in plan[9]["refused"]
+    # the first SPEC=off boots always run; fast keeps its 65,536 (the 60k rows fit), every long
+    # boot runs at the smallest MAX_LEN of its SPEC values (dflash2's drafter layers cap it)
+    assert plan[0]["margin"] is None and plan[0]["env"] == {} and plan[0]["max_len"] == 65536
+    assert {b["env"].get("MAX_LEN") for b in plan if b["ctx"] == "long"} == {"77568"}
+    text = reference.schedule_text(plan, lease.budget_s, lease)
+    total = sum(b["est_s"] for b in plan)
+    assert 900 < total < 1400 and plan[0]["est_s"] > plan[2]["est_s"] > plan[8]["est_s"] > reference.BOOT_WARM_S * 0.7
+    assert text[0].startswith("schedule, tier lease (budget 1050 s") and f"estimated {total:.0f} s warm" in text[-1]
+    assert "refused by the plan, no boot" in text[8] and "over budget: likely skipped" in text[9]
+    # --verify-ctx renames the verify essentials; CLI names the new tier
+    import argparse
+    ap = argparse.ArgumentParser()
+    reference.configure(ap)
+    c = reference.from_args(ap.parse_args(["--tier", "lease", "--model", str(geom_dir), "--verify-ctx", "fast,long",
+                                           "--draft", draft]))
+    assert c.draft == draft and "verify dflash2/plain" in c.tier.essential and "verify mtp/plain long" in c.tier.essential
+    assert "verify dflash2/plain" in c.tier.patched_only and "pool huge/off" in c.tier.patched_only
+
+
+def test_lease_tier_end_to_end_every_row(tmp_path, geom_dir):
+    """The lease tier against the fake server (real prompt sizes, short outputs): every essential
+    row measured in each arm that can run it, stock's DFlash2/KVarN rows say why, VALID."""
+    lease = dataclasses_replace(reference.TIERS["lease"], decode_tokens=8, verify_tokens=9, prefix_tokens=6)
+    arms, draft = _lease_arms(tmp_path)
+    logs = []
+    cfg = _cfg(tmp_path, geom_dir, tier=lease, draft=draft, budget_s=600)
+    cfg.arms, cfg.log = arms, logs.append
+    doc = reference.Reference(cfg).run()
+    assert doc["verdict"] == "VALID", doc["verdict_reasons"]
+    assert [ln for ln in logs if "schedule, tier lease" in ln] and logs.index(
+        next(ln for ln in logs if "schedule" in ln)) < logs.index(next(ln for ln in logs if " boot patched-fast-off-b0" in ln))
+    booted = [b["name"] for b in doc["boots"] if not b.get("skipped")]
+    assert booted == ["patched-fast-off-b0", "stock-fast-off-b0", "patched-long-off-b0", "stock-long-off-b0",
+                      "patched-long-mtp-b0", "stock-long-mtp-b0", "patched-long-dflash2-b0", "patched-huge-off-b0"]
+    keys = [r["key"] for r in doc["rows"]]
+    for key in lease.essential:
+        r = _row(doc, key)
+        assert r["arms"]["patched"]["value"] is not None, key
+        if key in lease.patched_only:
+            assert r["arms"]["stock"]["value"] is None and "refuses this plan" in r["arms"]["stock"]["note"], key
+        else:
+            assert r["arms"]["stock"]["value"] is not None, key
+    for key in ("decode 32k C8", "prefill 60k", "prefix 60k turn2/turn1", "step mtp long"):
+        assert _row(doc, key)["verdict"]["status"] in ("UNRESOLVED", "OK"), key
+    assert _row(doc, "decode 32k C8")["roofline"] and (_row(doc, "prefill 60k")["prompt_tokens"]
+                                                       > 3 * _row(doc, "prefill 16k")["prompt_tokens"])
+    assert "step plain" not in keys and "step dflash2 long" in keys  # no verify rows on fast
+    assert _row(doc, "pool long/off")["verdict"]["status"] == "OK"
+    assert doc["missing"] == [] and "refuses this plan" in " ".join(s["reason"] for s in doc["skipped"])
+    assert "stock-huge-off-b0" in [b["name"] for b in doc["boots"]] and len(doc["schedule"]) == 10
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+    return dataclasses.replace(obj, **kw)

@@ -14,8 +14,21 @@ decode figure against the bandwidth roofline (:mod:`onecard.bench.roofline`) and
 that dies leaves its rows saying so; nothing measured before is lost.
 
 Tiers (``TIERS``): ``quick`` (one boot per arm, essential rows, <= 6 min on a warm machine; the
-mtp boots run only if the budget still fits them) and ``full`` (all rows, 2 boots per arm).
+mtp boots run only if the budget still fits them), ``lease`` (every row the issue asks for, one
+boot per arm, sized for one 30-minute GPU lease: ~17-20 min warm; the tail is dropped by the
+budget) and ``full`` (all rows, 2 boots per arm).
 Random-weight checkpoints never stop on their own: requests use fixed max_tokens + ignore_eos.
+
+The boots run from one schedule (:meth:`Reference.schedule`), printed with an estimated duration
+before the first boot (``BOOT_*_S`` / ``*_TPS`` constants: H200 figures of docs/measurements.md),
+in this order: the SPEC=off boots of both arms (CTX=tier.ctx: decode, prefill, prefix rows; then
+the plain-step boots of each other verify CTX), the SPEC boots per method, and last the pool-only
+boots of the CTX profiles no other boot covers. Boots the launcher refuses for an arm (the plan
+is made with the arm's own vLLM: stock 0.27.1 has no DFlash2 and no KVarN) become skipped rows and
+cost no time; every boot after the first SPEC=off ones runs only while the budget still fits it.
+SPEC=dflash2 boots take ``DRAFT`` from ``--draft`` (default ``<model>-dflash2``, which job 20
+builds); the patched arm's CTX=huge boots take ``--kvarn-pythonpath`` when given (a vLLM view with
+KVarN installed, as jobs 61/62 make).
 
     python -m onecard.bench.reference --tier quick --model $MODELS/qwen38-27b-geom --md docs/performance.md
 """
@@ -69,6 +82,7 @@ class Tier:
     prefill_tokens: int = 8
     doc: str = ""
     verify_ctx: tuple[str, ...] = ()  # CTX profiles of the verify rows (default: ctx)
+    patched_only: tuple[str, ...] = ()  # essential rows the stock arm cannot run (DFlash2, KVarN)
 
     @property
     def vctxs(self) -> tuple[str, ...]:
@@ -96,7 +110,44 @@ TIERS: dict[str, Tier] = {
         doc="2 boots per arm (boot floor measured): C1/C2/C4/C8 at 1k and 32k, prefill 1k/16k/60k, "
             "SPEC=mtp and dflash2 verify on CTX=fast and CTX=long (TRITON_ATTN: where the wide-verify patch "
             "acts), prefix 2 turns at 60k, pools of every CTX profile"),
+    # One 30-minute GPU lease (~27 min after the machine start): every row of issue 11, one boot
+    # per arm, so the arm ratios are UNRESOLVED unless a difference exceeds what one boot resolves.
+    # Verify runs on CTX=long, not fast: there the wide-verify patch acts (TRITON_ATTN), and on
+    # fast the DFlash2 drafter's KV layers cap MAX_LEN at ~43k, which the common pin would impose
+    # on the 60k prefill/prefix boots too. The CTX=long plain-step boots give the long pool; only
+    # huge gets a pool-only boot (patched: KVarN is ours; the stock plan is refused, no time spent).
+    # Warm estimate ~1,150-1,200 s for all 8 boots: budget_s 1050 keeps the lease and drops the
+    # tail (dflash2, then the huge pool) when the boots run slow; --budget-s 1250 runs all of it
+    # (not inside gpu/jobs/80-reference.sh, whose driver limit for this tier is 1150 s).
+    "lease": Tier(
+        "lease", decode=((1000, (1, 2, 4, 8)), (32000, (1, 2, 4, 8))), decode_tokens=128, reps=1,
+        prefill=(1000, 16000, 60000), verify_context=1000, verify_tokens=128, spec=("mtp", "dflash2"),
+        prefix_context=60000, prefix_tokens=16, pool_ctx=("huge", "long"), boots=1, budget_s=1050.0,
+        verify_ctx=("long",),
+        essential=("pool fast/off", "pool long/off", "pool huge/off",
+                   *(f"decode {s} C{n}" for s in ("1k", "32k") for n in (1, 2, 4, 8)),
+                   "prefill 1k", "prefill 16k", "prefill 60k", "prefix 60k turn2/turn1",
+                   "verify mtp/plain long", "verify dflash2/plain long"),
+        patched_only=("pool huge/off", "verify dflash2/plain long"),
+        doc="one boot per arm, every row of issue 11, for one 30-minute GPU lease (budget 1,050 s; "
+            "~1,150-1,200 s warm for all of it): CTX=fast SPEC=off per arm (pools, C1/C2/C4/C8 at 1k "
+            "and 32k, prefill 1k/16k/60k, prefix 2 turns at 60k); CTX=long plain step per arm (long "
+            "pool); SPEC=mtp verify on CTX=long per arm; SPEC=dflash2 verify on CTX=long (patched only: "
+            "stock 0.27.1 has no DFlash2); the CTX=huge pool (patched only: KVarN). Later boots run only "
+            "while the budget fits them, in that order"),
 }
+
+# Duration estimates for the printed schedule (H200, docs/measurements.md): a 27B-geometry boot
+# through the launcher took 187 s on a cold machine, 117 s warm; decode C1 ~97 tok/s, prefill
+# ~11,400 tok/s at 16k (less at 60k). A pool-only boot stops at vLLM's pool line, before the
+# CUDA-graph capture and the API server.
+BOOT_COLD_S = 190.0
+BOOT_WARM_S = 120.0
+POOL_BOOT_FRACTION = 0.8
+STOP_S = 5.0
+PREFILL_TPS = 10_000.0
+DECODE_TPS = 85.0
+REQUEST_OVERHEAD_S = 1.0  # per measured window: /metrics sampler start + stop
 
 
 @dataclass
@@ -120,6 +171,8 @@ class RefConfig:
     boot_timeout: float = 600.0
     budget_s: float | None = None
     base_env: dict[str, str] = field(default_factory=dict)
+    draft: str | None = None  # DRAFT of the SPEC=dflash2 boots (None: <model>-dflash2 when it exists)
+    kvarn_pythonpath: str | None = None  # the patched arm's PYTHONPATH for CTX=huge (a view with KVarN)
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
     root: Path = Path(__file__).resolve().parents[2]
     log: Callable[[str], None] = lambda s: print(s, flush=True)
@@ -172,6 +225,37 @@ def parse_boot_log(text: str) -> dict:
             "block_size": int(b[-1]) if b else None}
 
 
+def vllm_dir(pythonpath: str | None) -> Path | None:
+    """The vllm package a child with this PYTHONPATH imports first (None: not on the path, so
+    the child finds the same one as this process)."""
+    for entry in (pythonpath or "").split(os.pathsep):
+        if entry and (Path(entry) / "vllm" / "__init__.py").is_file():
+            return Path(entry) / "vllm"
+    return None
+
+
+class _arm_features:
+    """While planning for an arm: ``profiles.feature_installed`` answers for the vLLM that arm's
+    launcher child will import (its PYTHONPATH), not for this process's, so a method the arm's
+    vLLM lacks (stock: DFlash2, KVarN) is a plan refusal here instead of a failed boot there."""
+
+    def __init__(self, pythonpath: str | None):
+        self.dir = vllm_dir(pythonpath)
+
+    def __enter__(self):
+        from onecard import profiles
+        self.orig = profiles.feature_installed
+        if self.dir is not None:
+            d, markers = self.dir, profiles.FEATURE_MARKERS
+            profiles.feature_installed = lambda name: (d / markers[name]).is_file()
+        return self
+
+    def __exit__(self, *exc):
+        from onecard import profiles
+        profiles.feature_installed = self.orig
+        return False
+
+
 def boot_error(text: str, fallback: str) -> str:
     errs = [ln.strip() for ln in text.splitlines() if RE_ERRLINE.search(ln)]
     return (errs[-1] if errs else fallback)[:300]
@@ -215,10 +299,17 @@ class Reference:
                **self.cfg.base_env, **arm.env}
         if arm.pythonpath is not None:
             env["PYTHONPATH"] = arm.pythonpath
+        if ctx == "huge" and arm.name == "patched" and self.cfg.kvarn_pythonpath:
+            env["PYTHONPATH"] = self.cfg.kvarn_pythonpath
+        if spec == "dflash2" and "DRAFT" not in env:
+            draft = self.cfg.draft or f"{self.cfg.model.rstrip('/')}-dflash2"
+            if self.cfg.draft or (Path(draft) / "config.json").is_file():
+                env["DRAFT"] = draft
         return env
 
     def plan(self, env: dict) -> dict:
-        """The launcher's plan for this env, in-process (prediction + argv); PlanError -> error."""
+        """The launcher's plan for this env, in-process (prediction + argv), with the features of
+        the vLLM on env's PYTHONPATH (:class:`_arm_features`); PlanError -> error."""
         from onecard import memory
         from onecard.plan import PlanError, make_plan
         try:
@@ -226,7 +317,8 @@ class Reference:
         except ValueError:
             geom = None
         try:
-            p = make_plan(env, self.cfg.root, python="python3", geometry=geom)
+            with _arm_features(env.get("PYTHONPATH")):
+                p = make_plan(env, self.cfg.root, python="python3", geometry=geom)
         except PlanError as e:
             return {"error": str(e)}
         vals = {k: v.value for k, v in p.values.items()}
@@ -325,7 +417,7 @@ class Reference:
             self.keep(rec, "prefill", runner.depth(t, [est(n, cal) for n in tier.prefill], tier.prefill_tokens))
         if tier.prefix_context:
             self.keep(rec, "prefix", runner.prefix_turns(t, est(tier.prefix_context, cal), 2, tier.prefix_tokens))
-        if tier.verify_context and tier.spec:
+        if tier.verify_context and tier.spec and tier.ctx in tier.vctxs:
             self.verify_step(t, rec)
 
     def verify_step(self, t: Target, rec: dict) -> None:
@@ -382,31 +474,73 @@ class Reference:
         except (ValueError, OSError) as e:
             self.doc["step_bytes"] = {"error": str(e)}
         self.save()
+        plan = self.schedule(arms)
+        self.doc["schedule"] = [{k: v for k, v in b.items() if k != "arm"} | {"arm": b["arm"].name} for b in plan]
+        for line in schedule_text(plan, self.budget, tier):
+            self.cfg.log(f"[reference] {line}")
+        self.save()
+        for b in plan:
+            arm, what = b["arm"], b["what"]
+            if b["refused"]:  # a row saying why; costs no time, so no budget check
+                self.boot(arm, b["ctx"], b["spec"], b["idx"], b["pool_only"], None, b["env"])
+                continue
+            if b["pool_only"]:
+                cover = next((x for x in self.boots if x["arm"] == arm.name and x["ctx"] == b["ctx"]
+                              and x["spec"] == "off" and not x.get("skipped")), None)
+                if cover is not None:
+                    self.cfg.log(f"[reference] {what}: pool from {cover['name']}, no pool-only boot")
+                    continue
+            if b["margin"] is not None and not self.fits(what, self.max_boot_s + b["margin"]):
+                continue
+            steps = {"plain": self.plain_steps, "verify": self.verify_step, "pool": None}[b["steps"]]
+            self.boot(arm, b["ctx"], b["spec"], b["idx"], b["pool_only"], steps, b["env"])
+
+    def schedule(self, arms: list[Arm]) -> list[dict]:
+        """Every boot of the run in order, with the extra env (MAX_LEN pins), the plan's refusal
+        (if any), the budget margin it needs beyond the longest boot so far (None: always runs)
+        and an estimated duration. Order: SPEC=off of tier.ctx (all rows) for each boot index and
+        arm; per other verify CTX its plain-step boots; per verify CTX and method the SPEC boots;
+        then pool-only boots of pool_ctx profiles that no planned boot of the arm covers."""
+        tier = self.cfg.tier
+        if not arms:
+            return []
+        vctxs = tier.vctxs if tier.verify_context else ()
         specs = ("off", *tier.spec) if tier.verify_context else ("off",)
-        pin = {c: self.common_max_len(arms, c, specs) for c in {tier.ctx, *tier.vctxs}} if arms else {}
+        # one MAX_LEN per CTX across the SPEC values that boot on it (a verify step and its plain
+        # step must match); tier.ctx's SPEC=off boots pin only when verify rows run there too
+        pin = {c: self.common_max_len(arms, c, specs if c in vctxs else ("off",)) for c in {tier.ctx, *vctxs}}
+        out: list[dict] = []
+
+        def add(arm, ctx, spec, idx, pool_only, steps, margin, what):
+            env = dict(pin.get(ctx) or {}) if not pool_only else {}
+            p = self.plan({**os.environ, **self.env_for(arm, ctx, spec), **env})
+            out.append({"arm": arm, "ctx": ctx, "spec": spec, "idx": idx, "pool_only": pool_only, "steps": steps,
+                        "margin": margin, "what": what, "env": env, "refused": p.get("error"),
+                        "pool_tokens": (p.get("prediction") or {}).get("pool_tokens"),
+                        "max_len": (p.get("server_config") or {}).get("MAX_LEN")})
+
         for b in range(tier.boots):
             for arm in arms:
-                if b > 0 and not self.fits(f"boot {b + 1} of {arm.name}", self.max_boot_s + 60):
-                    continue
-                self.boot(arm, tier.ctx, "off", b, False, self.plain_steps, pin.get(tier.ctx))
-        if tier.verify_context:
-            for vctx in tier.vctxs:
-                if vctx != tier.ctx:  # the plain step of another profile needs its own plain boot
-                    for b in range(tier.boots):
-                        for arm in arms:
-                            if self.fits(f"{arm.name} CTX={vctx} SPEC=off boot {b + 1}", self.max_boot_s + 20):
-                                self.boot(arm, vctx, "off", b, False, self.verify_step, pin.get(vctx))
-                for spec in tier.spec:
-                    for b in range(tier.boots):
-                        for arm in arms:
-                            # a verify boot = a boot + one short spec run (~10 s) + the stop
-                            if not self.fits(f"{arm.name} CTX={vctx} SPEC={spec} boot {b + 1}", self.max_boot_s + 20):
-                                continue
-                            self.boot(arm, vctx, spec, b, False, self.verify_step, pin.get(vctx))
+                add(arm, tier.ctx, "off", b, False, "plain", None if b == 0 else 60, f"boot {b + 1} of {arm.name}")
+        for vctx in vctxs:
+            if vctx != tier.ctx:  # the plain step of another profile needs its own plain boot
+                for b in range(tier.boots):
+                    for arm in arms:
+                        add(arm, vctx, "off", b, False, "verify", 20, f"{arm.name} CTX={vctx} SPEC=off boot {b + 1}")
+        for spec in tier.spec:  # method by method (mtp before dflash2), each on every verify CTX
+            for vctx in vctxs:
+                for b in range(tier.boots):
+                    for arm in arms:
+                        # a verify boot = a boot + one short spec run (~10 s) + the stop
+                        add(arm, vctx, spec, b, False, "verify", 20, f"{arm.name} CTX={vctx} SPEC={spec} boot {b + 1}")
         for ctx in tier.pool_ctx:
             for arm in arms:
-                if self.fits(f"{arm.name} CTX={ctx} pool boot", self.max_boot_s + 10):
-                    self.boot(arm, ctx, "off", 0, True, None)
+                if any(x["arm"] is arm and x["ctx"] == ctx and x["spec"] == "off" and not x["refused"] for x in out):
+                    continue  # that boot logs the pool: no pool-only boot
+                add(arm, ctx, "off", 0, True, "pool", 10, f"{arm.name} CTX={ctx} pool boot")
+        for x in out:
+            x["est_s"] = 0.0 if x["refused"] else round(estimate_s(x, tier), 1)
+        return out
 
     def common_max_len(self, arms: list[Arm], ctx: str, specs: tuple[str, ...]) -> dict:
         """The preflight caps MAX_LEN when a method's state slots shrink the pool (CTX=long with MTP on a
@@ -441,14 +575,71 @@ class Reference:
 
 
 def missing_rows(rows: list[dict], tier: Tier, arm_names: list[str]) -> list[str]:
+    """Essential rows without a value, per arm; the stock arm is not asked for the rows only the
+    patched tree can run (tier.patched_only: DFlash2, KVarN)."""
     missing = []
     for key in tier.essential:
         row = next((r for r in rows if r["key"] == key), None)
         for arm in arm_names:
+            if arm == "stock" and key in tier.patched_only:
+                continue
             if row is None or (row["arms"].get(arm) or {}).get("value") is None:
                 why = ((row or {}).get("arms", {}).get(arm) or {}).get("note") or "not measured"
                 missing.append(f"{key} [{arm}]: {why}")
     return missing
+
+
+def estimate_s(b: dict, tier: Tier) -> float:
+    """Seconds one scheduled boot should take on a warm machine: boot (a pool-only boot stops at
+    its pool line; schedule_text adds the cold first boot's extra) + its requests (prompt tokens
+    at PREFILL_TPS, output tokens at DECODE_TPS per stream, more waves when the pool holds fewer
+    streams) + the stop."""
+    boot = BOOT_WARM_S
+    if b["pool_only"]:
+        return boot * POOL_BOOT_FRACTION + STOP_S
+    pool = b.get("pool_tokens") or 0
+
+    def req(prompt: int, out: int, n: int = 1) -> float:
+        per_wave = max(1, pool // (prompt + out)) if pool else n
+        waves = -(-n // min(n, per_wave))
+        return n * prompt / PREFILL_TPS + waves * out / DECODE_TPS
+
+    work = 0.0
+    if b["steps"] == "plain":
+        for ctx, ns in tier.decode:
+            work += req(ctx, 16) + sum(tier.reps * (req(ctx, tier.decode_tokens, n) + REQUEST_OVERHEAD_S) for n in ns)
+        if tier.prefill:
+            work += sum(req(n, tier.prefill_tokens) + REQUEST_OVERHEAD_S for n in tier.prefill) + 1.0
+        if tier.prefix_context:
+            work += req(tier.prefix_context, tier.prefix_tokens) + req(0, tier.prefix_tokens) + 2 * REQUEST_OVERHEAD_S + 1.0
+    if tier.verify_context and (b["steps"] == "verify" or (b["steps"] == "plain" and tier.ctx in tier.vctxs)):
+        work += req(tier.verify_context, 16) + req(tier.verify_context, tier.verify_tokens) + REQUEST_OVERHEAD_S
+    return boot + work + STOP_S
+
+
+def schedule_text(plan: list[dict], budget: float, tier: Tier) -> list[str]:
+    """The schedule as printed before the first boot: each boot, its estimate, the running total
+    and whether the budget is expected to fit it (the driver decides at run time)."""
+    lines = [f"schedule, tier {tier.name} (budget {budget:.0f} s; estimates: boot {BOOT_WARM_S:.0f} s warm, "
+             f"{BOOT_COLD_S:.0f} s cold first, pool-only x{POOL_BOOT_FRACTION}, prefill {PREFILL_TPS:,.0f} tok/s, "
+             f"decode {DECODE_TPS:.0f} tok/s per stream):"]
+    total = 0.0
+    for i, b in enumerate(plan, 1):
+        name = f"{b['arm'].name}-{b['ctx']}-{b['spec']}-b{b['idx']}"
+        kind = {"plain": "SPEC=off rows", "verify": "verify step", "pool": "pool only"}[b["steps"]]
+        if b["refused"]:
+            lines.append(f"  {i:2}. {name:<26} {kind:<13} refused by the plan, no boot: {b['refused'][:110]}")
+            continue
+        total += b["est_s"]
+        late = b["margin"] is not None and total > budget
+        lines.append(f"  {i:2}. {name:<26} {kind:<13} ~{b['est_s']:4.0f} s  (total ~{total:5.0f} s)"
+                     + (f"  MAX_LEN={b['env']['MAX_LEN']}" if b["env"].get("MAX_LEN") else "")
+                     + ("  over budget: likely skipped" if late else ""))
+    first = next((b for b in plan if not b["refused"]), None)
+    cold = total + (BOOT_COLD_S - BOOT_WARM_S if first else 0)
+    lines.append(f"  estimated {total:.0f} s warm, {cold:.0f} s with a cold first boot (+ copy bandwidth "
+                 f"and calibration, ~15 s); budget {budget:.0f} s")
+    return lines
 
 
 def rebuild(path: str | Path, md: str | Path | None = None) -> dict:
@@ -699,8 +890,9 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
                 pv, vv = plain["arms"][a]["value"], v["arms"][a]["value"]
                 verdict = _compare({"plain": plain["arms"][a], "spec": v["arms"][a]}, SPEC_KNOB, "plain", "spec")
                 ok = verdict["status"] in ("OK", "UNRESOLVED", "RESOLVED")
+                why = v["arms"][a].get("note") if vv is None else None  # e.g. the plan's refusal for this arm
                 cells[a] = {"value": vv / pv if ok and pv and vv else None, "verdict": verdict,
-                            "note": None if ok else f"{verdict['status']}: {'; '.join(verdict['reasons'])}"[:240]}
+                            "note": None if ok else (why or f"{verdict['status']}: {'; '.join(verdict['reasons'])}")[:240]}
             row = {"key": f"verify {spec}/plain{sfx}", "metric": f"verify step / plain step (CTX={vctx}, SPEC={spec} vs off)",
                    "unit": "ratio", "higher_is_better": False, "arms": cells, "roofline": None}
             s, p = cells.get("stock", {}).get("value"), cells.get("patched", {}).get("value")
@@ -949,6 +1141,11 @@ def configure(ap: argparse.ArgumentParser) -> None:
                     help="no run: write the table again from a reference JSON and its result files")
     ap.add_argument("--verify-ctx", default=None,
                     help="CTX profiles of the verify rows, comma-separated (default: the tier's; e.g. fast,long)")
+    ap.add_argument("--draft", default=None, help="DRAFT of the SPEC=dflash2 boots (default: <model>-dflash2 "
+                    "when it has a config.json, as job 20 builds it)")
+    ap.add_argument("--kvarn-pythonpath", default=os.environ.get("KVARN_PYTHONPATH"),
+                    help="PYTHONPATH of the patched arm's CTX=huge boots: a vLLM with KVarN installed "
+                    "(default $KVARN_PYTHONPATH; else the patched arm's own)")
 
 
 def from_args(a: argparse.Namespace) -> RefConfig:
@@ -965,7 +1162,13 @@ def from_args(a: argparse.Namespace) -> RefConfig:
         bad = [x for x in vc if x not in CTX_PROFILES]
         if bad or not vc:
             raise ValueError(f"--verify-ctx {a.verify_ctx!r} invalid; valid: comma-separated {', '.join(CTX_PROFILES)}")
-        tier = dataclasses.replace(tier, verify_ctx=vc)
+        def vkeys(keys: tuple[str, ...], ctxs: tuple[str, ...]) -> tuple[str, ...]:
+            # the tier's essential verify rows, named for the chosen CTX profiles instead
+            specs = [sp for sp in tier.spec if any(k.startswith(f"verify {sp}/plain") for k in keys)]
+            new = [f"verify {sp}/plain{'' if c == tier.ctx else ' ' + c}" for sp in specs for c in ctxs]
+            return tuple(k for k in keys if not k.startswith("verify ")) + tuple(new)
+        po = vkeys(tier.patched_only, vc) if any(k.startswith("verify ") for k in tier.patched_only) else tier.patched_only
+        tier = dataclasses.replace(tier, verify_ctx=vc, essential=vkeys(tier.essential, vc), patched_only=po)
     given = dict(a.arm)
     arms = []
     for name, env in (("patched", "PYTHONPATH"), ("stock", "STOCK_PYTHONPATH")):
@@ -975,6 +1178,7 @@ def from_args(a: argparse.Namespace) -> RefConfig:
     return RefConfig(model=str(mdir), tier=tier, out_dir=Path(a.out), arms=arms,
                      md=Path(a.md) if a.md else None, server_cmd=a.server_cmd, port=a.port,
                      bandwidth_gbs=a.bandwidth_gbs, boot_timeout=a.boot_timeout, budget_s=a.budget_s,
+                     draft=getattr(a, "draft", None), kvarn_pythonpath=getattr(a, "kvarn_pythonpath", None) or None,
                      argv=list(sys.argv))
 
 
