@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# timeout: 600
+# timeout: 640
 # Build the test models (tiny Qwen3.5 hybrid, SmolLM2 from GGUF) under $MODELS, print the time
 # and size of each, then run the serving suite (pytest -m gpu tests/gpu/test_serve_suite.py:
 # five servers at once through `python3 -m onecard.launch` (ONECARD_GPU_WARM_FIRST=off: off first),
@@ -81,7 +81,7 @@ rm -f "$JOB_OUT/server.pids"
 # 11's part: one job with all nine servers did not fit 10 minutes on a bare H200 (2026-12-02).
 SUITE_K=${SUITE_K:-not fp32}
 say "pytest -k '$SUITE_K'"
-timeout -k 20 "${SUITE_LIMIT:-520}" $PY -m pytest -m gpu tests/gpu/test_serve_suite.py -q -p no:cacheprovider -s \
+timeout -k 20 "${SUITE_LIMIT:-560}" $PY -m pytest -m gpu tests/gpu/test_serve_suite.py -q -p no:cacheprovider -s \
     -o addopts="" -k "$SUITE_K" --junitxml="$JOB_OUT/junit.xml" >"$JOB_OUT/pytest.txt" 2>&1
 rc=$?
 wall=$(( $(date +%s) - t0 ))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# timeout: 480
+# timeout: 640
 # 11-tiny-fp32: the float32 strict-mode half of the GPU serving suite (tests/gpu/test_serve_suite.py
 # -k fp32: SPEC=mtp vs SPEC=off across the 128 prompt-length residues with float32 activations,
 # bf16 and int8 KV; four servers booted at once). Job 10 runs the rest of the file; together they
@@ -8,5 +8,5 @@
 set -u
 cd "$(dirname "$0")/../.."
 : "${JOB_OUT:=/var/tmp/out/11-tiny-fp32}"
-export JOB_OUT SUITE_K=fp32 SUITE_LIMIT=${SUITE_LIMIT:-420}
+export JOB_OUT SUITE_K=fp32 SUITE_LIMIT=${SUITE_LIMIT:-560}
 exec bash gpu/jobs/10-tiny-suite.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# timeout: 360
+# timeout: 480
 # The DFlash2 lookup lane measured end to end (patch 0080): tests/gpu/dflash2_lane.py builds an
 # "agreeing pair" (onecard.dflash.agree: a tiny Qwen3.5 target and a tiny DFlash2 drafter that
 # both always predict one ordinary token X, so every draft is accepted and verify positions
@@ -26,8 +26,8 @@ timeout 120 "${PY:-python3}" -m onecard.dflash.agree > "$JOB_OUT/build.txt" 2>&1
 rc=$?
 tail -1 "$JOB_OUT/build.txt" | tee -a "$summary"
 if [ $rc -ne 0 ]; then say "agreeing pair build FAILED rc=$rc"; say "== 72-dflash2-lane: FAIL"; exit 1; fi
-# everything ends inside the 360 s header
-run_driver lane 345 python3 tests/gpu/dflash2_lane.py --out "$JOB_OUT"
+# everything ends inside the 480 s header
+run_driver lane 465 python3 tests/gpu/dflash2_lane.py --out "$JOB_OUT"
 rc=$?
 say "== 72-dflash2-lane: $([ $rc -eq 0 ] && echo PASS || echo FAIL) (rc=$rc)"
 exit $rc
