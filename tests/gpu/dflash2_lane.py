@@ -43,8 +43,8 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from test_dflash2 import (HOST, Server, free_port, metrics_delta, parse_metrics,  # noqa: E402
-                          server_plan, write_json)
+from test_dflash2 import (HOST, Server, boot_all, free_port, metrics_delta,  # noqa: E402
+                          parse_metrics, server_plan, write_json)
 
 SERVERS = {
     "off": {"SPEC": "off"},
@@ -169,28 +169,10 @@ def run(out: Path, deadline_s: float) -> int:
     say(f"pair: {model.name} + {draft.name}, X={x}, margin {info['margin']} "
         f"({info['margin_bf16_ulps']} bf16 ulps)")
     rec: dict = {"x": x, "agree": info, "servers": {}, "failures": []}
-    (out / "server.pids").unlink(missing_ok=True)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "4")
     servers: dict[str, Server] = {}
     try:
-        for name in SERVERS:
-            port = free_port()
-            argv, child, _ = plan(name, model, draft, port, out)
-            srv = Server(name, argv, port, out, child)
-            rec["servers"][name] = {"argv": argv}
-            srv.start(env)
-            servers[name] = srv
-            say(f"launch {name}: {shlex.join(argv)}")
-        while not all(s.ready() for s in servers.values()):
-            if left() < 30:
-                raise RuntimeError("servers not healthy in time: " + ", ".join(
-                    f"{n} {'up' if s.boot_s else 'booting'}" for n, s in servers.items()))
-            time.sleep(1)
-        for n, s in servers.items():
-            rec["servers"][n]["boot_s"] = round(s.boot_s, 1)
-        say("boot: " + ", ".join(f"{n} {s.boot_s:.0f} s" for n, s in servers.items()))
+        boot_all(SERVERS, lambda name, port: plan(name, model, draft, port, out), out, rec, servers,
+                 left, min_left=30, log=say)
 
         prompts = lane_prompts(vocab, x)
         before = {n: servers[n].metrics() for n in SPEC_SERVERS}

@@ -375,6 +375,36 @@ def say(msg: str) -> None:
     print(f"[dflash2] {msg}", flush=True)
 
 
+def boot_all(names, plan, out: Path, rec: dict, servers: dict, left, min_left: float,
+             log=None) -> None:
+    """Start one server per name at once (``plan(name, port)`` -> (argv, child_env, _)), filling
+    ``servers`` as they start (the caller stops them in its ``finally``) and ``rec["servers"]``
+    with argv and boot seconds; wait until every one answers /health, raising when ``left()``
+    drops under ``min_left`` first. Server processes get this repo first on PYTHONPATH.
+    ``log`` prints the launch / boot lines (default: this driver's ``say``)."""
+    log = log or say
+    (out / "server.pids").unlink(missing_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "4")
+    for name in names:
+        port = free_port()
+        argv, child, _ = plan(name, port)
+        srv = Server(name, argv, port, out, child)
+        rec["servers"][name] = {"argv": srv.argv}
+        srv.start(env)
+        servers[name] = srv
+        log(f"launch {name}: {shlex.join(srv.argv)}")
+    while not all(s.ready() for s in servers.values()):
+        if left() < min_left:
+            raise RuntimeError("servers not healthy in time: " + ", ".join(
+                f"{n} {'up' if s.boot_s else 'booting'}" for n, s in servers.items()))
+        time.sleep(1)
+    for n, s in servers.items():
+        rec["servers"][n]["boot_s"] = round(s.boot_s, 1)
+    log("boot: " + ", ".join(f"{n} {s.boot_s:.0f} s" for n, s in servers.items()))
+
+
 def run(out: Path, deadline_s: float, samples: int) -> int:
     from onecard.dflash.tiny_drafter import ensure_tiny_drafter
     from onecard.prepare.tiny import ensure_tiny_model
@@ -386,28 +416,10 @@ def run(out: Path, deadline_s: float, samples: int) -> int:
     vocab = json.loads((model / "config.json").read_text())
     vocab = vocab.get("text_config", vocab)["vocab_size"]
     rec: dict = {"servers": {}, "greedy": {}, "metrics": {}, "sampled": {}, "failures": []}
-    (out / "server.pids").unlink(missing_ok=True)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "4")
-    servers = {}
+    servers: dict = {}
     try:
-        for name in SERVERS:
-            port = free_port()
-            argv, child, _ = server_plan(name, model, port, out)
-            srv = Server(name, argv, port, out, child)
-            rec["servers"][name] = {"argv": srv.argv}
-            srv.start(env)
-            servers[name] = srv
-            say(f"launch {name}: {shlex.join(srv.argv)}")
-        while not all(s.ready() for s in servers.values()):
-            if left() < 45:
-                raise RuntimeError("servers not healthy in time: " + ", ".join(
-                    f"{n} {'up' if s.boot_s else 'booting'}" for n, s in servers.items()))
-            time.sleep(1)
-        for n, s in servers.items():
-            rec["servers"][n]["boot_s"] = round(s.boot_s, 1)
-        say("boot: " + ", ".join(f"{n} {s.boot_s:.0f} s" for n, s in servers.items()))
+        boot_all(SERVERS, lambda name, port: server_plan(name, model, port, out), out, rec, servers,
+                 left, min_left=45)
 
         before = {n: servers[n].metrics() for n in ("d2k7", "d2k15")}
         prompts = greedy_prompts(vocab)
