@@ -44,7 +44,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 from test_dflash2 import (HOST, Server, boot_all, free_port, metrics_delta,  # noqa: E402
-                          parse_metrics, server_plan, write_json)
+                          parse_metrics, recorded, server_plan, verdict, write_json)
 
 SERVERS = {
     "off": {"SPEC": "off"},
@@ -170,7 +170,7 @@ def run(out: Path, deadline_s: float) -> int:
         f"({info['margin_bf16_ulps']} bf16 ulps)")
     rec: dict = {"x": x, "agree": info, "servers": {}, "failures": []}
     servers: dict[str, Server] = {}
-    try:
+    with recorded(rec, servers, t_start, lambda: write_json(out / "lane.json", rec), say):
         boot_all(SERVERS, lambda name, port: plan(name, model, draft, port, out), out, rec, servers,
                  left, min_left=30, log=say)
 
@@ -205,18 +205,7 @@ def run(out: Path, deadline_s: float) -> int:
         say(f"lane: d2k15 {res['tps']['d2k15']:.3f} vs d2k7 {res['tps']['d2k7']:.3f} tokens/step "
             f"(need > +3); d2k15-nolook {res['tps']['d2k15-nolook']:.3f} (fill repeats X: "
             "reported, not judged)")
-    except Exception as e:  # noqa: BLE001 - recorded and reported as a failure
-        rec["failures"].append(f"{type(e).__name__}: {e}")
-        say(f"ERROR {type(e).__name__}: {str(e)[:600]}")
-    finally:
-        for s in servers.values():
-            s.stop()
-        rec["wall_s"] = round(time.monotonic() - t_start, 1)
-        write_json(out / "lane.json", rec)
-    ok = not rec["failures"]
-    say(f"{'PASS' if ok else 'FAIL'} in {rec['wall_s']} s"
-        + ("" if ok else ": " + "; ".join(rec["failures"])))
-    return 0 if ok else 1
+    return verdict(rec, say)
 
 
 def dry_run(out: Path) -> int:

@@ -249,7 +249,14 @@ def run(suite_name: str, out: Path, deadline_s: float, warm_first: str | None,
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "2")   # several servers compile at once
     servers: dict[str, d2.Server] = {}
     dead: set[str] = set()
-    try:
+    def save() -> None:   # after the servers stopped: the pair verdicts, then the record
+        rec["failures"] += pair_verdict(rec, st)
+        for n in st["info"]:
+            if rec["servers"].get(n, {}).get("boot_s") is None:
+                say(f"informational server {n} did not boot: {rec['servers'].get(n, {}).get('error')}")
+        d2.write_json(out / f"{suite_name}.json", rec)
+
+    with d2.recorded(rec, servers, t_start, save, say):
         for name, (argv, child, plan) in (plans_fn or plans)(st, model, out).items():
             port = int(argv[argv.index("--port") + 1])
             servers[name] = d2.Server(name, argv, port, out, child)
@@ -350,22 +357,7 @@ def run(suite_name: str, out: Path, deadline_s: float, warm_first: str | None,
             rec["metrics"][n] = d
             say(f"metrics {n}: drafts {d['drafts']:.0f}, accepted {d['accepted']:.0f}, "
                 f"tokens/step {d['tokens_per_step']:.3f}, positions {len(d['per_pos'])}")
-    except Exception as e:  # noqa: BLE001 - recorded and reported as a failure
-        rec["failures"].append(f"{type(e).__name__}: {e}")
-        say(f"ERROR {type(e).__name__}: {str(e)[:600]}")
-    finally:
-        for s in servers.values():
-            s.stop()
-        rec["wall_s"] = round(time.monotonic() - t_start, 1)
-        rec["failures"] += pair_verdict(rec, st)
-        info_down = [n for n in st["info"] if rec["servers"].get(n, {}).get("boot_s") is None]
-        for n in info_down:
-            say(f"informational server {n} did not boot: {rec['servers'].get(n, {}).get('error')}")
-        d2.write_json(out / f"{suite_name}.json", rec)
-    ok = not rec["failures"]
-    say(f"{'PASS' if ok else 'FAIL'} in {rec['wall_s']} s" +
-        ("" if ok else ": " + "; ".join(rec["failures"])))
-    return 0 if ok else 1
+    return d2.verdict(rec, say)
 
 
 # ----------------------------------------------------------------------------- dry run

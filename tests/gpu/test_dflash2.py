@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import random
@@ -375,6 +376,32 @@ def say(msg: str) -> None:
     print(f"[dflash2] {msg}", flush=True)
 
 
+
+@contextlib.contextmanager
+def recorded(rec: dict, servers: dict, t_start: float, write, log=None):
+    """A driver's run body: an exception becomes a recorded failure (never a traceback that loses
+    the record); whatever happened, every server stops, rec["wall_s"] is set and write() saves."""
+    log = log or say
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - recorded and reported as a failure
+        rec["failures"].append(f"{type(e).__name__}: {e}")
+        log(f"ERROR {type(e).__name__}: {str(e)[:600]}")
+    finally:
+        for s in servers.values():
+            s.stop()
+        rec["wall_s"] = round(time.monotonic() - t_start, 1)
+        write()
+
+
+def verdict(rec: dict, log=None) -> int:
+    """PASS / FAIL line with the failures; the driver's exit status."""
+    ok = not rec["failures"]
+    (log or say)(f"{'PASS' if ok else 'FAIL'} in {rec['wall_s']} s"
+                 + ("" if ok else ": " + "; ".join(rec["failures"])))
+    return 0 if ok else 1
+
+
 def boot_all(names, plan, out: Path, rec: dict, servers: dict, left, min_left: float,
              log=None) -> None:
     """Start one server per name at once (``plan(name, port)`` -> (argv, child_env, _)), filling
@@ -417,7 +444,7 @@ def run(out: Path, deadline_s: float, samples: int) -> int:
     vocab = vocab.get("text_config", vocab)["vocab_size"]
     rec: dict = {"servers": {}, "greedy": {}, "metrics": {}, "sampled": {}, "failures": []}
     servers: dict = {}
-    try:
+    with recorded(rec, servers, t_start, lambda: write_json(out / "dflash2.json", rec)):
         boot_all(SERVERS, lambda name, port: server_plan(name, model, port, out), out, rec, servers,
                  left, min_left=45)
 
@@ -475,18 +502,7 @@ def run(out: Path, deadline_s: float, samples: int) -> int:
                         f"p {p:.3g} (n {len(a)}/{len(b)})")
                     if p < 1e-3:
                         rec["failures"].append(f"sampled {n} token {pos + 1}: p {p:.3g}")
-    except Exception as e:  # noqa: BLE001 - recorded and reported as a failure
-        rec["failures"].append(f"{type(e).__name__}: {e}")
-        say(f"ERROR {type(e).__name__}: {str(e)[:600]}")
-    finally:
-        for s in servers.values():
-            s.stop()
-        rec["wall_s"] = round(time.monotonic() - t_start, 1)
-        write_json(out / "dflash2.json", rec)
-    ok = not rec["failures"]
-    say(f"{'PASS' if ok else 'FAIL'} in {rec['wall_s']} s" +
-        ("" if ok else ": " + "; ".join(rec["failures"])))
-    return 0 if ok else 1
+    return verdict(rec)
 
 
 def dry_run(out: Path) -> int:
