@@ -14,8 +14,12 @@ its attention function by one that attends to K/V the way a quantized cache repr
               int8 symmetric absmax; int4 Hadamard-rotated asymmetric (see _fake_int)
 
 ``--only k`` / ``--only v`` quantizes one of K/V (the other stays fp16 rotated rows).
-``--self-tile fp16`` lets a query read its own tile in fp16 (what a decoded token sees: its
-tile is the partial one) instead of quantized.
+``+selffp16`` lets a query read its own tile in fp16 (what a decoded token sees: its
+tile is the partial one) instead of quantized: the serving read rule since b2da41d.
+What-if read rules (not in the kernels): ``+winW`` = a recent fp16 window, the query's own tile
+and the W-1 completed tiles before it fp16 (``+win1`` = ``+selffp16``); ``+sinkS`` = the first
+S tiles fp16 (S = 1 is the format's sink). ``--window-cost`` prints what they would cost on the
+27B (bytes per sequence, the CTX=huge pool; onecard.memory).
 
   kvarn_fakequant_ppl.py --model /tmp/smollm2-135m --configs none,kvarn_k4v2_g128,int8 --needle
 Texts: the two repo documents of gpu/jobs/32-kv-quality.py (README.md, docs/wide-verify.md,
@@ -43,17 +47,19 @@ SECRET = "PELICAN-7"
 class Quant:
     """What the attention hook applies (set per run)."""
 
-    def __init__(self, name: str, only: str | None = None, self_tile: str = "quant"):
+    def __init__(self, name: str, only: str | None = None, self_tile: str = "quant",
+                 window: int = 1, sinks: int = 1):
         self.name, self.only, self.self_tile = name, only, self_tile
+        self.window, self.sinks = window, sinks  # fp16 tiles: recent window (self_tile fp16), sinks
 
 
 STATE = {"q": Quant("none")}
 
 
 def _fake_kvarn(k, v, q: Quant):
-    """k, v [L, H, D] float32 model space -> (k_fp16path, v_fp16path, k_q, v_q, ntiles_q):
+    """k, v [L, H, D] float32 model space -> (k_fp16path, v_fp16path, k_q, v_q):
     the fp16-stage version of every row and the version the cache serves (quantized tiles
-    [1, L // tile) dequantized, others fp16)."""
+    [q.sinks, L // tile) dequantized, others fp16)."""
     import torch
     from onecard.kvarn import reference as R
     p = preset_of(q.name)
@@ -63,7 +69,7 @@ def _fake_kvarn(k, v, q: Quant):
     kr = (k.float() @ hn).half()  # the backend: fp32 matmul, stored fp16
     vr = (v.float() @ hn).half()
     kq, vq = kr.float().clone(), vr.float().clone()
-    for t in range(1, L // T):
+    for t in range(q.sinks, L // T):
         sl = slice(t * T, (t + 1) * T)
         qt = R.quantize_tile(kr[sl], vr[sl], p)
         dk, dv = R.dequant_tile(qt, torch.float32)
@@ -72,6 +78,55 @@ def _fake_kvarn(k, v, q: Quant):
         if q.only in (None, "v"):
             vq[sl] = dv.half().float()
     return (kr.float() @ hn, vr.float() @ hn, kq @ hn, vq @ hn)
+
+
+def fp16_window_mask(lq: int, lk: int, tile: int, window: int = 1):
+    """[lq, lk] bool: key j is read from the fp16 rows by query i (the last lq of lk
+    positions) because its tile is the query's own or one of the window-1 tiles before it.
+    window 1 = the serving rule's own tile. Causality is the attention mask's business."""
+    import torch
+    qt = (torch.arange(lk - lq, lk) // tile)[:, None]
+    kt = (torch.arange(lk) // tile)[None, :]
+    if window == 1:
+        return qt == kt  # the +selffp16 mask exactly (same tensor as before the window option)
+    return (kt <= qt) & (kt > qt - window)
+
+
+def fp16_window_cost(window: int, sinks: int, preset: str = "kvarn_k4v2_g128", max_seqs: int = 2,
+                     max_len: int = 245_760, num_spec: int = 3, prefix_cache: bool = True,
+                     attn_layers: int = 16, pool_layers: int | None = None, geom=None,
+                     kv_mem: int | None = None, goal: int = 268_169) -> dict:
+    """What keeping (window - 1) + (sinks - 1) more tiles per sequence in fp16 costs on the
+    27B (onecard.memory.QWEN38_27B: 4 kv heads x 256) at CTX=huge (LONG_KV_MEM pin, 245,760,
+    MAX_SEQS 2, MTP k=3, prefix caching). A tile's fp16 copy is one stage slot
+    (memory.kvarn_stage_bytes per layer and slot), held beside its packed block.
+    extra_bytes_per_seq: over ``attn_layers`` (16); the pool figures take ``pool_layers``
+    (default 16 + the MTP layer, which the stage covers too) x max_seqs out of the pin:
+    pool_tokens (memory.predict_pool) vs the goal. Pin unchanged instead: pool unchanged, the
+    same bytes outside the pin (extra_outside_pin), on top of memory.vram_budget's terms for the
+    prepared 27B with SPEC=mtp (card_total_pin_kept, card_fits_pin_kept; 24 GiB card)."""
+    from onecard import memory as M
+    from onecard.kvarn.stage import default_num_slots
+
+    if window < 1 or sinks < 1:
+        raise ValueError(f"window {window} / sinks {sinks} is not valid; valid: >= 1")
+    geom = geom or M.QWEN38_27B
+    kv_mem = M.LONG_KV_MEM if kv_mem is None else kv_mem
+    pool_layers = geom.num_full_attention + geom.mtp_layers if pool_layers is None else pool_layers
+    slot = M.kvarn_stage_bytes(geom, preset, 1, attn_layers=1) // default_num_slots(1)
+    tiles = (window - 1) + (sinks - 1)
+    per_seq = tiles * slot * attn_layers
+    outside = tiles * slot * pool_layers * max_seqs
+    base = M.predict_pool(geom, kv_mem, preset, max_len, num_spec, prefix_cache).pool_tokens
+    pool = M.predict_pool(geom, kv_mem - outside, preset, max_len, num_spec, prefix_cache).pool_tokens
+    weights, _ = M.target_weight_bytes(None, "mtp", geom)  # the prepared 27B layout, SPEC=mtp
+    stage = M.kvarn_reserve_bytes(geom, preset, max_seqs)
+    card = M.vram_budget(kv_mem, weights or 0, kvarn_stage=stage + outside)
+    return {"window": window, "sinks": sinks, "extra_tiles_per_seq": tiles,
+            "slot_bytes_per_layer": slot, "extra_bytes_per_seq": per_seq,
+            "extra_outside_pin": outside, "pool_tokens_base": base, "pool_tokens": pool,
+            "goal": goal, "meets_goal": pool >= goal,
+            "card_total_pin_kept": card["total"], "card_fits_pin_kept": card["fits"]}
 
 
 def preset_of(name: str):
@@ -125,10 +180,8 @@ def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, *
             vs_q.append(vq.transpose(0, 1))
         k_f, v_f = torch.stack(ks_f).to(query.dtype), torch.stack(vs_f).to(query.dtype)
         key, value = torch.stack(ks_q).to(query.dtype), torch.stack(vs_q).to(query.dtype)
-        if q.self_tile == "fp16":
-            T = preset_of(q.name).tile
-            qpos = torch.arange(Lk - Lq, Lk)
-            same = (qpos[:, None] // T) == (torch.arange(Lk)[None, :] // T)  # [Lq, Lk]
+        if q.self_tile == "fp16":  # own tile (and window - 1 tiles before it) fp16, [Lq, Lk]
+            same = fp16_window_mask(Lq, Lk, preset_of(q.name).tile, q.window)
     elif q.name in ("int8", "int4"):
         bits = 8 if q.name == "int8" else 4
         if q.only in (None, "k"):
@@ -225,10 +278,25 @@ def greedy(model, tok, text: str, n: int) -> tuple[str, int]:
 
 
 def parse_config(s: str) -> Quant:
-    """NAME[:k|:v][+selffp16], e.g. kvarn_k4v2_g128:v, kvarn_k4v2_g128+selffp16."""
-    self_tile = "quant"
-    if s.endswith("+selffp16"):
-        s, self_tile = s[: -len("+selffp16")], "fp16"
+    """NAME[:k|:v][+selffp16][+winW][+sinkS], e.g. kvarn_k4v2_g128:v, kvarn_k4v2_g128+selffp16,
+    kvarn_k4v2_g128+win3+sink2 (+winW: own tile + W-1 previous tiles fp16, implies +selffp16;
+    +sinkS: first S tiles fp16; both kvarn_* only)."""
+    import re
+    raw = s
+    s, *flags = s.split("+")
+    self_tile, window, sinks = "quant", 1, 1
+    for f in flags:
+        m = re.fullmatch(r"(win|sink)(\d+)", f)
+        if f == "selffp16":
+            self_tile = "fp16"
+        elif m and int(m[2]) >= 1 and s.startswith("kvarn_"):
+            if m[1] == "win":
+                self_tile, window = "fp16", int(m[2])
+            else:
+                sinks = int(m[2])
+        else:
+            raise SystemExit(f"error: config {raw!r}: suffix +{f} is not valid; valid: +selffp16, "
+                             f"and for kvarn_* +winW / +sinkS with W, S >= 1")
     name, _, only = s.partition(":")
     valid = ("none", "int8", "int4", "kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64",
              "kvarn_kKvV_gTILE (K, V in 2/4/8 bits)")
@@ -240,8 +308,8 @@ def parse_config(s: str) -> Quant:
             ok = False
     if not ok or only not in ("", "k", "v"):
         raise SystemExit(f"error: config {s!r} is not valid; valid: one of {', '.join(valid)}, "
-                         f"optionally :k or :v (quantize only K or V) and +selffp16")
-    return Quant(name, only or None, self_tile)
+                         f"optionally :k or :v (quantize only K or V) and +selffp16 / +winW / +sinkS")
+    return Quant(name, only or None, self_tile, window, sinks)
 
 
 def kernel_check(model, tok, text: str, layer: int, ntok: int, preset: str) -> float:
@@ -339,6 +407,9 @@ def main(argv=None) -> int:
                          "(TRITON_INTERPRET=1 on CPU) vs the simulation; exit 1 above 1e-2")
     ap.add_argument("--kernel-tokens", type=int, default=400)
     ap.add_argument("--kernel-preset", default="k4v2_g128")
+    ap.add_argument("--window-cost", action="store_true",
+                    help="also print, per kvarn config, the 27B cost of its fp16 tiles beyond the "
+                         "own tile and sink (fp16_window_cost: bytes/seq, CTX=huge pool)")
     a = ap.parse_args(argv)
     configs = [(c, parse_config(c)) for c in a.configs.split(",") if c]
     needle_cfgs = [(c, parse_config(c)) for c in a.needle_configs.split(",") if c] if a.needle else []
@@ -377,6 +448,20 @@ def main(argv=None) -> int:
             segs = " ".join(f"[{k}] {v:.3f}" for k, v in seg.items())
             d = "" if row["ppl_delta_pct"] is None else f" ppl {row['ppl_delta_pct']:+.1f}%"
             print(f"{tid} {len(ids)} {raw}: {segs}{d} ({time.time() - t0:.0f}s)", flush=True)
+    if a.window_cost:
+        rec["window_cost"] = []
+        for raw, cfg in configs:
+            if not cfg.name.startswith("kvarn_"):
+                continue
+            c = fp16_window_cost(cfg.window, cfg.sinks, cfg.name)
+            rec["window_cost"].append({"config": raw, **c})
+            print(f"27B cost {raw}: +{c['extra_tiles_per_seq']} fp16 tiles/seq = "
+                  f"{c['extra_bytes_per_seq'] / 2**20:.0f} MiB/seq (16 layers); out of the "
+                  f"CTX=huge pin at MAX_SEQS 2 (+MTP layer): pool {c['pool_tokens_base']:,} -> "
+                  f"{c['pool_tokens']:,} tokens (goal {c['goal']:,}: "
+                  f"{'met' if c['meets_goal'] else 'NOT met'}); pin kept instead: pool unchanged, "
+                  f"24 GiB card total {c['card_total_pin_kept'] / 2**30:.2f} GiB "
+                  f"({'fits' if c['card_fits_pin_kept'] else 'does NOT fit'})", flush=True)
     if a.needle:
         text = needle_prompt(rev=a.rev)
         for raw, cfg in needle_cfgs:
