@@ -41,6 +41,11 @@ export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 # Triton keeps autotune winners on disk (the FLA GDN kernels retune at every boot otherwise; each
 # tiny server's profiling run took 80-91 s on 2026-12-02 with warm compile caches).
 export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
+# 2026-12-03: with it, servers launched after a warm-first server (same model, same kernels) still
+# spent 99-103 s in vLLM's profiling run (warm-first itself 84 s): either the winners are not
+# reused or autotuning is not the cost. Every server log now says which (one line per tuned
+# kernel with its time).
+export TRITON_PRINT_AUTOTUNING=${TRITON_PRINT_AUTOTUNING:-1}
 if [ ! -f "$STOCK/vllm/__init__.py" ]; then
   mkdir -p "$STOCK" && cp -a "$SITE/vllm" "$STOCK/" || exit 2
 fi
