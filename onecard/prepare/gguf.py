@@ -309,3 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="convert_gguf", description=__doc__.splitlines()[0])
     configure(parser)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
