@@ -87,13 +87,12 @@ def fp16_window_mask(lq: int, lk: int, tile: int, window: int = 1):
     import torch
     qt = (torch.arange(lk - lq, lk) // tile)[:, None]
     kt = (torch.arange(lk) // tile)[None, :]
-    if window == 1:
-        return qt == kt  # the +selffp16 mask exactly (same tensor as before the window option)
-    return (kt <= qt) & (kt > qt - window)
+    return (kt <= qt) & (kt > qt - window)  # window 1: kt == qt, the +selffp16 mask
 
 
-def fp16_window_cost(window: int, sinks: int, preset: str = "kvarn_k4v2_g128", max_seqs: int = 2,
-                     max_len: int = 245_760, num_spec: int = 3, prefix_cache: bool = True,
+def fp16_window_cost(window: int, sinks: int, preset: str = "kvarn_k4v2_g128",
+                     max_seqs: int | None = None, max_len: int | None = None,
+                     num_spec: int | None = None, prefix_cache: bool = True,
                      attn_layers: int = 16, pool_layers: int | None = None, geom=None,
                      kv_mem: int | None = None, goal: int = 268_169) -> dict:
     """What keeping (window - 1) + (sinks - 1) more tiles per sequence in fp16 costs on the
@@ -107,11 +106,16 @@ def fp16_window_cost(window: int, sinks: int, preset: str = "kvarn_k4v2_g128", m
     prepared 27B with SPEC=mtp (card_total_pin_kept, card_fits_pin_kept; 24 GiB card)."""
     from onecard import memory as M
     from onecard.kvarn.stage import default_num_slots
+    from onecard.profiles import CTX_PROFILES, SPEC_PROFILES
 
     if window < 1 or sinks < 1:
         raise ValueError(f"window {window} / sinks {sinks} is not valid; valid: >= 1")
+    huge = CTX_PROFILES["huge"]   # unset arguments: the CTX=huge SPEC=mtp launch
+    max_seqs = huge.max_seqs if max_seqs is None else max_seqs
+    max_len = huge.max_len if max_len is None else max_len
+    num_spec = SPEC_PROFILES["mtp"].k_default["huge"] if num_spec is None else num_spec
+    kv_mem = huge.kv_mem if kv_mem is None else kv_mem
     geom = geom or M.QWEN38_27B
-    kv_mem = M.LONG_KV_MEM if kv_mem is None else kv_mem
     pool_layers = geom.num_full_attention + geom.mtp_layers if pool_layers is None else pool_layers
     slot = M.kvarn_stage_bytes(geom, preset, 1, attn_layers=1) // default_num_slots(1)
     tiles = (window - 1) + (sinks - 1)

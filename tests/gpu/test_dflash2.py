@@ -376,7 +376,6 @@ def say(msg: str) -> None:
     print(f"[dflash2] {msg}", flush=True)
 
 
-
 @contextlib.contextmanager
 def recorded(rec: dict, servers: dict, t_start: float, write, log=None):
     """A driver's run body: an exception becomes a recorded failure (never a traceback that loses
