@@ -15,6 +15,7 @@ set -u
 cd "$(dirname "$0")/../.."
 : "${JOB_OUT:=/var/tmp/out/10-tiny-suite}"
 . gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
+correctness_boots  # outputs only, no timings: no Triton autotuning (gpu/lib/job.sh)
 mkdir -p "$MODELS"
 PY=python3
 status=0

@@ -24,6 +24,7 @@ set -u
 cd "$(dirname "$0")/../.."
 : "${JOB_OUT:=/var/tmp/out/63-kvarn-spec}"
 . gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
+correctness_boots  # outputs only, no timings: no Triton autotuning (gpu/lib/job.sh)
 mkdir -p "$MODELS"
 say "== 63-kvarn-spec $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 

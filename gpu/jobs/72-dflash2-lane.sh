@@ -18,6 +18,7 @@ set -u
 cd "$(dirname "$0")/../.."
 : "${JOB_OUT:=/var/tmp/out/72-dflash2-lane}"
 . gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
+correctness_boots  # outputs only, no timings: no Triton autotuning (gpu/lib/job.sh)
 mkdir -p "$MODELS"
 say "== 72-dflash2-lane $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 vllm_markers

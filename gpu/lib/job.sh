@@ -97,6 +97,17 @@ vllm_markers() {
 print(f'vllm {vllm.__version__} at {d}; ' + ', '.join(f'{m} marker: {(d / (m + \"_installed.txt\")).is_file()}' for m in ('dflash2', 'kvarn')))" \
     2>&1 | tail -1 | tee -a "$summary"
 }
+# correctness_boots: for jobs that check outputs, never speed. Exports
+# VLLM_TRITON_FORCE_FIRST_CONFIG=1 (vLLM 0.27.1's own switch: every @triton.autotune'd kernel runs
+# its first config that compiles instead of benchmarking all of them). The FLA GDN kernels are
+# autotuned; on 2026-12-03 every tiny server spent 84-103 s in vLLM's profiling run with warm
+# Triton caches and TRITON_CACHE_AUTOTUNING=1. It also makes the kernel choice identical across
+# the servers an exactness test compares (autotune winners can differ between processes by
+# timing noise). Timing jobs (30, 31, 40, 50, 62, 80) never call it. A caller's value wins.
+correctness_boots() {
+  export VLLM_TRITON_FORCE_FIRST_CONFIG=${VLLM_TRITON_FORCE_FIRST_CONFIG:-1}
+  say "VLLM_TRITON_FORCE_FIRST_CONFIG=$VLLM_TRITON_FORCE_FIRST_CONFIG (correctness job: no Triton autotuning)"
+}
 # ensure_tiny_drafter JOBNAME: the tiny model and its DFlash2 drafter (CPU, cached in $MODELS
 # across jobs); on failure says so and ends the job with exit 1
 ensure_tiny_drafter() {
