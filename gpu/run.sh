@@ -31,7 +31,9 @@ if [ ! -f "$SITE/vllm/__init__.py" ]; then
     && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" /var/tmp/wh/*.whl \
     || { say "wheelhouse install failed"; exit 2; }
 fi
-export PYTHONPATH="$repo:$SITE" STOCK_PYTHONPATH="$repo:$STOCK:$SITE"
+# gpu/lib/stackdump: SIGUSR2 dumps every thread's stack of a job's Python processes (drivers send it on a
+# slow request: the server log then says where a stall is)
+export PYTHONPATH="$repo/gpu/lib/stackdump:$repo:$SITE" STOCK_PYTHONPATH="$repo/gpu/lib/stackdump:$repo:$STOCK:$SITE"
 export VLLM="python3 -m vllm.entrypoints.cli.main" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
   VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
 # FlashInfer's sampling module is JIT-built with nvcc at a server's first sampler warm-up (cold:

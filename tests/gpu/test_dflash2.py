@@ -46,6 +46,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -67,6 +68,11 @@ BASE_KNOBS = {"MODEL": "tiny", "SERVED_NAME": "tiny", "HOST": HOST, "MAX_LEN": "
 EXTRA = ["--seed", "0", "--gpu-memory-utilization", "0.08", "--logprobs-mode", "raw_logits"]
 GREEDY_TOKENS = 32
 BASE_LEN = 129  # prompt lengths 129..256: every residue mod 128
+# A request open this long gets its server's stacks dumped into the server log (Server.dump_stacks);
+# requests may take REQUEST_TIMEOUT_S: on 2026-12-03 the first DFlash2 step of a tiny server took
+# 124 s in a seven-server group (the old 120 s limit failed jobs 70 and 72 without saying where).
+SLOW_REQUEST_S = 45.0
+REQUEST_TIMEOUT_S = 300.0
 
 
 # ----------------------------------------------------------------------------- analysis (pure)
@@ -267,6 +273,8 @@ class Server:
         self.t0 = 0.0
         self.boot_s = None
         self._client = None
+        self._dumped = False     # stacks dumped once (dump_stacks)
+        self.slowest_s = 0.0     # the longest request so far (seconds)
 
     def client(self):
         """One pooled HTTP client per server (thread-safe): a fresh httpx.post per request builds
@@ -279,9 +287,8 @@ class Server:
         return self._client
 
     def start(self, env: dict) -> None:
-        f = open(self.log, "w")
-        f.write(shlex.join(self.argv) + "\n\n")
-        f.flush()
+        self.log.write_text(shlex.join(self.argv) + "\n\n")
+        f = open(self.log, "a")  # O_APPEND: the driver's own notes (dump_stacks) are not overwritten
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT,
                                      env={**env, **self.child_env},
@@ -326,9 +333,38 @@ class Server:
             except ProcessLookupError:
                 pass
 
+    def dump_stacks(self, why: str) -> bool:
+        """Once per server: SIGUSR2 to its process group. Under gpu/run.sh every Python process
+        there has gpu/lib/stackdump's handler, which writes all thread stacks to the server log
+        and carries on (the server keeps serving). False when it was sent before or cannot be."""
+        if self._dumped or self.proc is None or self.proc.poll() is not None:
+            return False
+        self._dumped = True
+        try:
+            with open(self.log, "a") as f:
+                f.write(f"\n[driver] SIGUSR2 to process group {self.proc.pid}: {why}\n")
+            os.killpg(self.proc.pid, signal.SIGUSR2)
+        except OSError:
+            return False
+        return True
+
     def complete(self, prompt: list[int], **kw) -> dict:
+        """One completion (up to REQUEST_TIMEOUT_S); still open after SLOW_REQUEST_S, the server's
+        stacks go to its log (once per server). ``slowest_s`` keeps the longest request."""
         body = {"model": "tiny", "prompt": prompt, "return_tokens_as_token_ids": True, **kw}
-        r = self.client().post(self.url + "/v1/completions", json=body, timeout=120)
+        t0 = time.monotonic()
+        timer = threading.Timer(SLOW_REQUEST_S, self.dump_stacks,
+                                args=(f"a request open for {SLOW_REQUEST_S:.0f} s",))
+        timer.daemon = True
+        timer.start()
+        try:
+            r = self.client().post(self.url + "/v1/completions", json=body,
+                                   timeout=REQUEST_TIMEOUT_S)
+        finally:
+            timer.cancel()
+        dt = time.monotonic() - t0
+        if dt > self.slowest_s:
+            self.slowest_s = dt
         r.raise_for_status()
         return r.json()["choices"][0]
 
@@ -387,6 +423,11 @@ def recorded(rec: dict, servers: dict, t_start: float, write, log=None):
         rec["failures"].append(f"{type(e).__name__}: {e}")
         log(f"ERROR {type(e).__name__}: {str(e)[:600]}")
     finally:
+        slow = {n: round(getattr(s, "slowest_s", 0.0), 1) for n, s in servers.items()}
+        rec["slowest_request_s"] = slow
+        if any(v > SLOW_REQUEST_S for v in slow.values()):
+            log("slow requests (s, the longest per server; stacks in the server logs): "
+                + ", ".join(f"{n} {v}" for n, v in slow.items()))
         for s in servers.values():
             s.stop()
         rec["wall_s"] = round(time.monotonic() - t_start, 1)
