@@ -265,7 +265,9 @@ def test_job31_all_arms_against_fake_servers(tmp_path):
 def test_job_headers(job):
     text = (REPO / "gpu" / "jobs" / job).read_text()
     assert text.splitlines()[1].startswith("# timeout: ")
-    assert int(text.splitlines()[1].split(":")[1]) <= 600  # one run call's limit
+    # gpu/run.sh --detach runs a job past one call's 10 minutes; the driver's wait.sh calls follow
+    # it (job 31's four 27B boots take ~15-17 minutes, 2026-12-03)
+    assert 60 <= int(text.splitlines()[1].split(":")[1]) <= 1200
     r = subprocess.run(["bash", "-n", str(REPO / "gpu" / "jobs" / job)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
