@@ -62,7 +62,7 @@ def test_every_config_parses(monkeypatch, tmp_path, tiny_dir):
         # the suite asks SPEC=off for TOP_K top logprobs: vLLM must allow that many
         assert ea.max_logprobs == -1 or ea.max_logprobs >= 8, (n, ea.max_logprobs)
         assert ea.additional_config == {"gdn_prefill_backend": "triton"}, n
-        assert ea.kv_cache_memory_bytes == 2**30 and ea.max_model_len == 2048, n
+        assert ea.kv_cache_memory_bytes == 3 * 2**30 and ea.max_model_len == 2048, n
         assert ea.dtype == ("float32" if cfg.dtype == "float32" else "auto"), n
         if cfg.ctx == "long":
             assert ea.kv_cache_dtype == "int8_per_token_head", n

@@ -16,6 +16,7 @@ It reproduces the GPU finding of 2026-12-02 (docs/prefix-cache.md):
 from __future__ import annotations
 
 import collections
+import sys
 import random
 import types
 
@@ -252,3 +253,52 @@ def test_capacity_note_matches_job10_outcome():
         p = job10_pool(kv, 0)
         need = sum(L // p.block_size + p.gdn_groups for L in range(SWEEP_BASE, SWEEP_BASE + MODULUS))
         assert (need <= p.num_blocks) is fits
+
+
+# --------------------------------------------------------------------------- the GPU suite's sweep
+def _suite_constants() -> tuple[int, int]:
+    """SWEEP_BASE of tests/gpu/test_serve_suite.py and KV_MEM (GiB) of tests/gpu/conftest.py, read
+    from the files (importing them needs the GPU suite's fixtures)."""
+    import re
+    from pathlib import Path
+
+    gpu = Path(__file__).resolve().parent / "gpu"
+    base = int(re.search(r"^SWEEP_BASE = (\d+)", (gpu / "test_serve_suite.py").read_text(), re.M)[1])
+    kv = int(re.search(r'"KV_MEM": "(\d+)G"', (gpu / "conftest.py").read_text())[1])
+    return base, kv
+
+
+@pytest.mark.parametrize("kv,k,max_seqs", [("bf16", 0, 8), ("bf16", 4, 8),
+                                           ("int8_per_token_head", 0, 4), ("int8_per_token_head", 3, 4)])
+def test_gpu_suite_sweep_hits_its_ideal(kv, k, max_seqs, monkeypatch):
+    """The suite's residue sweep as it is configured now: every bf16/int8 server, SPEC=mtp
+    included, hits its ideal in pass 2 (no LRU cliff, and prompts long enough that speculation
+    still leaves a block), and the suite's own prediction (test_serve_suite.predicted_hit_tokens,
+    read here from its rule) equals ideal_hit."""
+    base, kv_gib = _suite_constants()
+    monkeypatch.setattr(sys.modules[__name__], "SWEEP_BASE", base)
+    pool = memory.predict_pool(tiny_geometry(), kv_gib << 30, kv, 2048, k, prefix_cache=True)
+    s = Sweep(pool, max_seqs)
+    prompts = sweep_prompts()
+    s.one_pass(prompts, "p1")
+    hits = s.one_pass(prompts, "p2")
+    ideal = [ideal_hit(len(p), pool.block_size, k > 0) for p in prompts]
+    assert hits == ideal and sum(ideal) > 0
+
+
+def test_suite_prediction_is_the_ideal_rule():
+    """tests/gpu/test_serve_suite.predicted_hit_tokens (what the GPU suite prints next to the
+    measured hits) is ideal_hit summed, for both block sizes and with/without speculation."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+    try:
+        import test_serve_suite as suite
+    finally:
+        sys.path.pop(0)
+    lengths = list(range(300, 1400, 7)) + [416, 832, 1040, 1200]
+    for block in (112, 208, 400, 416):
+        for spec in (False, True):
+            assert suite.predicted_hit_tokens(lengths, block, spec) == \
+                sum(ideal_hit(n, block, spec) for n in lengths)
+    assert suite.predicted_hit_tokens(lengths, None, True) is None
