@@ -34,6 +34,13 @@ fi
 # gpu/lib/stackdump: SIGUSR2 dumps every thread's stack of a job's Python processes (drivers send it on a
 # slow request: the server log then says where a stall is)
 export PYTHONPATH="$repo/gpu/lib/stackdump:$repo:$SITE" STOCK_PYTHONPATH="$repo/gpu/lib/stackdump:$repo:$STOCK:$SITE"
+# Provenance: the device gets a copy of the working tree, but its .git can be stale (2026-12-03: the
+# job logs read c53af90 while the tree was 189830f). The caller states the tree's commit:
+# ONECARD_TREE_REV=<short hash> bash gpu/run.sh ...; without it, the device's HEAD, marked as such.
+if [ -z "${ONECARD_TREE_REV:-}" ]; then
+  ONECARD_TREE_REV="$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?') (device .git HEAD; may be stale)"
+fi
+export ONECARD_TREE_REV
 export VLLM="python3 -m vllm.entrypoints.cli.main" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
   VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
 # FlashInfer's sampling module is JIT-built with nvcc at a server's first sampler warm-up (cold:
@@ -54,6 +61,7 @@ fi
 python3 -m onecard patches revert --vllm-dir "$STOCK/vllm" >/dev/null || { say "cannot make $STOCK pristine"; exit 2; }
 python3 -m onecard patches apply --vllm-dir "$SITE/vllm" || { say "patch series does not apply"; exit 2; }
 python3 -m onecard patches status --vllm-dir "$SITE/vllm"
+say "tree: $ONECARD_TREE_REV"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,power.limit --format=csv,noheader \
   > "$OUTROOT/gpu.txt" 2>&1 || echo "nvidia-smi: not available" > "$OUTROOT/gpu.txt"
 cat "$OUTROOT/gpu.txt"

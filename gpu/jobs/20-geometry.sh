@@ -13,7 +13,7 @@ set -u
 mkdir -p "$JOB_OUT" "$MODELS"
 M="$MODELS/qwen38-27b-geom"
 D="$MODELS/qwen38-27b-geom-dflash2"
-echo "== $(date -u +%FT%TZ) 20-geometry; repo $(git rev-parse --short HEAD 2>/dev/null)"
+echo "== $(date -u +%FT%TZ) 20-geometry; repo ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null)}"
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader || true
 df -h "$MODELS" | tail -1
 free -g | head -2

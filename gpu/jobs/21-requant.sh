@@ -20,7 +20,7 @@ M="$MODELS/qwen38-27b-geom"
 R="$MODELS/qwen38-27b-geom-rq"
 TB="$MODELS/qwen35-tiny-j21"
 TR="$MODELS/qwen35-tiny-j21-rq"
-echo "== $(date -u +%FT%TZ) 21-requant; repo $(git rev-parse --short HEAD 2>/dev/null)"
+echo "== $(date -u +%FT%TZ) 21-requant; repo ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null)}"
 if [ ! -f "$M/model.safetensors.index.json" ]; then
   echo "FAIL: $M missing (job 20-geometry builds it)"; exit 1
 fi

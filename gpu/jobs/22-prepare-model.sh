@@ -12,7 +12,7 @@ set -u
 mkdir -p "$JOB_OUT"
 M="$MODELS/qwen38-27b-geom"
 P="$MODELS/qwen38-27b-geom-prep"
-echo "== $(date -u +%FT%TZ) 22-prepare-model; repo $(git rev-parse --short HEAD 2>/dev/null)"
+echo "== $(date -u +%FT%TZ) 22-prepare-model; repo ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null)}"
 if [ ! -f "$M/model.safetensors.index.json" ]; then
   echo "FAIL: $M missing (job 20-geometry builds it)"; exit 1
 fi

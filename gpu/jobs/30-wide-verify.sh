@@ -13,7 +13,7 @@
 set -u
 : "${JOB_OUT:=/var/tmp/out/30-wide-verify}"
 mkdir -p "$JOB_OUT"
-echo "== $(date -u +%FT%TZ) 30-wide-verify; repo $(git rev-parse --short HEAD 2>/dev/null)"
+echo "== $(date -u +%FT%TZ) 30-wide-verify; repo ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null)}"
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version,clocks.max.sm,clocks.max.mem \
   --format=csv,noheader 2>&1 || true
 PP="${STOCK_PYTHONPATH:-${PYTHONPATH:-.}}"

@@ -17,7 +17,7 @@ mkdir -p "$JOB_OUT"
 summary="$JOB_OUT/summary.txt"
 : > "$summary"
 say() { echo "$*" | tee -a "$summary"; }
-say "== 40-pools $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+say "== 40-pools $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
 python3 -c 'import sys, torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' 2>&1 | tee -a "$summary"
 ls -d "$MODELS"/qwen38-27b-geom 2>/dev/null | sed 's/^/27B geometry: /' | tee -a "$summary"
 

@@ -12,7 +12,7 @@
 set -u
 : "${JOB_OUT:=/var/tmp/out/60-kvarn-kernels}"
 mkdir -p "$JOB_OUT"
-echo "== $(date -u +%FT%TZ) 60-kvarn-kernels; repo $(git rev-parse --short HEAD 2>/dev/null)"
+echo "== $(date -u +%FT%TZ) 60-kvarn-kernels; repo ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null)}"
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version,clocks.max.sm,clocks.max.mem \
   --format=csv,noheader 2>&1 || true
 PYTHONPATH="${PYTHONPATH:-.}" timeout -k 10 220 python3 bench/kernel_kvarn.py --out "$JOB_OUT" --budget-s 140

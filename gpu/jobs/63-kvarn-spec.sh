@@ -26,7 +26,7 @@ cd "$(dirname "$0")/../.."
 . gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
 correctness_boots  # outputs only, no timings: no Triton autotuning (gpu/lib/job.sh)
 mkdir -p "$MODELS"
-say "== 63-kvarn-spec $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+say "== 63-kvarn-spec $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
 
 # --- KVarN into a private view (job 61's setup; /var/tmp/site is not written). A view of its own,
 # not job 61's /var/tmp/site-kvarn: setup deletes and rebuilds its view, and 61 may run beside

@@ -21,7 +21,7 @@ cd "$(dirname "$0")/../.."
 . gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
 correctness_boots  # outputs only, no timings: no Triton autotuning (gpu/lib/job.sh)
 mkdir -p "$MODELS"
-say "== 70-dflash2 $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+say "== 70-dflash2 $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
 vllm_markers
 ensure_tiny_drafter 70-dflash2   # the tiny model and its DFlash2 drafter
 # everything ends inside the 480 s header

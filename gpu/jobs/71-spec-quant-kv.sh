@@ -23,7 +23,7 @@ cd "$(dirname "$0")/../.."
 . gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
 correctness_boots  # outputs only, no timings: no Triton autotuning (gpu/lib/job.sh)
 mkdir -p "$MODELS"
-say "== 71-spec-quant-kv $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+say "== 71-spec-quant-kv $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
 vllm_markers
 ensure_tiny_drafter 71-spec-quant-kv   # the tiny model and its DFlash2 drafter
 # everything ends inside the 600 s header

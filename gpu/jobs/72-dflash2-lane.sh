@@ -20,7 +20,7 @@ cd "$(dirname "$0")/../.."
 . gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
 correctness_boots  # outputs only, no timings: no Triton autotuning (gpu/lib/job.sh)
 mkdir -p "$MODELS"
-say "== 72-dflash2-lane $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+say "== 72-dflash2-lane $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
 vllm_markers
 # the tiny model and the agreeing pair (CPU, cached in $MODELS)
 timeout 120 "${PY:-python3}" -m onecard.dflash.agree > "$JOB_OUT/build.txt" 2>&1

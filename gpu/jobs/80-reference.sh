@@ -34,7 +34,7 @@ mkdir -p "$JOB_OUT"
 summary="$JOB_OUT/summary.txt"; : > "$summary"
 say() { echo "$*" | tee -a "$summary"; }
 M="$MODELS/qwen38-27b-geom"
-say "== 80-reference $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+say "== 80-reference $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | tee -a "$summary"
 if [ ! -f "$M/config.json" ]; then
   say "no checkpoint at $M: run gpu/jobs/20-geometry.sh first (it builds it)"

@@ -21,7 +21,7 @@ mkdir -p "$JOB_OUT"
 summary="$JOB_OUT/summary.txt"
 : > "$summary"
 say() { echo "$*" | tee -a "$summary"; }
-say "== 90-tp2 $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+say "== 90-tp2 $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
 
 # Visible GPUs: CUDA_VISIBLE_DEVICES when set, else nvidia-smi -L; neither = 0 (skip).
 if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then

@@ -40,11 +40,16 @@ def _run(cmd: list[str], cwd: Path | None = None, timeout: float = 10) -> str | 
 
 
 def git_info(repo: Path = REPO_ROOT) -> dict[str, Any]:
+    """commit / dirty from the checkout's git, and tree_rev: ONECARD_TREE_REV, the commit the
+    caller says the tree is (the GPU host gets a copy of the working tree whose .git can be
+    stale: there `commit` is not what ran; gpu/run.sh exports ONECARD_TREE_REV)."""
+    tree_rev = os.environ.get("ONECARD_TREE_REV") or None
     if shutil.which("git") is None:
-        return {"commit": None, "dirty": None}
+        return {"commit": None, "dirty": None, "tree_rev": tree_rev}
     commit = _run(["git", "rev-parse", "HEAD"], cwd=repo)
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
-    return {"commit": commit, "dirty": (bool(status) if status is not None else None)}
+    return {"commit": commit, "dirty": (bool(status) if status is not None else None),
+            "tree_rev": tree_rev}
 
 
 def _fallback_series_hash(series_path: Path) -> str | None:
