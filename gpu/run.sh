@@ -50,6 +50,9 @@ export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 # Triton keeps autotune winners on disk (the FLA GDN kernels retune at every boot otherwise; each
 # tiny server's profiling run took 80-91 s on 2026-12-02 with warm compile caches).
 export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
+# One Triton cache for every server of the lease (onecard/plan.py says why: vLLM's AOT compile
+# otherwise gives each configuration its own, so winners and compiled kernels were not shared).
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 # 2026-12-03: with it, servers launched after a warm-first server (same model, same kernels) still
 # spent 99-103 s in vLLM's profiling run (warm-first itself 84 s): either the winners are not
 # reused or autotuning is not the cost. Every server log now says which (one line per tuned

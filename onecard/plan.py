@@ -466,6 +466,17 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     # (how much of those 80 s it saves is still to be measured). An explicit value (0 too) wins.
     if environ.get("TRITON_CACHE_AUTOTUNING", "") == "":
         plan.child_env["TRITON_CACHE_AUTOTUNING"] = "1"
+    # ...but the winners only help if every boot looks in the same place. vLLM 0.27.1's AOT compile
+    # points TORCHINDUCTOR_CACHE_DIR at a directory per configuration hash
+    # (compilation/decorators.py: torch_compile_cache/torch_aot_compile/<hash>/inductor_cache), and
+    # torch then sets TRITON_CACHE_DIR beneath it when unset (_inductor/runtime/
+    # triton_heuristics.py). So each CTX/SPEC/KV combination compiled and autotuned every Triton
+    # kernel again in a cache of its own (H200, 2026-12-03: a dflash2 server retuned the FLA
+    # kernel its SPEC=off sibling had tuned minutes before, 35 s for that kernel alone). Triton's
+    # cache is content-addressed, so one directory serves all of them: Triton's own default,
+    # named explicitly. An explicit TRITON_CACHE_DIR is the user's.
+    if environ.get("TRITON_CACHE_DIR", "") == "":
+        plan.child_env["TRITON_CACHE_DIR"] = str(Path.home() / ".triton" / "cache")
     if check_paths:  # a real launch: look at this machine (dry runs stay machine-independent)
         if plan.get("CTX") == "huge":
             problem = kvarn_install_problem()

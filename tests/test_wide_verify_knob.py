@@ -51,3 +51,13 @@ def test_triton_autotune_cache_on_unless_set(tmp_path):
     otherwise); an explicit TRITON_CACHE_AUTOTUNING, even 0, is the user's."""
     assert mk({}, tmp_path).child_env["TRITON_CACHE_AUTOTUNING"] == "1"
     assert "TRITON_CACHE_AUTOTUNING" not in mk({"TRITON_CACHE_AUTOTUNING": "0"}, tmp_path).child_env
+
+
+def test_one_triton_cache_dir_unless_set(tmp_path):
+    """Every profile's server shares one Triton cache (vLLM's AOT compile would give each
+    configuration hash its own, and torch puts TRITON_CACHE_DIR under it when unset); a user's
+    TRITON_CACHE_DIR is left alone."""
+    from pathlib import Path
+
+    assert mk({}, tmp_path).child_env["TRITON_CACHE_DIR"] == str(Path.home() / ".triton" / "cache")
+    assert "TRITON_CACHE_DIR" not in mk({"TRITON_CACHE_DIR": "/x"}, tmp_path).child_env
