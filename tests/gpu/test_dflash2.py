@@ -274,6 +274,7 @@ class Server:
         self.boot_s = None
         self._client = None
         self._dumped = False     # stacks dumped once (dump_stacks)
+        self._dump_lock = threading.Lock()   # many requests' timers may fire at once
         self.slowest_s = 0.0     # the longest request so far (seconds)
 
     def client(self):
@@ -337,9 +338,10 @@ class Server:
         """Once per server: SIGUSR2 to its process group. Under gpu/run.sh every Python process
         there has gpu/lib/stackdump's handler, which writes all thread stacks to the server log
         and carries on (the server keeps serving). False when it was sent before or cannot be."""
-        if self._dumped or self.proc is None or self.proc.poll() is not None:
-            return False
-        self._dumped = True
+        with self._dump_lock:
+            if self._dumped or self.proc is None or self.proc.poll() is not None:
+                return False
+            self._dumped = True
         try:
             with open(self.log, "a") as f:
                 f.write(f"\n[driver] SIGUSR2 to process group {self.proc.pid}: {why}\n")
