@@ -54,7 +54,8 @@ export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 # otherwise gives each configuration its own, so winners and compiled kernels were not shared).
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 # 2026-12-03: servers launched after a warm-first server still spent 99-103 s in vLLM's profiling
-# run: each configuration had its own Triton cache (TRITON_CACHE_DIR above). Every server log says
+# run: each configuration had its own Triton cache (read in vLLM/torch, TRITON_CACHE_DIR above; the
+# effect of one shared cache is not measured yet). Every server log says
 # what it tunes (one line per tuned kernel with its time).
 export TRITON_PRINT_AUTOTUNING=${TRITON_PRINT_AUTOTUNING:-1}
 if [ ! -f "$STOCK/vllm/__init__.py" ]; then
