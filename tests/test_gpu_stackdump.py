@@ -13,8 +13,8 @@ SHIM = ROOT / "tests" / "gpu" / "fp32_shim"
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
 CHILD = ("import sys, time\n"
-         "print('rea' + 'dy', flush=True)\n"
          "def waiting_here():\n"
+         "    print('rea' + 'dy', flush=True)\n"   # from inside the frame the dump must name
          "    time.sleep(20)\n"
          "waiting_here()\n"
          "print('still alive', flush=True)\n")
@@ -98,3 +98,24 @@ def test_recorded_reports_slow_servers(tmp_path):
         pass
     assert rec["slowest_request_s"] == {"a": 3.0, "b": 124.4}
     assert any("slow requests" in ln and "b 124.4" in ln for ln in lines)
+
+
+def test_first_requests_are_timed_per_server():
+    import test_dflash2 as T
+
+    class Fake:
+        def __init__(self, delay):
+            self.delay, self.calls = delay, []
+
+        def complete(self, prompt, **kw):
+            self.calls.append((prompt, kw))
+            time.sleep(self.delay)
+            return {}
+
+    servers = {"off": Fake(0.0), "d2k7": Fake(0.2)}
+    rec = {"servers": {"off": {}, "d2k7": {}}}
+    lines = []
+    T.first_requests(servers, rec, lines.append)
+    assert rec["servers"]["d2k7"]["first_request_s"] >= 0.2 > rec["servers"]["off"]["first_request_s"]
+    assert servers["off"].calls[0][0] == T.FIRST_PROMPT and servers["off"].calls[0][1]["max_tokens"] == 8
+    assert lines and lines[0].startswith("first request")

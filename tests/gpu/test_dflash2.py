@@ -472,6 +472,27 @@ def boot_all(names, plan, out: Path, rec: dict, servers: dict, left, min_left: f
     for n, s in servers.items():
         rec["servers"][n]["boot_s"] = round(s.boot_s, 1)
     log("boot: " + ", ".join(f"{n} {s.boot_s:.0f} s" for n, s in servers.items()))
+    first_requests(servers, rec, log)
+
+
+FIRST_PROMPT = [11 + (i * 7) % 97 for i in range(64)]   # ordinary ids of the tiny vocabulary
+
+
+def first_requests(servers: dict, rec: dict, log) -> None:
+    """Each server's first request (64 prompt tokens, 8 greedy), all at once, timed: a server that
+    kept a first-use cost (Triton JIT, a lazy compile) for its first step shows it here, apart
+    from the checks (2026-12-03: a DFlash2 server's first step took 124 s)."""
+    def one(item):
+        name, srv = item
+        t0 = time.monotonic()
+        srv.complete(FIRST_PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True)
+        return name, time.monotonic() - t0
+
+    with cf.ThreadPoolExecutor(max(1, len(servers))) as ex:
+        took = dict(ex.map(one, servers.items()))
+    for n, dt in took.items():
+        rec["servers"][n]["first_request_s"] = round(dt, 2)
+    log("first request (64 + 8 tokens): " + ", ".join(f"{n} {dt:.2f} s" for n, dt in took.items()))
 
 
 def run(out: Path, deadline_s: float, samples: int) -> int:
