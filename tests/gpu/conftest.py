@@ -86,8 +86,9 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
 # 3 GiB: the residue sweep keeps 128 prompts of 1024..1151 tokens cached for its second pass; an
 # LRU pool smaller than that footprint evicts each prompt before it comes back (2026-12-02: 512 MiB,
 # 2,496 hit tokens instead of ~56k). vLLM's own KV cache manager on CPU (tests/test_prefix_cache.py
-# ::test_gpu_suite_sweep_hits_its_ideal) gives every server of the sweep its ideal hits at 2 GiB
-# for bf16/int8; 3 GiB leaves room for the float32 servers' larger pages (not modelled there).
+# ::test_gpu_suite_sweep_hits_its_ideal) gives every bf16/int8 server of the sweep its ideal hits
+# at 2 GiB; at 3 GiB vLLM's real scheduler on CPU gives every server, float32 included, its
+# whole-block hits (docs/results/2026-12-03-prefix-cache-cpu/new-sweep-settings-output.txt).
 TINY_KNOBS = {"SERVED_NAME": "tiny", "HOST": HOST, "MAX_LEN": "2048", "KV_MEM": "3G",
               "GDN_PREFILL": "triton", "REASONING_PARSER": "none"}
 
