@@ -16,9 +16,10 @@ It reproduces the GPU finding of 2026-12-02 (docs/prefix-cache.md):
 from __future__ import annotations
 
 import collections
-import sys
 import random
+import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +41,10 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     MambaSpec,
 )
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from gpu_suite_lib import ideal_prefix_hit  # noqa: E402  (the GPU suite's hit rule)
+sys.path.pop(0)
 
 SWEEP_BASE, MODULUS, SWEEP_TOKENS = 512, 128, 20     # tests/gpu/test_serve_suite.py
 KV_MEM = 512 * memory.MiB                            # tests/gpu/conftest.py TINY_KNOBS
@@ -148,14 +153,10 @@ class Sweep:
 
 
 def ideal_hit(L: int, block: int, eagle: bool) -> int:
-    """What a resend of a prompt of L tokens can hit in 0.27.1 align mode with nothing evicted.
-    Full attention matches floor((L-1)/B) blocks (the last prompt token is always recomputed:
-    kv_cache_manager.get_computed_blocks, max_cache_hit_length = num_tokens - 1); EAGLE drops
-    one more. The GDN state exists at one prompt boundary only: (floor(L/B) - eagle) * B
-    (scheduler._mamba_block_aligned_split, last_cache_position). A hit needs both to agree."""
-    attn = ((L - 1) // block - int(eagle)) * block
-    state = (L // block - int(eagle)) * block
-    return attn if attn > 0 and attn == state else 0
+    """What a resend of a prompt of L tokens can hit in 0.27.1 align mode with nothing evicted:
+    the GPU suite's rule (tests/gpu/gpu_suite_lib.ideal_prefix_hit), which these tests check
+    against vLLM's own manager."""
+    return ideal_prefix_hit(L, block, eagle)
 
 
 def run_job10(kv: str, k: int, max_seqs: int, num_blocks: int | None = None) -> tuple[Sweep, list[int], list[int]]:
@@ -260,7 +261,6 @@ def _suite_constants() -> tuple[int, int]:
     """SWEEP_BASE of tests/gpu/test_serve_suite.py and KV_MEM (GiB) of tests/gpu/conftest.py, read
     from the files (importing them needs the GPU suite's fixtures)."""
     import re
-    from pathlib import Path
 
     gpu = Path(__file__).resolve().parent / "gpu"
     base = int(re.search(r"^SWEEP_BASE = (\d+)", (gpu / "test_serve_suite.py").read_text(), re.M)[1])
@@ -289,8 +289,6 @@ def test_gpu_suite_sweep_hits_its_ideal(kv, k, max_seqs, monkeypatch):
 def test_suite_prediction_is_the_ideal_rule():
     """tests/gpu/test_serve_suite.predicted_hit_tokens (what the GPU suite prints next to the
     measured hits) is ideal_hit summed, for both block sizes and with/without speculation."""
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
     try:
         import test_serve_suite as suite

@@ -207,3 +207,16 @@ def residue_prompts(encode, decode, text: str, base: int = 512, modulus: int = 1
         else:
             raise ValueError(f"no prompt of exactly {n} tokens near offset {start}")
     return out
+
+
+def ideal_prefix_hit(L: int, block: int, spec: bool) -> int:
+    """Prefix-cache hit tokens a resend of a prompt of L tokens can get in vLLM 0.27.1 align mode
+    with nothing evicted (docs/prefix-cache.md). Full attention matches floor((L-1)/B) blocks (the
+    last prompt token is always recomputed: kv_cache_manager.get_computed_blocks,
+    max_cache_hit_length = num_tokens - 1); speculation (EAGLE/MTP/DFlash) drops one more. The GDN
+    state exists at one prompt boundary only: (floor(L/B) - spec) * B
+    (scheduler._mamba_block_aligned_split, last_cache_position). A hit needs both to agree.
+    Checked against vLLM's own manager on CPU: tests/test_prefix_cache.py."""
+    attn = ((L - 1) // block - int(spec)) * block
+    state = (L // block - int(spec)) * block
+    return attn if attn > 0 and attn == state else 0

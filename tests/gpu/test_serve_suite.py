@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gpu_suite_lib import TOP_K, corpus_text, judge_all, residue_prompts, summarize, top_entries
+from gpu_suite_lib import (TOP_K, corpus_text, ideal_prefix_hit, judge_all, residue_prompts,
+                           summarize, top_entries)
 
 pytestmark = pytest.mark.gpu
 
@@ -96,18 +97,11 @@ def attention_block(server) -> int | None:
 
 
 def predicted_hit_tokens(lengths, block: int | None, spec: bool) -> int | None:
-    """Prefix-cache hit tokens a second pass of these prompts can get in vLLM 0.27.1 align mode
-    with nothing evicted (docs/prefix-cache.md): full attention matches floor((L-1)/B) blocks, the
-    GDN state exists at floor(L/B) blocks, speculation drops one block of both; a hit needs the
-    two to agree. None without a block size."""
+    """Prefix-cache hit tokens a second pass of these prompts can get with nothing evicted
+    (gpu_suite_lib.ideal_prefix_hit per prompt). None without a block size."""
     if not block:
         return None
-    total = 0
-    for n in lengths:
-        attn = ((n - 1) // block - int(spec)) * block
-        state = (n // block - int(spec)) * block
-        total += attn if attn > 0 and attn == state else 0
-    return total
+    return sum(ideal_prefix_hit(n, block, spec) for n in lengths)
 
 
 def prefix_cache_hits(server) -> float | None:
