@@ -46,9 +46,10 @@ BOOT_TIMEOUT = float(os.environ.get("ONECARD_GPU_BOOT_TIMEOUT", "400"))
 GPU_MEM = os.environ.get("ONECARD_GPU_MEM", "0.06")
 EAGER = os.environ.get("ONECARD_GPU_EAGER", "") not in ("", "0")
 # ONECARD_GPU_WARM_FIRST=<server>[,<server>...]: the first of these that the run needs boots
-# alone first, so the others reuse its compile caches. Measured 2026-12-02 (bare H200): `off` alone 274 s, then eight at once 227-234 s each
-# (every vLLM profiling run still 80-91 s: per-process autotuning) = ~510 s before the first
-# sweep, against 147-388 s for all at once in an overloaded lease: so all at once by default.
+# alone first, so the others reuse its compile caches. Measured 2026-12-02 (bare H200): `off`
+# alone 274 s, then eight at once 227-234 s each (every vLLM profiling run still 80-91 s: each
+# configuration had its own Triton cache, see onecard/plan.py) = ~510 s before the first sweep,
+# against 147-388 s for all at once in an overloaded lease: so all at once by default.
 WARM_FIRST = [n for n in os.environ.get("ONECARD_GPU_WARM_FIRST", "").split(",") if n]
 SHIM_DIR = HERE / "fp32_shim"
 STRUCTURED = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
