@@ -72,7 +72,8 @@ def base_knobs(model: Path, draft: Path) -> dict:
 
 
 def extra_args() -> list[str]:
-    return ["--seed", "0", "--gpu-memory-utilization", gpu_util()]
+    # --jit-monitor-verbose: every Triton JIT compile after boot is logged (see test_dflash2.EXTRA)
+    return ["--seed", "0", "--gpu-memory-utilization", gpu_util(), "--jit-monitor-verbose"]
 
 
 def plan(name: str, model: Path, draft: Path, port: int, out: Path):

@@ -65,13 +65,19 @@ PROBABILISTIC = {"d2k15"}
 BASE_KNOBS = {"MODEL": "tiny", "SERVED_NAME": "tiny", "HOST": HOST, "MAX_LEN": "2048",
               "KV_MEM": "512M", "MAX_SEQS": "32", "GDN_PREFILL": "triton",
               "REASONING_PARSER": "none", "TOOLS": "0", "PREFIX_CACHE": "1"}
-EXTRA = ["--seed", "0", "--gpu-memory-utilization", "0.08", "--logprobs-mode", "raw_logits"]
+# --jit-monitor-verbose: vLLM logs every Triton JIT compile after boot (by default only a kernel
+# name's first), so a first-step stall's log names each kernel compiled inside it.
+EXTRA = ["--seed", "0", "--gpu-memory-utilization", "0.08", "--logprobs-mode", "raw_logits",
+         "--jit-monitor-verbose"]
 GREEDY_TOKENS = 32
 BASE_LEN = 129  # prompt lengths 129..256: every residue mod 128
 # A request open this long gets its server's stacks dumped into the server log (Server.dump_stacks);
 # requests may take REQUEST_TIMEOUT_S: on 2026-12-03 the first DFlash2 step of a tiny server took
 # 124 s in a seven-server group (the old 120 s limit failed jobs 70 and 72 without saying where).
+# A second dump at SLOW_REQUEST_2_S tells a hang (same frames twice) from slow progress.
 SLOW_REQUEST_S = 45.0
+SLOW_REQUEST_2_S = 110.0
+MAX_DUMPS = 2            # per server
 REQUEST_TIMEOUT_S = 300.0
 
 
@@ -273,7 +279,7 @@ class Server:
         self.t0 = 0.0
         self.boot_s = None
         self._client = None
-        self._dumped = False     # stacks dumped once (dump_stacks)
+        self._dumps = 0          # stack dumps sent so far (dump_stacks, at most MAX_DUMPS)
         self._dump_lock = threading.Lock()   # many requests' timers may fire at once
         self.slowest_s = 0.0     # the longest request so far (seconds)
 
@@ -335,13 +341,14 @@ class Server:
                 pass
 
     def dump_stacks(self, why: str) -> bool:
-        """Once per server: SIGUSR2 to its process group. Under gpu/run.sh every Python process
-        there has gpu/lib/stackdump's handler, which writes all thread stacks to the server log
-        and carries on (the server keeps serving). False when it was sent before or cannot be."""
+        """Up to MAX_DUMPS times per server: SIGUSR2 to its process group. Under gpu/run.sh every
+        Python process there has gpu/lib/stackdump's handler, which writes all thread stacks to
+        the server log and carries on (the server keeps serving). False when MAX_DUMPS were sent
+        or it cannot be."""
         with self._dump_lock:
-            if self._dumped or self.proc is None or self.proc.poll() is not None:
+            if self._dumps >= MAX_DUMPS or self.proc is None or self.proc.poll() is not None:
                 return False
-            self._dumped = True
+            self._dumps += 1
         try:
             with open(self.log, "a") as f:
                 f.write(f"\n[driver] SIGUSR2 to process group {self.proc.pid}: {why}\n")
@@ -352,18 +359,21 @@ class Server:
 
     def complete(self, prompt: list[int], **kw) -> dict:
         """One completion (up to REQUEST_TIMEOUT_S); still open after SLOW_REQUEST_S, the server's
-        stacks go to its log (once per server). ``slowest_s`` keeps the longest request."""
+        stacks go to its log, again after SLOW_REQUEST_2_S (dump_stacks: MAX_DUMPS per server).
+        ``slowest_s`` keeps the longest request."""
         body = {"model": "tiny", "prompt": prompt, "return_tokens_as_token_ids": True, **kw}
         t0 = time.monotonic()
-        timer = threading.Timer(SLOW_REQUEST_S, self.dump_stacks,
-                                args=(f"a request open for {SLOW_REQUEST_S:.0f} s",))
-        timer.daemon = True
-        timer.start()
+        timers = [threading.Timer(t, self.dump_stacks, args=(f"a request open for {t:.0f} s",))
+                  for t in (SLOW_REQUEST_S, SLOW_REQUEST_2_S)]
+        for timer in timers:
+            timer.daemon = True
+            timer.start()
         try:
             r = self.client().post(self.url + "/v1/completions", json=body,
                                    timeout=REQUEST_TIMEOUT_S)
         finally:
-            timer.cancel()
+            for timer in timers:
+                timer.cancel()
         dt = time.monotonic() - t0
         if dt > self.slowest_s:
             self.slowest_s = dt
