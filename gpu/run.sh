@@ -80,6 +80,23 @@ if ls "$ACC"/caches/gpu-caches.part-* >/dev/null 2>&1 && [ "${GPU_NO_CACHE_RESTO
     || say "compile caches in $ACC/caches did not unpack (incomplete parts?): starting cold"
 fi
 
+# FlashAttention-2 on the H200 compiles its kernels from PTX at first use (the wheel's FA2 has sm_80
+# cubins only and FA3 does not load under this torch): 107.8 s for one module in a lone process,
+# 143-149 s for each DFlash2 server's first step, 126 s of a warm-first server's graph capture
+# (2026-12-03). One driver JIT cache for the lease, large enough for every module, and
+# gpu/lib/fa2_prejit.py filling it at once; a step of one job (timings run alone) waits for it.
+export CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-/var/tmp/cuda-jit-cache} CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
+prejit_pid=""
+if [ "${GPU_NO_FA2_PREJIT:-0}" != 1 ]; then
+  python3 "$repo/gpu/lib/fa2_prejit.py" > "$OUTROOT/fa2-prejit.log" 2>&1 & prejit_pid=$!
+  say "FA2 pre-JIT started (pid $prejit_pid, log $OUTROOT/fa2-prejit.log; GPU_NO_FA2_PREJIT=1 skips it)"
+fi
+prejit_wait() {
+  [ -n "$prejit_pid" ] || return 0
+  wait "$prejit_pid"; say "FA2 pre-JIT finished (rc=$?): $(tail -n 1 "$OUTROOT/fa2-prejit.log")"
+  prejit_pid=""
+}
+
 summary="$OUTROOT/summary.txt"; : > "$summary"
 pack() {
   [ -n "${OUT:-}" ] || return 0
@@ -124,6 +141,7 @@ run_job() {  # run_job JOB SHARED: runs one job with its timeout; prints its sum
 for step in "${steps[@]}"; do
   IFS='+' read -ra group <<< "$step"
   if [ ${#group[@]} -eq 1 ]; then
+    prejit_wait   # a timing job never shares the GPU and CPUs with the compiling workers
     run_job "${group[0]}" ""
   else
     pids=()
@@ -134,6 +152,7 @@ for step in "${steps[@]}"; do
   pkill -f "vllm.entrypoints" 2>/dev/null; sleep 1; pkill -9 -f "vllm.entrypoints" 2>/dev/null
   pack  # after every step, so a call cut off at its time limit still brings back what ran
 done
+prejit_wait
 say "summary"; cat "$OUTROOT/gpu.txt" "$summary"
 pack
 touch "$OUTROOT/DONE"

@@ -33,6 +33,7 @@ def env(vllm_dir, tmp_path):
         "SITE": str(site), "STOCK": str(tmp_path / "stock"), "OUTROOT": str(tmp_path / "outroot"),
         "JOBS_DIR": str(jobs), "OUT": str(out), "MODELS": str(tmp_path / "models"),
         "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}",
+        "GPU_NO_FA2_PREJIT": "1",   # test_fa2_prejit_runs_beside_the_jobs turns it on
     }
 
 
@@ -89,3 +90,18 @@ def test_a_plus_group_runs_its_jobs_at_the_same_time_with_a_gpu_share(env):
     assert all("rc=0" in l and "shared GPU, 2 jobs" in l for l in group.values())
     log = (Path(env["OUTROOT"]) / "41-a" / "log.txt").read_text()
     assert "share=2 util=0.4" in log
+
+
+def test_fa2_prejit_runs_beside_the_jobs(env):
+    """The pre-JIT starts before the jobs, a lone job waits for it, and its failure (no GPU here)
+    neither stops the run nor hides the jobs' results."""
+    env = {**env, "GPU_NO_FA2_PREJIT": "0", "CUDA_CACHE_PATH": str(Path(env["OUTROOT"]) / "jit")}
+    out = run(["10"], env, timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "FA2 pre-JIT started" in out.stdout
+    started = out.stdout.index("FA2 pre-JIT started")
+    finished = out.stdout.index("FA2 pre-JIT finished")
+    assert started < finished < out.stdout.index("job 10-ok")     # a lone job waits for it
+    log = (Path(env["OUTROOT"]) / "fa2-prejit.log").read_text()
+    assert "6 workers" in log and "CUDA_CACHE_MAXSIZE=4294967296" in log
+    assert "rc=0" in (Path(env["OUT"]) / "summary.txt").read_text()
