@@ -477,6 +477,14 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     # named explicitly. An explicit TRITON_CACHE_DIR is the user's.
     if environ.get("TRITON_CACHE_DIR", "") == "":
         plan.child_env["TRITON_CACHE_DIR"] = str(Path.home() / ".triton" / "cache")
+    # Where vLLM runs FlashAttention-2 on a GPU its sm_80 kernels do not fit (Hopper when FA3 does
+    # not load), the CUDA driver compiles each kernel module from PTX at first use: 107.8 s for one
+    # on an H200 (2026-12-03), then 0.12 s from the driver's JIT cache. A handful of modules can
+    # outgrow the cache's default size and be compiled again at every boot; 4 GiB (the driver's
+    # maximum) keeps them. Nothing changes on an RTX 3090, whose sm_86 runs the sm_80 kernels as
+    # they are. An explicit CUDA_CACHE_MAXSIZE is the user's.
+    if environ.get("CUDA_CACHE_MAXSIZE", "") == "":
+        plan.child_env["CUDA_CACHE_MAXSIZE"] = str(4 << 30)
     if check_paths:  # a real launch: look at this machine (dry runs stay machine-independent)
         if plan.get("CTX") == "huge":
             problem = kvarn_install_problem()

@@ -61,3 +61,11 @@ def test_one_triton_cache_dir_unless_set(tmp_path):
 
     assert mk({}, tmp_path).child_env["TRITON_CACHE_DIR"] == str(Path.home() / ".triton" / "cache")
     assert "TRITON_CACHE_DIR" not in mk({"TRITON_CACHE_DIR": "/x"}, tmp_path).child_env
+
+
+def test_cuda_jit_cache_sized_for_flash_attention_unless_set(tmp_path):
+    """FA2 on a GPU its sm_80 kernels do not fit is compiled from PTX by the driver (107.8 s per
+    module on the H200); the launcher sizes the driver's JIT cache to its 4 GiB maximum so the
+    modules survive between boots; a user's CUDA_CACHE_MAXSIZE is left alone."""
+    assert mk({}, tmp_path).child_env["CUDA_CACHE_MAXSIZE"] == "4294967296"
+    assert "CUDA_CACHE_MAXSIZE" not in mk({"CUDA_CACHE_MAXSIZE": "1000"}, tmp_path).child_env
