@@ -150,6 +150,60 @@ def check_flashinfer(ctx) -> Result:
     return Result(PASS, "flashinfer", found)
 
 
+_FA_PROBE = """
+import json, torch
+info = {"cuda": torch.cuda.is_available()}
+if info["cuda"]:
+    info["cap"] = list(torch.cuda.get_device_capability())
+    from vllm.vllm_flash_attn import flash_attn_interface as f
+    info["fa"] = {str(v): [bool(f.is_fa_version_supported(v)), f.fa_version_unsupported_reason(v)]
+                  for v in (2, 3)}
+print(json.dumps(info))
+"""
+
+
+def flash_attention_verdict(info: dict) -> Result | None:
+    """What vLLM's FlashAttention backend will do on this GPU (``info``: _FA_PROBE's answer).
+    None when no CUDA GPU is visible (nothing to say offline)."""
+    if not info.get("cuda"):
+        return None
+    major, minor = info["cap"]
+    fa = info.get("fa", {})
+    fa2_ok, fa2_why = fa.get("2", [False, "unknown"])
+    fa3_ok, fa3_why = fa.get("3", [False, "unknown"])
+    sm = f"sm_{major}{minor}"
+    if major == 9:
+        if fa3_ok:
+            return Result(PASS, "flash-attn", f"{sm}: FA3")
+        return Result(WARN, "flash-attn",
+                      f"{sm}: FA3 does not load ({fa3_why}), so vLLM uses FA2, whose sm_80 kernels the "
+                      "driver compiles from PTX at first use (~2 min per kernel module, 107.8 s measured "
+                      "on an H200), cached afterwards (the launcher sets CUDA_CACHE_MAXSIZE=4 GiB); "
+                      "reinstall with ./install.sh to get the torch vLLM was built for")
+    if not fa2_ok:
+        return Result(WARN, "flash-attn", f"{sm}: FA2 unavailable ({fa2_why}); vLLM picks another attention backend")
+    if major == 8:
+        return Result(PASS, "flash-attn", f"{sm}: FA2 (its sm_80 kernels run here as built)")
+    return Result(PASS, "flash-attn", f"{sm}: FA2 available; FA3 {'available' if fa3_ok else 'not available'}")
+
+
+def check_flash_attention(ctx) -> Result | None:
+    if _version("vllm") is None:
+        return None   # check_vllm_version says so
+    try:
+        out = subprocess.run([sys.executable, "-c", _FA_PROBE], capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        return Result(WARN, "flash-attn", "probing vLLM's FlashAttention took longer than 180 s")
+    if out.returncode != 0:
+        lines = [l for l in out.stderr.strip().splitlines() if l.strip()]
+        return Result(WARN, "flash-attn", f"could not probe vLLM's FlashAttention ({lines[-1] if lines else out.returncode})")
+    try:
+        info = json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return Result(WARN, "flash-attn", "could not probe vLLM's FlashAttention (no answer)")
+    return flash_attention_verdict(info)
+
+
 def check_triton(ctx) -> Result:
     found = _version("triton")
     if found is None:
@@ -293,6 +347,7 @@ OFFLINE_CHECKS: list[Callable[[dict], Result | None]] = [
     check_unexpected,
     check_kvarn,
     check_flashinfer,
+    check_flash_attention,
     check_triton,
     check_model,
     check_model_requant,

@@ -70,3 +70,28 @@ def test_live_checks_without_a_server():
     ctx = {"url": "http://127.0.0.1:9", "headers": {}}
     results = verify.run_checks(verify.LIVE_CHECKS, ctx, out=io.StringIO())
     assert results[0].status == verify.FAIL and results[1].status == verify.FAIL
+
+
+# --------------------------------------------------------------------------- flash-attn verdict
+
+def test_flash_attention_verdicts():
+    from onecard.verify import PASS, WARN, flash_attention_verdict as v
+
+    assert v({"cuda": False}) is None
+    r = v({"cuda": True, "cap": [8, 6], "fa": {"2": [True, None], "3": [False, "needs 9.x"]}})
+    assert r.status == PASS and "sm_86: FA2" in r.detail
+    r = v({"cuda": True, "cap": [9, 0], "fa": {"2": [True, None], "3": [True, None]}})
+    assert r.status == PASS and r.detail == "sm_90: FA3"
+    r = v({"cuda": True, "cap": [9, 0], "fa": {"2": [True, None], "3": [False, "undefined symbol: x"]}})
+    assert r.status == WARN and "undefined symbol: x" in r.detail and "CUDA_CACHE_MAXSIZE" in r.detail
+    assert "\n" not in r.detail
+    r = v({"cuda": True, "cap": [8, 9], "fa": {"2": [False, "not built"], "3": [False, "x"]}})
+    assert r.status == WARN and "not built" in r.detail
+
+
+def test_flash_attention_check_runs_without_a_gpu():
+    """On a machine without a CUDA GPU (CI) the check has nothing to say, or warns; never fails."""
+    from onecard.verify import FAIL, check_flash_attention
+
+    r = check_flash_attention({})
+    assert r is None or r.status != FAIL
