@@ -73,7 +73,8 @@ GREEDY_TOKENS = 32
 BASE_LEN = 129  # prompt lengths 129..256: every residue mod 128
 # A request open this long gets its server's stacks dumped into the server log (Server.dump_stacks);
 # requests may take REQUEST_TIMEOUT_S: on 2026-12-03 the first DFlash2 step of a tiny server took
-# 124 s in a seven-server group (the old 120 s limit failed jobs 70 and 72 without saying where).
+# 124 s in a seven-server group (the old 120 s limit failed jobs 70 and 72 without saying where);
+# the dumps then showed FlashAttention-2's PTX JIT on the H200 (docs/measurements.md, seventh session).
 # A second dump at SLOW_REQUEST_2_S tells a hang (same frames twice) from slow progress.
 SLOW_REQUEST_S = 45.0
 SLOW_REQUEST_2_S = 110.0
