@@ -6,7 +6,6 @@ printed on failure; kernel outputs and untouched cache bytes poisoned (NaN / ran
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
@@ -34,12 +33,6 @@ test_in_child_process = child_rerun(__file__, _PREIMPORTED)
 
 D = 64
 TOL = 1e-2  # fp16 query / dot operands / output vs float64 on the same dequantized K/V
-
-
-@pytest.fixture
-def gen():
-    seed = random.SystemRandom().randrange(2**31)
-    return torch.Generator().manual_seed(seed)  # seed shown on failure via initial_seed()
 
 
 # ---------------------------------------------------------------------------------------------

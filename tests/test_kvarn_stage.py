@@ -5,7 +5,6 @@ against a float64 reference of what the cache must represent. Triton interpreter
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
@@ -112,11 +111,6 @@ class Sim:
         sink = int(self.bt[r, 0]) * self.tpp in self.planner.slot_of
         return R.own_tile_attention_f64(q, R.rotate(kr), R.rotate(vr), R.rotate(kq), R.rotate(vq),
                                         T, D ** -0.5, sink=sink)
-
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
 
 
 TOL = 2e-2  # the reference re-quantizes with its own rounding (rare ties differ by one code)

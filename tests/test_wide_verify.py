@@ -6,7 +6,6 @@ printed on failure; outputs poisoned with NaN before every call.
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
@@ -31,12 +30,6 @@ test_in_child_process = child_rerun(__file__, _PREIMPORTED)
 
 
 TOL = 3e-2  # bf16 queries/outputs and bf16 P.V operands vs a float64 reference
-
-
-@pytest.fixture
-def gen():
-    seed = random.SystemRandom().randrange(2**31)
-    return torch.Generator().manual_seed(seed)  # seed shown on failure via initial_seed()
 
 
 def _run(case, **kw):
