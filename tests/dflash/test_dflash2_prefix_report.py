@@ -9,6 +9,7 @@ from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "gpu"))
 import test_dflash2 as T  # noqa: E402
+from gpu_suite_lib import ideal_prefix_hit  # noqa: E402
 
 
 class FakeServer:
@@ -26,12 +27,12 @@ def test_prompts_reach_two_blocks_so_speculation_still_hits():
     assert sorted(L % 128 for L in lens) == list(range(128))
     # the tiny model's block is 208; a length that is a whole number of blocks cannot hit (the
     # last token is recomputed, the GDN state sits one block back): 1040 here
-    assert [L for L in lens if T.ideal_prefix_hit(L, 208, True) == 0] == [1040]
+    assert [L for L in lens if ideal_prefix_hit(L, 208, True) == 0] == [1040]
 
 
 def test_prefix_report_prints_hits_beside_the_prediction(tmp_path, capsys):
     prompts = [[1] * (T.BASE_LEN + i) for i in range(128)]
-    want = {n: sum(T.ideal_prefix_hit(len(p), 208, n != "off") for p in prompts) for n in T.SERVERS}
+    want = {n: sum(ideal_prefix_hit(len(p), 208, n != "off") for p in prompts) for n in T.SERVERS}
     servers = {n: FakeServer(tmp_path, n, 208, want[n] + 5 if n != "d2k15" else 0.0) for n in T.SERVERS}
     hits0 = {n: 5.0 if n != "d2k15" else 0.0 for n in T.SERVERS}
     rec: dict = {}

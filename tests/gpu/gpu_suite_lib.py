@@ -16,6 +16,7 @@ The exactness rule (SPEC=mtp output against SPEC=off output, same prompts, greed
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 
 # Mantissa bits (without the implicit one) and the smallest normal exponent per float format.
@@ -220,3 +221,18 @@ def ideal_prefix_hit(L: int, block: int, spec: bool) -> int:
     attn = ((L - 1) // block - int(spec)) * block
     state = (L // block - int(spec)) * block
     return attn if attn > 0 and attn == state else 0
+
+
+def attention_block_in_log(text: str) -> int | None:
+    """The attention block size vLLM chose, from a server log ("Setting attention block size to N
+    tokens"); None when the log does not say."""
+    m = re.search(r"Setting attention block size to (\d+) tokens", text)
+    return int(m.group(1)) if m else None
+
+
+def predicted_hit_tokens(lengths, block: int | None, spec: bool) -> int | None:
+    """Prefix-cache hit tokens a second pass of prompts of these lengths can get with nothing
+    evicted (ideal_prefix_hit per prompt). None without a block size."""
+    if not block:
+        return None
+    return sum(ideal_prefix_hit(n, block, spec) for n in lengths)

@@ -53,7 +53,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 if str(Path(__file__).resolve().parent) not in sys.path:   # run as a script or imported
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_suite_lib import TOP_K, ideal_prefix_hit, judge  # noqa: E402  (the GPU suite's rules)
+from gpu_suite_lib import (TOP_K, attention_block_in_log, judge,  # noqa: E402  (the GPU
+                           predicted_hit_tokens)                     # suite's rules)
 
 HOST = "127.0.0.1"
 SERVERS = {
@@ -397,25 +398,23 @@ def _tok(s: str) -> int:
 
 
 def attention_block(srv: Server) -> int | None:
-    """The attention block size vLLM chose (its log: "Setting attention block size to N tokens")."""
+    """The attention block size vLLM chose (gpu_suite_lib.attention_block_in_log)."""
     try:
-        m = re.search(r"Setting attention block size to (\d+) tokens", srv.log.read_text(errors="replace"))
+        return attention_block_in_log(srv.log.read_text(errors="replace"))
     except OSError:
         return None
-    return int(m.group(1)) if m else None
 
 
 def prefix_report(rec: dict, servers: dict, prompts: list[list[int]], hits0: dict) -> None:
     """The cached pass's prefix-cache hit tokens per server beside what whole blocks allow
-    (gpu_suite_lib.ideal_prefix_hit; a speculating server gives up one block): a shortfall is a
+    (gpu_suite_lib.predicted_hit_tokens; a speculating server gives up one block): a shortfall is a
     finding in the log, not a failure (the exactness check is the test)."""
     out = {}
     for n, srv in servers.items():
         got = parse_prefix_cache(srv.metrics_text())["hits"] - hits0[n]
         block = attention_block(srv)
-        ideal = (sum(ideal_prefix_hit(len(p), block, n != "off") for p in prompts)
-                 if block else None)
-        out[n] = {"hits": got, "block": block, "predicted": ideal}
+        out[n] = {"hits": got, "block": block,
+                  "predicted": predicted_hit_tokens(map(len, prompts), block, n != "off")}
     rec["prefix_cache_pass2"] = out
     say("prefix-cache hit tokens in the cached pass: " + ", ".join(
         f"{n} {v['hits']:.0f} (predicted {v['predicted']}, block {v['block']})" for n, v in out.items()))

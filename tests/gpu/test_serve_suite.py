@@ -12,14 +12,13 @@ them before anything else can use up the job's time), then int8 KV, then SmolLM2
 from __future__ import annotations
 
 import json
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gpu_suite_lib import (TOP_K, corpus_text, ideal_prefix_hit, judge_all, residue_prompts,
-                           summarize, top_entries)
+from gpu_suite_lib import (TOP_K, attention_block_in_log, corpus_text, judge_all,
+                           predicted_hit_tokens, residue_prompts, summarize, top_entries)
 
 pytestmark = pytest.mark.gpu
 
@@ -90,18 +89,8 @@ def counter(text: str, name: str) -> list[float]:
 
 
 def attention_block(server) -> int | None:
-    """The attention block size vLLM chose (its log: "Setting attention block size to N tokens"),
-    None when the log does not say."""
-    m = re.search(r"Setting attention block size to (\d+) tokens", server.log_text())
-    return int(m.group(1)) if m else None
-
-
-def predicted_hit_tokens(lengths, block: int | None, spec: bool) -> int | None:
-    """Prefix-cache hit tokens a second pass of these prompts can get with nothing evicted
-    (gpu_suite_lib.ideal_prefix_hit per prompt). None without a block size."""
-    if not block:
-        return None
-    return sum(ideal_prefix_hit(n, block, spec) for n in lengths)
+    """The attention block size vLLM chose (gpu_suite_lib.attention_block_in_log)."""
+    return attention_block_in_log(server.log_text())
 
 
 def prefix_cache_hits(server) -> float | None:
