@@ -46,7 +46,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 GiB = 1024**3
@@ -269,6 +269,14 @@ def attention_block_size(geom: ModelGeometry, kv: str, num_spec: int = 0, ssm_st
     return align * cdiv(gdn_state_bytes(geom, num_spec, ssm_state_bytes), align * per_tok)
 
 
+# The published 27B DFlash2 drafter's shape (see dflash_drafter_vram below): parameters, attention
+# layers and their KV heads x head size.
+DFLASH2_27B_PARAMS = 1_924_404_480
+DFLASH2_27B_LAYERS = 5
+DFLASH2_27B_KV_HEADS = 8
+DFLASH2_27B_HEAD_DIM = 128
+
+
 @dataclass
 class PoolPrediction:
     kv: str
@@ -285,9 +293,31 @@ class PoolPrediction:
     pool_tokens: int  # what vLLM logs as "GPU KV cache size: N tokens"
     max_concurrency: float  # "Maximum concurrency for max_len tokens per request"
     state_slots_per_seq: int = field(default=0)
+    # (KV-cache groups, tokens per block) per attention bucket: one sequence of L tokens takes
+    # groups x cdiv(L, block) blocks of each
+    attn_groups: tuple[tuple[int, int], ...] = field(default=())
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def one_sequence_tokens(self) -> int:
+        """The longest sequence the pool holds alone: what vLLM's start-up check
+        (_check_enough_kv_cache_memory) allows as max_model_len, at block granularity."""
+        free = self.num_blocks - self.state_slots_per_seq
+        groups = self.attn_groups or ((1, self.block_size),)
+        if free <= 0:
+            return 0
+        per_step = sum(g for g, _ in groups)  # blocks per block_size step when all blocks are equal
+        if all(b == self.block_size for _, b in groups):
+            return free // per_step * self.block_size
+        lo, hi = 0, free * max(b for _, b in groups)
+        while lo < hi:  # largest L with sum g * cdiv(L, b) <= free
+            mid = (lo + hi + 1) // 2
+            if sum(g * cdiv(mid, b) for g, b in groups) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
 
 def predict_pool(
@@ -300,31 +330,60 @@ def predict_pool(
     mtp_in_pool: bool | None = None,
     ssm_state_bytes: int | None = None,
     draft_attn_layers: int = 0,
+    draft_kv_heads: int = DFLASH2_27B_KV_HEADS,
+    draft_head_dim: int = DFLASH2_27B_HEAD_DIM,
 ) -> PoolPrediction:
     """Predict the pool vLLM 0.27.1 builds from ``kv_mem_bytes`` (the --kv-cache-memory pin).
     ``draft_attn_layers``: a separate drafter's attention layers sharing the pool (DFlash2:
-    dflash_drafter_vram; they join the full-attention group, as the MTP layer does)."""
+    dflash_drafter_vram), with ``draft_kv_heads`` x ``draft_head_dim`` per layer (the published
+    27B drafter's 8 x 128 by default).
+
+    How vLLM lays the pool out (v1/core/kv_cache_utils.py, 0.27.1): layers are bucketed by
+    attention spec; FullAttentionSpec.merge requires equal KV heads and head size, so the MTP
+    layer (the target's own shape) joins the target's attention bucket while a drafter of
+    another shape (8 x 128 against 4 x 256) forms a bucket of its own. One group size for all
+    buckets (``_get_kv_cache_groups_uniform_page_size``): the smallest bucket, or the largest when
+    it is < 1.5x the smallest; every bucket is padded to whole groups ("Add N padding layers").
+    Pages are unified to the largest (unify_kv_cache_spec_page_size): a smaller attention page
+    that divides it gets a larger block, otherwise it is padded, as the GDN page is. Measured on
+    the H200 (2026-12-03, 27B geometry, int8 KV, DFlash2 k=7 / k=15): 69,090 / 37,046 tokens,
+    predicted exactly; the earlier model (drafter layers in the target's bucket) said 72,282
+    and let a MAX_LEN through that vLLM refused."""
     if max_len <= 0 or kv_mem_bytes < 0:
         raise ValueError("max_len must be > 0 and kv_mem_bytes >= 0")
     if mtp_in_pool is None:
         mtp_in_pool = num_spec > 0 and geom.mtp_layers > 0
     block = attention_block_size(geom, kv, num_spec, ssm_state_bytes)
-    page = block * attn_bytes_per_token(geom, kv)
-    n_attn = geom.num_full_attention + (geom.mtp_layers if mtp_in_pool else 0) + draft_attn_layers
+    target_page = block * attn_bytes_per_token(geom, kv)
+    n_target = geom.num_full_attention + (geom.mtp_layers if mtp_in_pool else 0)
     n_gdn = geom.num_gdn
-    small, large = min(n_attn, n_gdn), max(n_attn, n_gdn)
+    # (layers, page bytes at the common block size) per attention bucket
+    buckets = [(n_target, target_page)]
+    if draft_attn_layers > 0:
+        if (draft_kv_heads, draft_head_dim) == (geom.num_kv_heads, geom.head_dim):
+            buckets = [(n_target + draft_attn_layers, target_page)]
+        else:
+            dgeom = replace(geom, num_kv_heads=draft_kv_heads, head_dim=draft_head_dim)
+            buckets.append((draft_attn_layers, block * attn_bytes_per_token(dgeom, kv)))
+    sizes = [n for n, _ in buckets] + [n_gdn]
+    small, large = min(sizes), max(sizes)
     group = large if large < small * 1.5 else small
+    page = max(pg for _, pg in buckets)
     gdn_groups = cdiv(n_gdn, group)
-    attn_groups = cdiv(n_attn, group)
+    attn_groups = []
+    for n, pg in buckets:
+        # a page that divides the largest gets a proportionally larger block; else it is padded
+        attn_groups.append((cdiv(n, group), block * (page // pg) if page % pg == 0 else block))
+    attn_blocks = sum(g * cdiv(max_len, blk) for g, blk in attn_groups)
     num_blocks = max(int(kv_mem_bytes // page // group), 0)
     per_gdn_group = (2 if prefix_cache else 1) + num_spec
-    bpr = attn_groups * cdiv(max_len, block) + gdn_groups * per_gdn_group
+    bpr = attn_blocks + gdn_groups * per_gdn_group
     conc = num_blocks / bpr
     return PoolPrediction(
         kv=kv, max_len=max_len, num_spec=num_spec, prefix_cache=prefix_cache, kv_mem_bytes=kv_mem_bytes,
         block_size=block, page_bytes=page, group_size=group, gdn_groups=gdn_groups, num_blocks=num_blocks,
         blocks_per_request=bpr, pool_tokens=int(conc * max_len), max_concurrency=conc,
-        state_slots_per_seq=gdn_groups * per_gdn_group,
+        state_slots_per_seq=gdn_groups * per_gdn_group, attn_groups=tuple(attn_groups),
     )
 
 
@@ -571,8 +630,6 @@ def predict_tp(geom: ModelGeometry, tp: int, weights: TPWeights, kv: str, max_le
 # vocab 248,320. drafter_param_count of that config = 1,924,404,480 parameters; bf16 =
 # 3,848,808,960 bytes (3.58 GiB, the "~3.7 GB bf16" reported). Used when DRAFT has neither
 # safetensors nor a config that parses (e.g. --dry-run without the drafter on disk).
-DFLASH2_27B_PARAMS = 1_924_404_480
-DFLASH2_27B_LAYERS = 5
 
 
 def drafter_param_count(cfg) -> int:
@@ -596,6 +653,13 @@ class DrafterVRAM:
     weight_bytes: int
     attn_layers: int  # attention layers whose KV lives in the same pool (the pin)
     source: str
+    kv_heads: int = DFLASH2_27B_KV_HEADS  # per drafter attention layer (its KV page)
+    head_dim: int = DFLASH2_27B_HEAD_DIM
+
+    def pool_kw(self) -> dict:
+        """predict_pool's keywords for a pool shared with this drafter (no MTP layer is built)."""
+        return {"mtp_in_pool": False, "draft_attn_layers": self.attn_layers,
+                "draft_kv_heads": self.kv_heads, "draft_head_dim": self.head_dim}
 
 
 def dflash_drafter_vram(draft_dir: str | os.PathLike | None) -> DrafterVRAM:
@@ -603,11 +667,12 @@ def dflash_drafter_vram(draft_dir: str | os.PathLike | None) -> DrafterVRAM:
     (as the target's), else its config's shape in bf16, else the published 27B drafter.
 
     KV layers: vLLM 0.27.1 builds every drafter layer as an attention layer with its own KV cache
-    in the same pool as the target's (as the MTP layer); FullAttentionSpec.merge does not compare
-    head sizes, so the drafter's layers join the target's full-attention group (16 + 5 for the
-    27B pair: 8 KV heads x 128 = 4 x 256, the same bytes per token in bf16). The top-level
-    ``use_sliding_window`` of the published config is not honoured by 0.27.1 (docs/dflash2.md),
-    so they hold KV for the whole context."""
+    in the same pool as the target's. FullAttentionSpec.merge requires equal KV heads and head
+    size, so a drafter of another shape (the 27B pair: 8 KV heads x 128 against 4 x 256) gets a
+    KV-cache bucket of its own, and the group size drops to its layer count (5 for the 27B pair:
+    the target's 16 attention layers take 4 groups, the 48 GDN layers 10; predict_pool). The
+    top-level ``use_sliding_window`` of the published config is not honoured by 0.27.1
+    (docs/dflash2.md), so they hold KV for the whole context."""
     from onecard.dflash.config import DrafterConfig, DrafterConfigError
 
     cfg, why = None, "no DRAFT"
@@ -618,10 +683,11 @@ def dflash_drafter_vram(draft_dir: str | os.PathLike | None) -> DrafterVRAM:
         except (DrafterConfigError, OSError, ValueError):
             why = "DRAFT has no DFlash2 config that parses"
     layers = cfg.num_layers if cfg else DFLASH2_27B_LAYERS
+    shape = {"kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim} if cfg else {}
     if d is not None and d.is_dir() and any(d.glob("*.safetensors")):
-        return DrafterVRAM(weight_bytes(d), layers, "drafter safetensors headers")
+        return DrafterVRAM(weight_bytes(d), layers, "drafter safetensors headers", **shape)
     if cfg is not None:
-        return DrafterVRAM(drafter_param_count(cfg) * 2, layers, "drafter config shape, bf16")
+        return DrafterVRAM(drafter_param_count(cfg) * 2, layers, "drafter config shape, bf16", **shape)
     return DrafterVRAM(DFLASH2_27B_PARAMS * 2, DFLASH2_27B_LAYERS,
                        f"estimate: the published 27B DFlash2 drafter, bf16 ({why})")
 

@@ -266,10 +266,10 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
     max_len = int(plan.get("MAX_LEN"))
     drafter = _drafter(plan)
     # DFlash2: no MTP layer is built; the drafter's own attention layers share the pool instead
-    pool_kw = {"mtp_in_pool": False, "draft_attn_layers": drafter.attn_layers} if drafter else {}
+    pool_kw = drafter.pool_kw() if drafter else {}
     attn_layers = geom.num_full_attention + (drafter.attn_layers if drafter else (geom.mtp_layers if k > 0 else 0))
     pred = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), max_len, k, prefix, **pool_kw)
-    one_seq = (pred.num_blocks - pred.state_slots_per_seq) * pred.block_size
+    one_seq = pred.one_sequence_tokens()
     if one_seq < MIN_POOL:
         raise PlanError(f"KV_MEM={kv_mem} gives a pool of {max(one_seq, 0):,} tokens (< {MIN_POOL:,}); "
                         f"valid: KV_MEM >= {memory.kv_mem_for_pool(geom, MIN_POOL, plan.get('KV'), MIN_POOL, k, prefix):,}")
@@ -278,9 +278,9 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
         why = f"predicted pool holds {one_seq:,} tokens for one sequence (< {max_len:,})"
         if drafter:
             bare = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), max_len, k, prefix, mtp_in_pool=False)
-            bare_seq = (bare.num_blocks - bare.state_slots_per_seq) * bare.block_size
-            why += (f"; the DFlash2 drafter's {drafter.attn_layers} attention layers hold KV in the same pool "
-                    f"({pred.group_size} attention layers per block instead of {bare.group_size}; without them "
+            bare_seq = bare.one_sequence_tokens()
+            why += (f"; the DFlash2 drafter's {drafter.attn_layers} attention layers hold KV in the same pool, in "
+                    f"KV-cache groups of {pred.group_size} layers (without them {bare.group_size}; "
                     f"{bare_seq:,} tokens" + (", which would fit MAX_LEN)" if bare_seq >= max_len else ")"))
         plan.cap("MAX_LEN", capped, why)
         pred = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), capped, k, prefix, **pool_kw)

@@ -310,7 +310,7 @@ def test_lease_tier_schedule_rows_and_estimate(tmp_path, geom_dir):
     # the first SPEC=off boots always run; fast keeps its 65,536 (the 60k rows fit), every long
     # boot runs at the smallest MAX_LEN of its SPEC values (dflash2's drafter layers cap it)
     assert plan[0]["margin"] is None and plan[0]["env"] == {} and plan[0]["max_len"] == 65536
-    assert {b["env"].get("MAX_LEN") for b in plan if b["ctx"] == "long"} == {"77568"}
+    assert {b["env"].get("MAX_LEN") for b in plan if b["ctx"] == "long"} == {"70912"}
     text = reference.schedule_text(plan, lease.budget_s, lease)
     total = sum(b["est_s"] for b in plan)
     assert 900 < total < 1400 and plan[0]["est_s"] > plan[2]["est_s"] > plan[8]["est_s"] > reference.BOOT_WARM_S * 0.7

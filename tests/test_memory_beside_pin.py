@@ -45,13 +45,64 @@ def test_dflash_drafter_vram_sources(tmp_path):
     assert hdr.weight_bytes == 32 * 64 * 2 + 32 * 4 and hdr.attn_layers == 3 and "headers" in hdr.source
 
 
-def test_drafter_layers_join_the_full_attention_group():
+def test_drafter_of_another_shape_gets_its_own_bucket():
+    """vLLM 0.27.1 merges attention layers only of one shape (FullAttentionSpec.merge), so the
+    published drafter (8 KV heads x 128) is a bucket of its own beside the target's 16 layers
+    (4 x 256) and the 48 GDN layers; the group size drops to 5 ("Add 4 padding layers")."""
     base = m.predict_pool(G, 5 * m.GiB, "bf16", 65_536, 7, True, mtp_in_pool=False)
     with_d = m.predict_pool(G, 5 * m.GiB, "bf16", 65_536, 7, True, mtp_in_pool=False, draft_attn_layers=5)
-    assert base.group_size == 16 and with_d.group_size == 21 and with_d.gdn_groups == 3
-    assert with_d.num_blocks == 5 * m.GiB // with_d.page_bytes // 21
+    assert base.group_size == 16 and base.attn_groups == ((1, base.block_size),)
+    assert with_d.group_size == 5 and with_d.gdn_groups == 10
+    assert with_d.attn_groups == ((4, with_d.block_size), (1, with_d.block_size))
+    # bf16: 8 x 128 and 4 x 256 take the same bytes per token, so the pages are equal
+    assert with_d.num_blocks == 5 * m.GiB // with_d.page_bytes // 5
     assert m.predict_pool(G, 5 * m.GiB, "bf16", 65_536, 7, True) == m.predict_pool(
         G, 5 * m.GiB, "bf16", 65_536, 7, True, draft_attn_layers=0)  # default unchanged
+    # a drafter of the target's own shape joins its bucket (as the MTP layer does)
+    same = m.predict_pool(G, 5 * m.GiB, "bf16", 65_536, 7, True, mtp_in_pool=False, draft_attn_layers=5,
+                          draft_kv_heads=G.num_kv_heads, draft_head_dim=G.head_dim)
+    assert same.group_size == 21 and same.gdn_groups == 3 and same.attn_groups == ((1, same.block_size),)
+
+
+# H200, 2026-12-03 (docs/measurements.md, eighth session): 27B geometry + the geometry drafter,
+# CTX=long (int8 per-token-head KV), the 3090 pin 5,309,988,864 B, prefix caching on.
+# (k, max_len, vLLM's "GPU KV cache size", block)
+H200_DFLASH2_POOLS = [(7, 65_536, 69_090, 1616), (15, 33_792, 37_046, 1696)]
+
+
+@pytest.mark.parametrize("k,max_len,pool,block", H200_DFLASH2_POOLS)
+def test_dflash2_pool_matches_the_h200(k, max_len, pool, block):
+    vram = m.DrafterVRAM(0, m.DFLASH2_27B_LAYERS, "test")
+    p = m.predict_pool(G, 5_309_988_864, "int8_per_token_head", max_len, k, True, **vram.pool_kw())
+    assert (p.pool_tokens, p.block_size) == (pool, block)
+    # int8: the drafter's page (8 x (2 x 128 + 8) B per token) is the larger one; the target's
+    # is padded up to it, so both buckets keep one block size
+    assert p.page_bytes == block * 8 * (2 * 128 + 8)
+    assert p.attn_groups == ((4, block), (1, block))
+
+
+def test_dflash2_longest_sequence_is_vllms_estimate():
+    """vLLM refused MAX_LEN 77,568 for k=7 (the old model's cap) and named 71,104 as the longest
+    that fits ("estimated maximum model length"): the preflight now caps there."""
+    vram = m.DrafterVRAM(0, m.DFLASH2_27B_LAYERS, "test")
+    p = m.predict_pool(G, 5_309_988_864, "int8_per_token_head", 77_568, 7, True, **vram.pool_kw())
+    assert p.one_sequence_tokens() == 71_104 < 77_568
+
+
+def test_drafter_with_a_smaller_page_gets_a_larger_block():
+    """The tiny pair (target 2 KV heads x 256, drafter 2 x 64, bf16): the drafter's page is a
+    quarter of the target's, so vLLM gives its bucket 4x the block (unify_kv_cache_spec_page_size).
+    H200 (job 70, 3 GiB, max-model-len 2048): 193,536 tokens at k=7, 112,320 at k=15."""
+    tiny = m.ModelGeometry(num_layers=8, num_full_attention=2, num_kv_heads=2, head_dim=256,
+                           linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=128,
+                           linear_value_head_dim=128, conv_kernel=4, mtp_layers=1, dtype_bytes=2,
+                           ssm_state_bytes=4, num_attention_heads=8)
+    vram = m.DrafterVRAM(0, 2, "test", kv_heads=2, head_dim=64)
+    for k, pool, block in [(7, 193_536, 208), (15, 112_320, 224)]:
+        p = m.predict_pool(tiny, 3 * m.GiB, "bf16", 2048, k, True, **vram.pool_kw())
+        assert (p.pool_tokens, p.block_size) == (pool, block)
+        assert p.attn_groups == ((1, block), (1, 4 * block))
+        assert p.one_sequence_tokens() >= 2048
 
 
 def make_model(d: Path, vocab=1024, hidden=256, head="int8", draft_ids=None):
