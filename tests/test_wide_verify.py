@@ -43,9 +43,9 @@ def _run(case, **kw):
     return out
 
 
-def _check(case, out, seed):
+def _check(case, out, seed, causal=True):
     assert not torch.isnan(out).any(), f"unwritten rows (seed {seed})"
-    want = case.reference()
+    want = case.reference(causal=causal)
     err = (out.double() - want).abs()
     scale = want.abs().amax().clamp_min(1.0)
     assert err.max() <= TOL * scale, (
@@ -179,3 +179,21 @@ def test_slots_past_the_end_are_never_used(kv_dtype, gen):
                     half[blk, slot].view(torch.uint8)[..., :32 if kv_dtype == "int8" else 16] = 0xFF
         for splits in (1, 3):
             _check(case, _run(case, num_splits=splits, tile_n=tile), gen.initial_seed())
+
+
+@inproc
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
+def test_non_causal_block_sees_every_key(kv_dtype, gen):
+    # a DFlash drafter's block: 8 rows per sequence, non-causal (every row sees all seq_len keys,
+    # its own block included); ragged contexts across page boundaries, 1 and 3 splits. The
+    # causal and non-causal results must differ (the mask really changes), and non-causal must
+    # match the float64 reference.
+    case = ref_mod.make_verify_case(
+        q_lens=[8, 8, 8], seq_lens=[8, 29, 70], num_q_heads=8, num_kv_heads=2, head_dim=32,
+        block_size=16, kv_dtype=kv_dtype, generator=gen)
+    for splits in (1, 3):
+        out = _run(case, num_splits=splits, tile_n=16, causal=False)
+        _check(case, out, gen.initial_seed(), causal=False)
+    causal = _run(case, num_splits=1, tile_n=16)
+    assert (causal.float() - out.float()).abs().max() > 1e-2
+

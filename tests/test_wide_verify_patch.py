@@ -111,7 +111,7 @@ def builder():
     b.rswa_window = None
     return b
 
-def common(q_lens, seq_lens, prefilling, block_table=None, cu=None, sl=None):
+def common(q_lens, seq_lens, prefilling, block_table=None, cu=None, sl=None, causal=True):
     cu = cu if cu is not None else torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(),
                                                 dtype=torch.int32)
     sl = sl if sl is not None else torch.tensor(seq_lens, dtype=torch.int32)
@@ -120,7 +120,7 @@ def common(q_lens, seq_lens, prefilling, block_table=None, cu=None, sl=None):
         query_start_loc=cu, query_start_loc_cpu=cu, seq_lens=sl, num_reqs=len(q_lens),
         num_actual_tokens=n, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
         block_table_tensor=block_table if block_table is not None else torch.zeros(len(q_lens), 4, dtype=torch.int32),
-        slot_mapping=torch.zeros(n, dtype=torch.int64), causal=True,
+        slot_mapping=torch.zeros(n, dtype=torch.int64), causal=causal,
         is_prefilling=None if prefilling is None else torch.tensor(prefilling, dtype=torch.bool))
 """
 
@@ -155,6 +155,14 @@ def test_builder_marks_only_spec_verify_batches(patched_view):
         assert mark([5], [True]) is False                      # a short prompt alone
         assert mark([4, 4], None) is False                     # runner gave no is_prefilling
         assert mark([4, 4], [False, False], knob=False) is False
+        # a DFlash drafter's block: non-causal, 1 + k rows per request, built by the proposer
+        # without is_prefilling
+        def mark_nc(q_lens, knob=True):
+            t._ONECARD_WIDE_VERIFY = knob
+            return b.build(0, common(q_lens, [40] * len(q_lens), None, causal=False)).onecard_verify
+        assert mark_nc([8, 8]) is True and mark_nc([16]) is True
+        assert mark_nc([17]) is False and mark_nc([1, 1]) is False
+        assert mark_nc([8], knob=False) is False
         print("OK")
     """)
 
@@ -183,7 +191,7 @@ def test_patched_forward_routes_and_matches_stock(patched_view):
                                       _q_scale=torch.ones(1))
         b = builder()
 
-        def run(kv, q_lens, seq_lens, prefilling, knob=True):
+        def run(kv, q_lens, seq_lens, prefilling, knob=True, causal=True):
             c = make_verify_case(q_lens=q_lens, seq_lens=seq_lens, num_q_heads=4,
                                  num_kv_heads=2, head_dim=32, block_size=16, kv_dtype=kv,
                                  generator=g, dtype=torch.float16)
@@ -199,10 +207,10 @@ def test_patched_forward_routes_and_matches_stock(patched_view):
                 impl._ensure_scale_caches(kv_cache)
                 kv_cache.copy_(saved)
             md = b.build(0, common(q_lens, seq_lens, prefilling, c.block_table,
-                                   c.cu_seqlens_q, c.seq_lens))
+                                   c.cu_seqlens_q, c.seq_lens, causal=causal))
             out = torch.full_like(c.q, float("nan"))
             impl.forward(layer, c.q, c.q, c.q, kv_cache, md, out)
-            ref = c.reference()
+            ref = c.reference(causal=causal)
             err = float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0))
             return out, err
 
@@ -221,5 +229,17 @@ def test_patched_forward_routes_and_matches_stock(patched_view):
         run("int8", [1, 1], [40, 21], [False, False])
         run("bf16", [3, 5], [40, 21], [False, True])   # second row is a 5-token prefill chunk
         assert calls == [("stock", 1), ("stock", 5)], calls
+        # a DFlash drafter's non-causal block (8 rows per request, no is_prefilling): ours,
+        # equal to stock's non-causal path and to the float64 reference
+        for kv in ("bf16", "int8"):
+            calls.clear()
+            g.manual_seed(11)
+            ours_out, e1 = run(kv, [8, 8], [40, 19], None, causal=False)
+            g.manual_seed(11)
+            stock_out, e2 = run(kv, [8, 8], [40, 19], None, knob=False, causal=False)
+            assert calls == [("ours", 8), ("stock", 8)], calls
+            diff = float((ours_out.double() - stock_out.double()).abs().max())
+            print(kv, "non-causal: ours vs ref", e1, "stock vs ref", e2, "ours vs stock", diff)
+            assert e1 < 1e-2 and e2 < 1e-2 and diff < 1e-2, (kv, e1, e2, diff)
         print("OK")
     """)

@@ -85,9 +85,10 @@ def reference_verify_attention(
     kv_dtype: str = "bf16",
     k_scale_cache: torch.Tensor | None = None,
     v_scale_cache: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Float64 causal verify attention; returns [T, Hq, D] float64 (rows of tokens outside every
-    sequence are left zero)."""
+    """Float64 verify attention, causal (default) or not (every query sees all seq_len keys);
+    returns [T, Hq, D] float64 (rows of tokens outside every sequence are left zero)."""
     num_tokens, num_q_heads, head_dim = q.shape
     page = key_cache.shape[1]
     num_kv_heads = key_cache.shape[2]
@@ -112,6 +113,8 @@ def reference_verify_attention(
         qs = q[q0:q1].double()  # [ql, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * softmax_scale
         limit = seq_len - q_len + torch.arange(q_len, device=q.device) + 1
+        if not causal:
+            limit = torch.full_like(limit, seq_len)
         mask = pos[None, :] >= limit[:, None]
         scores = scores.masked_fill(mask[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
@@ -170,12 +173,12 @@ class VerifyCase:
         per_head = {"bf16": 2 * d, "int8": d + 4, "int4": d // 2 + 4}[self.kv_dtype]
         return int(self.seq_lens.sum().item()) * nkv * 2 * per_head
 
-    def reference(self) -> torch.Tensor:
+    def reference(self, causal: bool = True) -> torch.Tensor:
         return reference_verify_attention(
             self.q, self.key_cache, self.value_cache, cu_seqlens_q=self.cu_seqlens_q,
             seq_lens=self.seq_lens, block_table=self.block_table,
             softmax_scale=self.softmax_scale, kv_dtype=self.kv_dtype,
-            k_scale_cache=self.k_scale_cache, v_scale_cache=self.v_scale_cache)
+            k_scale_cache=self.k_scale_cache, v_scale_cache=self.v_scale_cache, causal=causal)
 
 
 def paged_views(kv_cache: torch.Tensor, head_dim: int, kv_dtype: str):

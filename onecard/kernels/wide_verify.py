@@ -130,6 +130,7 @@ def _wide_verify_split_kernel(
     DIRECT: tl.constexpr,
     DOT_F32: tl.constexpr,
     PAGE_TILES: tl.constexpr = False,
+    CAUSAL: tl.constexpr = True,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -147,8 +148,12 @@ def _wide_verify_split_kernel(
     row_ok = (qi < q_len) & (g < GROUP)
     q_tok = (q_start + qi).to(tl.int64)
     q_head = kvh * GROUP + g
-    # key p is visible to row r when p < limit[r]
-    limit = tl.where(row_ok, ctx_len + qi + 1, 0)
+    # key p is visible to row r when p < limit[r]; non-causal (a DFlash drafter's block): every
+    # row of the sequence sees all its seq_len keys
+    if CAUSAL:
+        limit = tl.where(row_ok, ctx_len + qi + 1, 0)
+    else:
+        limit = tl.where(row_ok, seq_len, 0)
 
     # this split's key range: per-sequence chunk, a multiple of TILE_N
     chunk = ((seq_len + num_splits - 1) // num_splits + TILE_N - 1) // TILE_N * TILE_N
@@ -433,8 +438,11 @@ def wide_verify_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     max_partial_bytes: int = 64 << 20,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Causal verify attention over vLLM's paged cache; writes ``out`` [T, Hq, D] and returns it.
+    """Verify attention over vLLM's paged cache; writes ``out`` [T, Hq, D] and returns it.
+    ``causal`` (default): query i of a sequence sees keys p < seq_len - q_len + i + 1; False: every
+    query sees all seq_len keys (a DFlash drafter's non-causal block of 1 + k rows).
 
     q: [T, Hq, D] (bf16/fp16), T = cu_seqlens_q[-1]; every sequence has 1..16 query tokens and
     ``max_query_len`` bounds them. ``num_splits`` None picks from ``max_seq_len`` (or the cache
@@ -511,7 +519,7 @@ def wide_verify_attention(
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, TILE_N=tile_n, KV_MODE=mode, DIRECT=direct,
         DOT_F32=q.device.type != "cuda",  # CPU tensors only run under TRITON_INTERPRET
-        PAGE_TILES=mode != 0 and page % tile_n == 0,
+        PAGE_TILES=mode != 0 and page % tile_n == 0, CAUSAL=bool(causal),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
