@@ -599,6 +599,17 @@ def run(out: Path, deadline_s: float, samples: int) -> int:
         else:
             prompt = greedy_prompts(vocab, seed=3)[40]
             draws = {n: sampled_run(servers[n], prompt, samples) for n in SERVERS}
+            # kept, so a borderline p can be re-read (both DFlash2 arms are tested against the
+            # same off sample, so their p values are not independent) and pooled with a rerun
+            rec["sampled"]["draws"] = draws
+            for pos in (1, 2, 3):  # informative, not a check: the two DFlash2 arms against each other
+                a = [s[pos] for s in draws["d2k7"] if len(s) > pos]
+                b = [s[pos] for s in draws["d2k15"] if len(s) > pos]
+                stat, dof, p = chi2_two_sample(a, b)
+                rec["sampled"][f"d2k7-vs-d2k15-pos{pos + 1}"] = {"stat": stat, "dof": dof, "p": p,
+                                                                  "n": [len(a), len(b)]}
+                say(f"sampled d2k7 vs d2k15 (informative), token {pos + 1}: chi2 {stat:.1f} "
+                    f"dof {dof} p {p:.3g}")
             for n in ("d2k7", "d2k15"):
                 for pos in (1, 2, 3):
                     a = [s[pos] for s in draws["off"] if len(s) > pos]
