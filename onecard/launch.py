@@ -31,6 +31,15 @@ def _tiny_model_path() -> str:
     return str(ensure_tiny_model())
 
 
+def warmup_url(plan) -> str:
+    """Where the warm-up reaches the server: its HOST, with a wildcard bind reached on loopback."""
+    host = str(plan.get("HOST"))
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{plan.get('PORT')}"
+
+
 def run(args: argparse.Namespace) -> int:
     from onecard import memory
     from onecard.plan import PlanError, format_table, make_plan, read_dotenv
@@ -72,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     sys.stdout.flush()
     child_env = {**os.environ, **plan.child_env}
+    if plan.get("WARMUP") == "1":
+        from onecard.warmup import fork_warmup
+
+        fork_warmup(warmup_url(plan), str(plan.get("SERVED_NAME")), plan.api_key)
     os.execvpe(plan.argv[0], plan.argv, child_env)
     return 1  # not reached
 

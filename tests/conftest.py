@@ -70,3 +70,14 @@ def gen(request):
     request.node.user_properties.append(("seed", seed))
     print(f"gen seed {seed} (ONECARD_TEST_SEED={seed} reproduces it)")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def _no_real_warmup(monkeypatch):
+    """No test may fork the launcher's real warm-up helper (it would poll a port for 30 min):
+    onecard.warmup.fork_warmup records its calls instead (tests/test_warmup.py reads them)."""
+    import onecard.warmup as warmup
+
+    calls: list = []
+    monkeypatch.setattr(warmup, "fork_warmup", lambda *a, **k: calls.append((a, k)) or True)
+    return calls

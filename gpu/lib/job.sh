@@ -10,6 +10,9 @@
 # recorded (kill_leftover_groups).
 : "${MODELS:=/var/tmp/models}"
 export JOB_OUT MODELS
+# The launcher's boot warm-up (onecard/warmup.py) would add requests to every server's /metrics
+# counters and run beside a job's first request: jobs measure both, so it is off unless a job says.
+export WARMUP="${WARMUP:-0}"
 mkdir -p "$JOB_OUT"
 summary="$JOB_OUT/summary.txt"; : > "$summary"
 T0=$(date +%s)

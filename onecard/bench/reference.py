@@ -296,6 +296,9 @@ class Reference:
         env = {"MODEL": self.cfg.model, "CTX": ctx, "SPEC": spec, "GDN_PREFILL": "triton",
                "HOST": "127.0.0.1", "PORT": str(self.port), "TOOLS": "0", "SERVED_NAME": SERVED,
                "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "EXTRA_ARGS": "--seed 0",
+               # the rows warm up themselves; the launcher's own warm-up (onecard/warmup.py) would
+               # run beside the first measured request
+               "WARMUP": "0",
                **self.cfg.base_env, **arm.env}
         if arm.pythonpath is not None:
             env["PYTHONPATH"] = arm.pythonpath
