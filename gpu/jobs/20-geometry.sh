@@ -36,6 +36,22 @@ fi
 size=$(du -sh "$M" 2>/dev/null | cut -f1)
 echo "checkpoint: $M  size ${size:-?}  wall ${t_build}s"
 [ -f "$JOB_OUT/build.json" ] && cat "$JOB_OUT/build.json"
+# The prepared model users serve has a draft vocabulary (onecard.prepare: 40,960 ids, patch 0012),
+# so SPEC=mtp drafts over 40,960 lm_head rows, not 248,320. The geometry's tokenizer is a stand-in,
+# so the ids here are simply the first 40,960 (same cost, no frequency choice). Before 2026-12-03
+# the geometry had none and job 31's mtp arms drafted over the whole vocabulary.
+# GEOM_DRAFT_VOCAB=0 keeps the full head.
+if [ "${GEOM_DRAFT_VOCAB:-1}" = 1 ] && [ -f "$M/config.json" ] && [ ! -f "$M/draft_vocab.json" ]; then
+  python3 - "$M" <<'PY' && echo "draft vocabulary: $M/draft_vocab.json (ids 0..40959)"
+import json, sys
+from pathlib import Path
+from onecard.prepare.st import atomic_write_text
+m = Path(sys.argv[1])
+n = 40960
+atomic_write_text(m / "draft_vocab.json", json.dumps(
+    {"ids": list(range(n)), "size": n, "note": "27B geometry stand-in: the default size, ids 0..n-1"}) + "\n")
+PY
+fi
 ls -la "$M" 2>/dev/null | head -20
 
 echo "== geometry DFlash2 drafter (GPU random weights) -> $D"
