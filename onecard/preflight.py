@@ -126,8 +126,10 @@ def _prefix_cache_spec_note(plan: ServePlan, geom: memory.ModelGeometry, k: int)
     and no KV cache group of this model is flagged as the drafter's, so every group gets the
     EAGLE drop: the full-attention lookup discards its last matched block
     (kv_cache_coordinator.py, HybridKVCacheCoordinator.find_longest_cache_hit) and the scheduler
-    caches the prompt's GDN state one block earlier (scheduler.py, _mamba_block_aligned_split)."""
-    if plan.get("PREFIX_CACHE") != "1" or k <= 0:
+    caches the prompt's GDN state one block earlier (scheduler.py, _mamba_block_aligned_split).
+    Patch 0081 turns the drop off for DFlash (its drafter's cached K/V depend on tokens up to
+    their own position only), so the note is for SPEC=mtp."""
+    if plan.get("PREFIX_CACHE") != "1" or k <= 0 or plan.get("SPEC") != "mtp":
         return
     block = memory.attention_block_size(geom, plan.get("KV"), k)
     plan.notes.append(

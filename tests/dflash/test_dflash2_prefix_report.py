@@ -32,13 +32,19 @@ def test_prompts_reach_two_blocks_so_speculation_still_hits():
 
 def test_prefix_report_prints_hits_beside_the_prediction(tmp_path, capsys):
     prompts = [[1] * (T.BASE_LEN + i) for i in range(128)]
-    want = {n: sum(ideal_prefix_hit(len(p), 208, n != "off") for p in prompts) for n in T.SERVERS}
+    # patch 0081: DFlash2 hits keep their last block, at the scheduler block (832 = 4 x 208:
+    # the tiny drafter's KV group has 4x the block), so every prompt of 1024..1151 hits 832
+    assert T.drafter_block_ratio() == 4
+    want = {n: sum(ideal_prefix_hit(len(p), 208 if n == "off" else 832, False) for p in prompts)
+            for n in T.SERVERS}
+    assert want["d2k7"] == 128 * 832
     servers = {n: FakeServer(tmp_path, n, 208, want[n] + 5 if n != "d2k15" else 0.0) for n in T.SERVERS}
     hits0 = {n: 5.0 if n != "d2k15" else 0.0 for n in T.SERVERS}
     rec: dict = {}
     T.prefix_report(rec, servers, prompts, hits0)
     out = capsys.readouterr().out
     assert rec["prefix_cache_pass2"]["off"] == {"hits": want["off"], "block": 208, "predicted": want["off"]}
+    assert rec["prefix_cache_pass2"]["d2k7"] == {"hits": want["d2k7"], "block": 832, "predicted": want["d2k7"]}
     assert rec["prefix_cache_pass2"]["d2k15"]["hits"] == 0
     assert "finding: fewer hits than whole blocks allow on d2k15" in out
     assert "d2k7" not in out.split("finding:")[1]
