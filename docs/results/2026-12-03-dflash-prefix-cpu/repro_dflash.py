@@ -18,6 +18,9 @@ the KV cache config built the way the H200 server built it for
   * the scheduler's own use_eagle / num_lookahead_tokens (k + 1 for DFlash, scheduler.py:261);
   * every draft rejected (random drafter: acceptance 0.0% in the H200 log).
 
+Shipped test: tests/test_dflash_prefix_patch.py runs this script (stock series vs the series with
+patch 0081, which is fix.diff in our words).
+
 --fix=V1,V2 applies candidate fixes as monkeypatches before anything is built (see apply_fix;
 --fix=proposed is fix.diff: nodrop + split-lcm; --fix= is stock vLLM 0.27.1).
 --trace L prints HybridKVCacheCoordinator.find_longest_cache_hit's candidate lengths per
