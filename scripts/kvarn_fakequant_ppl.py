@@ -386,6 +386,28 @@ def kernel_check(model, tok, text: str, layer: int, ntok: int, preset: str) -> f
     return worst
 
 
+def shrink_v_range(alpha: float) -> None:
+    """What-if for --v-range: onecard.kvarn.reference.quantize_tile with V's per-token rounding
+    range mid +- alpha * (max - min) / 2 (K unchanged). Values beyond it clamp to the end codes:
+    2-bit codes over a near-Gaussian row spend less on its rare extremes."""
+    import torch
+    from onecard.kvarn import reference as R
+
+    stock = R.quantize_tile
+
+    def quantize_tile(k_rot, v_rot, preset=None, dtype=torch.float32):
+        qt = stock(k_rot, v_rot, preset, dtype)
+        p = R.get_preset(preset)
+        w = v_rot.to(dtype) / qt.v_norm.to(dtype)
+        mid, half = (w.amax(-1) + w.amin(-1)) / 2, (w.amax(-1) - w.amin(-1)) / 2 * alpha
+        vmn = (mid - half).half()
+        vsc = (2 * half / (2 ** p.v_bits - 1)).clamp_min(R.EPS).half()
+        return R.encode(k_rot, v_rot, R.QuantTile(None, None, qt.k_scale, qt.k_min, qt.k_norm, vsc, vmn,
+                                                  qt.v_norm), p, dtype)
+
+    R.quantize_tile = quantize_tile
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -414,7 +436,15 @@ def main(argv=None) -> int:
     ap.add_argument("--window-cost", action="store_true",
                     help="also print, per kvarn config, the 27B cost of its fp16 tiles beyond the "
                          "own tile and sink (fp16_window_cost: bytes/seq, CTX=huge pool)")
+    ap.add_argument("--v-range", type=float, default=1.0, metavar="ALPHA",
+                    help="what-if (not in the kernels): each token's V rounding range is the "
+                         "min..max range shrunk by ALPHA around its midpoint (codes clamp at the "
+                         "ends); 1.0 = the format")
     a = ap.parse_args(argv)
+    if not 0.0 < a.v_range <= 1.0:
+        raise SystemExit(f"error: --v-range {a.v_range} is not valid; valid: 0 < ALPHA <= 1")
+    if a.v_range != 1.0:
+        shrink_v_range(a.v_range)
     configs = [(c, parse_config(c)) for c in a.configs.split(",") if c]
     needle_cfgs = [(c, parse_config(c)) for c in a.needle_configs.split(",") if c] if a.needle else []
     import torch
