@@ -55,7 +55,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     init_none_hash,
     resolve_kv_cache_block_sizes,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import KVQuantMode, MambaSpec  # noqa: E402
 
 DRAFTER = os.environ.get("DRAFTER", "/tmp/dflash-cpu/models/qwen35-tiny-dflash2")
 
@@ -247,10 +247,6 @@ DRAFT_INFO: list = []
 
 def build_dflash(k: int, block: int, kv_mem: int, max_num_seqs: int,
                  max_num_batched_tokens: int, async_sched: bool, drafter: str):
-    import torch
-
-    from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM as M
-
     model = os.path.join(os.environ.get("MODELS", "/tmp/helper-models"), "qwen35-tiny")
     kw = dict(model=model, max_model_len=R.MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
               kv_cache_memory_bytes=kv_mem, enable_prefix_caching=True,
@@ -264,23 +260,8 @@ def build_dflash(k: int, block: int, kv_mem: int, max_num_seqs: int,
     hf = cfg.model_config.hf_text_config
     cc.block_size = block
     cc.mamba_block_size = block
-    attn = FullAttentionSpec(block_size=block, num_kv_heads=hf.num_key_value_heads,
-                             head_size=hf.head_dim, dtype=cfg.model_config.dtype)
-    shapes = M.get_mamba_state_shape_from_config(cfg)
-    dtypes = M.get_mamba_state_dtype_from_config(cfg)
     nspec = cfg.speculative_config.num_speculative_tokens
-    mamba = MambaSpec(shapes=tuple(shapes), dtypes=dtypes, block_size=block,
-                      page_size_padded=attn.page_size_bytes, mamba_cache_mode="align",
-                      num_speculative_blocks=nspec)
-    assert mamba.page_size_bytes >= sum(
-        torch.Size(s).numel() * torch.tensor([], dtype=d).element_size()
-        for s, d in zip(shapes, dtypes))
-    specs = {}
-    for i, t in enumerate(hf.layer_types):
-        if t == "full_attention":
-            specs[f"language_model.model.layers.{i}.self_attn.attn"] = attn
-        else:
-            specs[f"language_model.model.layers.{i}.linear_attn"] = mamba
+    _, specs = R.target_layer_specs(cfg, block, cfg.model_config.dtype, KVQuantMode.NONE, nspec)
     specs.update(drafter_layer_specs(cfg, block, hf.num_hidden_layers))
     kv_cfg = get_kv_cache_configs(cfg, [specs], [kv_mem])[0]
     sbs, hbs = resolve_kv_cache_block_sizes(kv_cfg, cfg)

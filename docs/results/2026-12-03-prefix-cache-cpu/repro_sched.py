@@ -60,6 +60,34 @@ def parse_lens(s: str) -> list[int]:
     return out
 
 
+
+def target_layer_specs(cfg, block: int, kv_dtype, kv_quant_mode, nspec: int):
+    """The tiny target's KV cache specs as vLLM builds them: (the full-attention spec, {layer
+    name: spec}) with the GDN layers as align-mode MambaSpecs padded to the attention page and
+    holding ``nspec`` speculative state blocks (also used by ../2026-12-03-dflash-prefix-cpu)."""
+    import torch
+
+    from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM as M
+
+    hf = cfg.model_config.hf_text_config
+    attn = FullAttentionSpec(block_size=block, num_kv_heads=hf.num_key_value_heads,
+                             head_size=hf.head_dim, dtype=kv_dtype, kv_quant_mode=kv_quant_mode)
+    shapes = M.get_mamba_state_shape_from_config(cfg)
+    dtypes = M.get_mamba_state_dtype_from_config(cfg)
+    mamba = MambaSpec(shapes=tuple(shapes), dtypes=dtypes, block_size=block,
+                      page_size_padded=attn.page_size_bytes, mamba_cache_mode="align",
+                      num_speculative_blocks=nspec)
+    assert mamba.page_size_bytes >= sum(
+        torch.Size(s).numel() * torch.tensor([], dtype=d).element_size()
+        for s, d in zip(shapes, dtypes))
+    specs = {}
+    for i, t in enumerate(hf.layer_types):
+        if t == "full_attention":
+            specs[f"language_model.model.layers.{i}.self_attn.attn"] = attn
+        else:
+            specs[f"language_model.model.layers.{i}.linear_attn"] = mamba
+    return attn, specs
+
 def build(spec: str, block: int, max_num_batched_tokens: int | None,
           long_prefill: int | None, prefix_match_unit: int | None, k: int = 3,
           async_sched: bool = True, dtype: str = "bfloat16", kv: str = "auto",
@@ -104,25 +132,8 @@ def build(spec: str, block: int, max_num_batched_tokens: int | None,
         block = auto_block
     cc.block_size = block
     cc.mamba_block_size = block
-    attn = FullAttentionSpec(block_size=block, num_kv_heads=hf.num_key_value_heads,
-                             head_size=hf.head_dim, dtype=kv_dtype,
-                             kv_quant_mode=get_kv_quant_mode(kv))
-    from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM as M
-    shapes = M.get_mamba_state_shape_from_config(cfg)
-    dtypes = M.get_mamba_state_dtype_from_config(cfg)
     nspec = cfg.speculative_config.num_speculative_tokens if cfg.speculative_config else 0
-    mamba = MambaSpec(shapes=tuple(shapes), dtypes=dtypes, block_size=block,
-                      page_size_padded=attn.page_size_bytes, mamba_cache_mode="align",
-                      num_speculative_blocks=nspec)
-    assert mamba.page_size_bytes >= sum(
-        torch.Size(s).numel() * torch.tensor([], dtype=d).element_size()
-        for s, d in zip(shapes, dtypes))
-    specs = {}
-    for i, t in enumerate(hf.layer_types):
-        if t == "full_attention":
-            specs[f"language_model.model.layers.{i}.self_attn.attn"] = attn
-        else:
-            specs[f"language_model.model.layers.{i}.linear_attn"] = mamba
+    attn, specs = target_layer_specs(cfg, block, kv_dtype, get_kv_quant_mode(kv), nspec)
     if spec == "mtp":
         # MTP layer: one full-attention layer of the draft (num_hidden_layers + 0).
         specs[f"mtp.layers.{hf.num_hidden_layers}.self_attn.attn"] = attn
