@@ -47,14 +47,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "2026-12-03-prefix-cache-cpu"))
 import repro_sched as R  # noqa: E402  (sets the CPU platform)
 
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core import kv_cache_utils as KCU  # noqa: E402
-from vllm.v1.core.kv_cache_utils import (  # noqa: E402
-    get_kv_cache_configs,
-    get_request_block_hasher,
-    init_none_hash,
-    resolve_kv_cache_block_sizes,
-)
 from vllm.v1.kv_cache_interface import KVQuantMode, MambaSpec  # noqa: E402
 
 DRAFTER = os.environ.get("DRAFTER", "/tmp/dflash-cpu/models/qwen35-tiny-dflash2")
@@ -263,18 +256,7 @@ def build_dflash(k: int, block: int, kv_mem: int, max_num_seqs: int,
     nspec = cfg.speculative_config.num_speculative_tokens
     _, specs = R.target_layer_specs(cfg, block, cfg.model_config.dtype, KVQuantMode.NONE, nspec)
     specs.update(drafter_layer_specs(cfg, block, hf.num_hidden_layers))
-    kv_cfg = get_kv_cache_configs(cfg, [specs], [kv_mem])[0]
-    sbs, hbs = resolve_kv_cache_block_sizes(kv_cfg, cfg)
-    cc.num_gpu_blocks = kv_cfg.num_blocks
-    Sched = cfg.scheduler_config.get_scheduler_cls()
-    from vllm.v1.structured_output import StructuredOutputManager
-    sched = Sched(vllm_config=cfg, kv_cache_config=kv_cfg,
-                  structured_output_manager=StructuredOutputManager(cfg),
-                  block_size=sbs, hash_block_size=hbs, log_stats=True)
-    hash_fn = get_hash_fn_by_name(cc.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(hbs, hash_fn)
-    return cfg, kv_cfg, sched, hasher, sbs, hbs
+    return R.scheduler_for(cfg, specs, kv_mem)
 
 
 def ideal(L: int, B: int, eagle: bool) -> int:

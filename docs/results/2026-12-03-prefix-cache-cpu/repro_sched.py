@@ -137,14 +137,20 @@ def build(spec: str, block: int, max_num_batched_tokens: int | None,
     if spec == "mtp":
         # MTP layer: one full-attention layer of the draft (num_hidden_layers + 0).
         specs[f"mtp.layers.{hf.num_hidden_layers}.self_attn.attn"] = attn
+    return scheduler_for(cfg, specs, kv_mem)
+
+
+def scheduler_for(cfg, specs: dict, kv_mem: int):
+    """vLLM's own KV cache config, scheduler and block hasher for these layer specs:
+    (cfg, kv_cfg, sched, hasher, scheduler block size, hash block size)."""
     kv_cfg = get_kv_cache_configs(cfg, [specs], [kv_mem])[0]
     sbs, hbs = resolve_kv_cache_block_sizes(kv_cfg, cfg)
-    cc.num_gpu_blocks = kv_cfg.num_blocks
+    cfg.cache_config.num_gpu_blocks = kv_cfg.num_blocks
     Sched = cfg.scheduler_config.get_scheduler_cls()
     sched = Sched(vllm_config=cfg, kv_cache_config=kv_cfg,
-                      structured_output_manager=StructuredOutputManager(cfg),
-                      block_size=sbs, hash_block_size=hbs, log_stats=True)
-    hash_fn = get_hash_fn_by_name(cc.prefix_caching_hash_algo)
+                  structured_output_manager=StructuredOutputManager(cfg),
+                  block_size=sbs, hash_block_size=hbs, log_stats=True)
+    hash_fn = get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(hbs, hash_fn)
     return cfg, kv_cfg, sched, hasher, sbs, hbs
