@@ -42,7 +42,9 @@ def run_ab(t: Target, server_cmd: str, knob: str, value_a: str, value_b: str, bo
                 log = Path(t.out_dir) / f"ab-server-{arm}{boot}.log"
                 tt = dataclasses.replace(t, label=f"{t.label or 'ab'}-{arm}{boot}",
                                          server_config={knob: value, "server_cmd": server_cmd})
-                srv = ServerProcess(server_cmd, env={knob: value}, log_path=log)
+                # the launcher's boot warm-up (WARMUP) off unless it is the knob: it would run beside
+                # the first measured requests
+                srv = ServerProcess(server_cmd, env={"WARMUP": "0", knob: value}, log_path=log)
                 try:
                     srv.start()
                     boot_s = srv.wait_healthy(t.url, boot_timeout)
