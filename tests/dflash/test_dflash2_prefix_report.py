@@ -1,4 +1,4 @@
-"""tests/gpu/test_dflash2.py's cached-pass prefix report on the CPU: hits read from /metrics beside
+"""tests/gpu/test_dflash2.py's cached-pass prefix report and sampled checks on the CPU: hits read from /metrics beside
 the whole-block prediction, a shortfall said as a finding."""
 from __future__ import annotations
 
@@ -48,3 +48,31 @@ def test_prefix_report_prints_hits_beside_the_prediction(tmp_path, capsys):
     assert rec["prefix_cache_pass2"]["d2k15"]["hits"] == 0
     assert "finding: fewer hits than whole blocks allow on d2k15" in out
     assert "d2k7" not in out.split("finding:")[1]
+
+
+def test_sampled_checks_pool_two_off_samples(capsys):
+    """The sampled check: each DFlash2 arm against two independent off samples pooled; off vs
+    off2 and d2k7 vs d2k15 printed only. Same distribution everywhere: no failure; one arm that
+    puts its token-2 mass on another token: failures at token 2 for that arm only."""
+    import random
+
+    rng = random.Random(5)
+
+    def draws(n, bias=False):
+        out = []
+        for _ in range(n):
+            row = [rng.randrange(8) for _ in range(4)]
+            if bias and rng.random() < 0.3:
+                row[1] = 7
+            out.append(row)
+        return out
+
+    rec = {"sampled": {}, "failures": []}
+    T.sampled_checks(rec, {"off": draws(1200), "off2": draws(1200), "d2k7": draws(1200), "d2k15": draws(1200)})
+    assert rec["failures"] == [] and rec["sampled"]["d2k7-pos2"]["n"] == [2400, 1200]
+    assert "off-vs-off2-pos2" in rec["sampled"] and "d2k7-vs-d2k15-pos3" in rec["sampled"]
+    rec = {"sampled": {}, "failures": []}
+    T.sampled_checks(rec, {"off": draws(1200), "off2": draws(1200), "d2k7": draws(1200, bias=True),
+                           "d2k15": draws(1200)})
+    assert [f.split(":")[0] for f in rec["failures"]] == ["sampled d2k7 token 2"]
+    assert "two samples pooled" in capsys.readouterr().out

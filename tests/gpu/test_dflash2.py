@@ -22,7 +22,8 @@ Checks, in order (each phase prints one ``[dflash2]`` line):
    gives tokens/step = 1 + accepted/drafts for k=15 vs k=7 and the acceptance at positions 8..15.
    With the random tiny drafter acceptance is noise: this proves the plumbing, not the speed.
 3. sampled (if time is left): temperature 1, top_k 8, 4 tokens, N requests per server; a
-   two-sample chi-square per position 2..4 of d2k7 / d2k15 vs off (p >= 1e-3 to pass).
+   two-sample chi-square per position 2..4 of d2k7 / d2k15 vs two off samples pooled (p >= 1e-3
+   to pass), plus off vs off2 and d2k7 vs d2k15 printed as calibration (sampled_checks).
 
 Run: ``python3 tests/gpu/test_dflash2.py --out DIR`` (the GPU job gpu/jobs/70-dflash2.sh) or
 ``pytest -m gpu tests/gpu/test_dflash2.py``; ``--dry-run`` builds the tiny pair, prints every
@@ -614,29 +615,40 @@ def run(out: Path, deadline_s: float, samples: int) -> int:
         else:
             prompt = greedy_prompts(vocab, seed=3)[40]
             draws = {n: sampled_run(servers[n], prompt, samples) for n in SERVERS}
-            # kept, so a borderline p can be re-read (both DFlash2 arms are tested against the
-            # same off sample, so their p values are not independent) and pooled with a rerun
-            rec["sampled"]["draws"] = draws
-            for pos in (1, 2, 3):  # informative, not a check: the two DFlash2 arms against each other
-                a = [s[pos] for s in draws["d2k7"] if len(s) > pos]
-                b = [s[pos] for s in draws["d2k15"] if len(s) > pos]
-                stat, dof, p = chi2_two_sample(a, b)
-                rec["sampled"][f"d2k7-vs-d2k15-pos{pos + 1}"] = {"stat": stat, "dof": dof, "p": p,
-                                                                  "n": [len(a), len(b)]}
-                say(f"sampled d2k7 vs d2k15 (informative), token {pos + 1}: chi2 {stat:.1f} "
-                    f"dof {dof} p {p:.3g}")
-            for n in ("d2k7", "d2k15"):
-                for pos in (1, 2, 3):
-                    a = [s[pos] for s in draws["off"] if len(s) > pos]
-                    b = [s[pos] for s in draws[n] if len(s) > pos]
-                    stat, dof, p = chi2_two_sample(a, b)
-                    rec["sampled"][f"{n}-pos{pos + 1}"] = {"stat": stat, "dof": dof, "p": p,
-                                                           "n": [len(a), len(b)]}
-                    say(f"sampled {n} vs off, token {pos + 1}: chi2 {stat:.1f} dof {dof} "
-                        f"p {p:.3g} (n {len(a)}/{len(b)})")
-                    if p < 1e-3:
-                        rec["failures"].append(f"sampled {n} token {pos + 1}: p {p:.3g}")
+            # a second, independent SPEC=off sample: its p against the first calibrates the
+            # test, and each DFlash2 arm is judged against both pooled (2026-12-03: both arms
+            # were low at token 2 against one off sample, p 0.0017 / 0.0025, which one unlucky
+            # reference sample explains as well as a bias does)
+            draws["off2"] = sampled_run(servers["off"], prompt, samples)
+            rec["sampled"]["draws"] = draws  # kept: a borderline p can be re-read and pooled
+            sampled_checks(rec, draws)
     return verdict(rec)
+
+
+def sampled_checks(rec: dict, draws: dict, positions=(1, 2, 3), alpha: float = 1e-3) -> None:
+    """Chi-square at tokens 2..4 (positions 1..3): off vs off2 and d2k7 vs d2k15 (informative),
+    then each DFlash2 arm vs off + off2 pooled (a failure when p < alpha)."""
+    def col(name, pos):
+        return [s[pos] for s in draws[name] if len(s) > pos]
+
+    for pos in positions:
+        for a_name, b_name in (("off", "off2"), ("d2k7", "d2k15")):
+            a, b = col(a_name, pos), col(b_name, pos)
+            stat, dof, p = chi2_two_sample(a, b)
+            rec["sampled"][f"{a_name}-vs-{b_name}-pos{pos + 1}"] = {"stat": stat, "dof": dof, "p": p,
+                                                                    "n": [len(a), len(b)]}
+            say(f"sampled {a_name} vs {b_name} (informative), token {pos + 1}: chi2 {stat:.1f} "
+                f"dof {dof} p {p:.3g}")
+    for n in ("d2k7", "d2k15"):
+        for pos in positions:
+            a = col("off", pos) + col("off2", pos)
+            b = col(n, pos)
+            stat, dof, p = chi2_two_sample(a, b)
+            rec["sampled"][f"{n}-pos{pos + 1}"] = {"stat": stat, "dof": dof, "p": p, "n": [len(a), len(b)]}
+            say(f"sampled {n} vs off (two samples pooled), token {pos + 1}: chi2 {stat:.1f} dof {dof} "
+                f"p {p:.3g} (n {len(a)}/{len(b)})")
+            if p < alpha:
+                rec["failures"].append(f"sampled {n} token {pos + 1}: p {p:.3g}")
 
 
 def dry_run(out: Path) -> int:
