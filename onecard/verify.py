@@ -39,16 +39,22 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _python_in_subprocess(code: str, timeout: float, what: str) -> tuple[str | None, str | None]:
+    """Run `python -c code`: (stdout, None) when it exits 0, else (None, why: its last error
+    line, or that ``what`` took longer than ``timeout``)."""
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"{what} took longer than {timeout:.0f} s"
+    if out.returncode == 0:
+        return out.stdout, None
+    lines = [l for l in out.stderr.strip().splitlines() if l.strip()]
+    return None, lines[-1] if lines else f"exit {out.returncode}"
+
+
 def _import_in_subprocess(module: str, timeout: float = 120) -> str | None:
     """None if `python -c 'import module'` works, else its last error line."""
-    try:
-        out = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return f"import {module} took longer than {timeout:.0f} s"
-    if out.returncode == 0:
-        return None
-    lines = [l for l in out.stderr.strip().splitlines() if l.strip()]
-    return lines[-1] if lines else f"exit {out.returncode}"
+    return _python_in_subprocess(f"import {module}", timeout, f"import {module}")[1]
 
 
 # --------------------------------------------------------------------------- offline checks
@@ -190,15 +196,11 @@ def flash_attention_verdict(info: dict) -> Result | None:
 def check_flash_attention(ctx) -> Result | None:
     if _version("vllm") is None:
         return None   # check_vllm_version says so
+    stdout, why = _python_in_subprocess(_FA_PROBE, 180, "the probe")
+    if why is not None:
+        return Result(WARN, "flash-attn", f"could not probe vLLM's FlashAttention ({why})")
     try:
-        out = subprocess.run([sys.executable, "-c", _FA_PROBE], capture_output=True, text=True, timeout=180)
-    except subprocess.TimeoutExpired:
-        return Result(WARN, "flash-attn", "probing vLLM's FlashAttention took longer than 180 s")
-    if out.returncode != 0:
-        lines = [l for l in out.stderr.strip().splitlines() if l.strip()]
-        return Result(WARN, "flash-attn", f"could not probe vLLM's FlashAttention ({lines[-1] if lines else out.returncode})")
-    try:
-        info = json.loads(out.stdout.strip().splitlines()[-1])
+        info = json.loads(stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         return Result(WARN, "flash-attn", "could not probe vLLM's FlashAttention (no answer)")
     return flash_attention_verdict(info)
