@@ -34,13 +34,24 @@ def test_prefix_report_prints_hits_beside_the_prediction(tmp_path, capsys):
     prompts = [[1] * (T.BASE_LEN + i) for i in range(128)]
     # patch 0081: DFlash2 hits keep their last block, at the scheduler block (832 = 4 x 208:
     # the tiny drafter's KV group has 4x the block), so every prompt of 1024..1151 hits 832
-    assert T.drafter_block_ratio() == 4
+    import collections
+
+    from onecard import memory as m
+    from onecard.dflash.tiny_drafter import DEFAULT_DRAFTER as D
+    from onecard.prepare import tiny
+
+    geom = m.ModelGeometry.from_config(tiny.make_config(tiny.DEFAULT_SPEC, collections.defaultdict(int)))
+    drafter = m.DrafterVRAM(0, D.layers, "tiny", kv_heads=D.kv_heads, head_dim=D.head_dim).pool_kw()
+    groups = {"off": m.predict_pool(geom, 3 << 30, "bf16", 2048, 0, True).attn_groups,
+              "d2k7": m.predict_pool(geom, 3 << 30, "bf16", 2048, 7, True, **drafter).attn_groups,
+              "d2k15": m.predict_pool(geom, 3 << 30, "bf16", 2048, 15, True, **drafter).attn_groups}
+    assert groups["d2k7"] == ((1, 208), (1, 832)) and T.scheduler_block(208, groups["d2k7"]) == 832
     want = {n: sum(ideal_prefix_hit(len(p), 208 if n == "off" else 832, False) for p in prompts)
             for n in T.SERVERS}
     assert want["d2k7"] == 128 * 832
     servers = {n: FakeServer(tmp_path, n, 208, want[n] + 5 if n != "d2k15" else 0.0) for n in T.SERVERS}
     hits0 = {n: 5.0 if n != "d2k15" else 0.0 for n in T.SERVERS}
-    rec: dict = {}
+    rec: dict = {"servers": {n: {"attn_groups": groups[n]} for n in T.SERVERS}}
     T.prefix_report(rec, servers, prompts, hits0)
     out = capsys.readouterr().out
     assert rec["prefix_cache_pass2"]["off"] == {"hits": want["off"], "block": 208, "predicted": want["off"]}

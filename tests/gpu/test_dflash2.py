@@ -38,6 +38,7 @@ import argparse
 import concurrent.futures as cf
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -406,29 +407,28 @@ def attention_block(srv: Server) -> int | None:
         return None
 
 
-def drafter_block_ratio() -> int:
-    """How many target blocks one block of the tiny drafter's KV group spans: vLLM unifies page
-    sizes by giving the smaller page a larger block (kv_cache_utils.unify_kv_cache_spec_page_size;
-    tiny target 2 KV heads x 256, tiny drafter 2 x 64: 4). Prefix-cache hits are aligned to the
-    scheduler block, the LCM of the groups' blocks = this ratio x the attention block."""
-    from onecard.dflash.tiny_drafter import DEFAULT_DRAFTER
-    from onecard.prepare.tiny import DEFAULT_SPEC
-
-    t = DEFAULT_SPEC.kv_heads * DEFAULT_SPEC.head_dim
-    d = DEFAULT_DRAFTER.kv_heads * DEFAULT_DRAFTER.head_dim
-    return t // d if t > d and t % d == 0 else 1
+def scheduler_block(block: int | None, attn_groups) -> int | None:
+    """The block prefix-cache hits are aligned to: the LCM of the KV cache groups' blocks. vLLM
+    unifies page sizes by giving a smaller page a larger block (the tiny drafter's, 2 KV heads x
+    64 against the target's 2 x 256: 4x); ``attn_groups`` is the launcher's prediction of the
+    (groups, block) per attention bucket (onecard.memory.predict_pool), ``block`` the attention
+    block the server logged."""
+    if not block or not attn_groups:
+        return block
+    blocks = [b for _, b in attn_groups]
+    return block * math.lcm(*blocks) // blocks[0]
 
 
 def prefix_report(rec: dict, servers: dict, prompts: list[list[int]], hits0: dict) -> None:
     """The cached pass's prefix-cache hit tokens per server beside what whole blocks allow
     (gpu_suite_lib.predicted_hit_tokens). DFlash2 servers (patch 0081): no block given up, at the
-    scheduler block (drafter_block_ratio x the attention block). A shortfall is a finding in the
-    log, not a failure (the exactness check is the test)."""
+    scheduler block (scheduler_block). A shortfall is a finding in the log, not a failure (the
+    exactness check is the test)."""
     out = {}
     for n, srv in servers.items():
         got = parse_prefix_cache(srv.metrics_text())["hits"] - hits0[n]
         block = attention_block(srv)
-        sched = block * drafter_block_ratio() if block and n != "off" else block
+        sched = scheduler_block(block, rec["servers"].get(n, {}).get("attn_groups"))
         out[n] = {"hits": got, "block": sched,
                   "predicted": predicted_hit_tokens(map(len, prompts), sched, False)}
     rec["prefix_cache_pass2"] = out
@@ -516,9 +516,11 @@ def boot_all(names, plan, out: Path, rec: dict, servers: dict, left, min_left: f
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "4")
     for name in names:
         port = free_port()
-        argv, child, _ = plan(name, port)
+        argv, child, p = plan(name, port)
         srv = Server(name, argv, port, out, child)
-        rec["servers"][name] = {"argv": srv.argv}
+        # the predicted (groups, block) per attention bucket, for the prefix report's alignment
+        rec["servers"][name] = {"argv": srv.argv,
+                                "attn_groups": (getattr(p, "prediction", None) or {}).get("attn_groups")}
         srv.start(env)
         servers[name] = srv
         log(f"launch {name}: {shlex.join(srv.argv)}")
