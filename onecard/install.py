@@ -24,6 +24,18 @@ FLASHINFER_PIN = "0.6.16.post3"  # vLLM 0.27.1's own pin (its METADATA: flashinf
 # where they fail to import beside the installed torch they are removed (text serving does not
 # use them, and a broken one makes `import vllm` fail).
 TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+# Free space the package step needs where the venv and pip's temporary unpacking go. Measured:
+# a CPU machine's venv (vLLM 0.27.1 on the local CPU torch) is 5.5 GB; pip unpacks beside it.
+# A CUDA machine adds the CUDA torch and the NVIDIA wheels (several GB more).
+MIN_FREE_GB = {"cpu": 7.0, "cuda": 12.0}
+
+
+def free_gb(path: Path) -> tuple[Path, float]:
+    """Free space (GB) on the filesystem that holds `path` (its nearest existing parent)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path, shutil.disk_usage(path).free / 1e9
 
 
 class StepFailed(Exception):
@@ -96,12 +108,28 @@ class Installer:
             self.sh("packages", [self.py, "-m", "pip", "install", "-q", "--disable-pip-version-check",
                                  "--no-index", "--find-links", self.wheelhouse, "setuptools>=68"],
                     f"add a setuptools>=68 wheel to {self.wheelhouse} (pip download -d DIR setuptools)")
+        self.check_disk()
         print(f"    installing vllm=={VLLM_PIN} and its companions (about 2 GB on a CUDA machine; pip's progress follows)", flush=True)
         self.sh("packages", [self.py, "-m", "pip", "install", "--disable-pip-version-check", *source,
                              f"vllm=={VLLM_PIN}", f"flashinfer-python=={FLASHINFER_PIN}", "huggingface_hub",
                              "-e", f"{REPO}[{self.extras}]" if self.extras else REPO],
                 "read pip's error above; offline machines: ./install.sh --wheelhouse DIR")
         self.note("packages", "installed", ", ".join(f"{n} {v}" for n, v in want.items()))
+
+    def check_disk(self) -> None:
+        """Refuse before pip starts when the disk cannot hold the install (pip would stop half-way
+        with `[Errno 28] No space left on device`, leaving a half-installed venv)."""
+        kind = "cuda" if shutil.which("nvidia-smi") else "cpu"
+        need = float(os.environ.get("ONECARD_MIN_FREE_GB", MIN_FREE_GB[kind]))
+        import tempfile
+
+        for what, where in (("the venv", self.venv), ("pip's temporary files (TMPDIR)", Path(tempfile.gettempdir()))):
+            at, free = free_gb(where)
+            if free < need:
+                raise StepFailed("packages", f"only {free:.1f} GB free on the disk of {what} ({at}); "
+                                 f"the pinned vLLM and its companions need about {need:.0f} GB ({kind} machine)",
+                                 "free disk space, or put the venv on a larger disk (--venv DIR; TMPDIR=DIR for pip's "
+                                 "unpacking); ONECARD_MIN_FREE_GB=N lowers the check")
 
     def step_companions(self) -> None:
         have = self.installed()

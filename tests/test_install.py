@@ -26,6 +26,15 @@ class Recorder(install.Installer):
         return dict(self._have)
 
 
+REAL_FREE_GB = install.free_gb
+
+
+@pytest.fixture(autouse=True)
+def _roomy_disk(monkeypatch):
+    """Steps judge the disk through install.free_gb; these tests must not depend on the machine's."""
+    monkeypatch.setattr(install, "free_gb", lambda path: (path, 100.0))
+
+
 PINNED = {"vllm": install.VLLM_PIN, "flashinfer-python": install.FLASHINFER_PIN, "huggingface-hub": "1",
           "unidiff": "1", "safetensors": "1", "onecard": "0.1.0"}
 
@@ -68,3 +77,19 @@ def test_help_runs_on_the_system_python():
     out = subprocess.run([sys.executable, "-m", "onecard.install", "--help"], capture_output=True, text=True,
                          cwd=Path(install.__file__).parent.parent)
     assert out.returncode == 0 and "--wheelhouse" in out.stdout
+
+
+def test_too_little_disk_refuses_before_pip(tmp_path, monkeypatch):
+    monkeypatch.setattr(install, "free_gb", lambda path: (path, 1.5))
+    inst = Recorder(tmp_path / "venv", have={})
+    with pytest.raises(install.StepFailed, match=r"only 1\.5 GB free .* need about \d+ GB") as exc:
+        inst.step_packages()
+    assert inst.calls == [] and "--venv DIR" in exc.value.fix
+    monkeypatch.setenv("ONECARD_MIN_FREE_GB", "1")  # the override lowers the check
+    inst.step_packages()
+    assert any(f"vllm=={install.VLLM_PIN}" in c for c in inst.calls)
+
+
+def test_free_gb_walks_up_to_an_existing_parent(tmp_path):
+    at, free = REAL_FREE_GB(tmp_path / "not" / "yet" / "venv")
+    assert at == tmp_path and free > 0
