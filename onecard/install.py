@@ -27,7 +27,7 @@ TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 # Free space the package step needs where the venv and pip's temporary unpacking go. Measured:
 # a CPU machine's venv (vLLM 0.27.1 on the local CPU torch) is 5.5 GB; pip unpacks beside it.
 # A CUDA machine adds the CUDA torch and the NVIDIA wheels (several GB more).
-MIN_FREE_GB = {"cpu": 7.0, "cuda": 12.0}
+MIN_FREE_GB = {"cpu": 6.0, "cuda": 12.0}
 
 
 def free_gb(path: Path) -> tuple[Path, float]:
