@@ -386,26 +386,63 @@ def kernel_check(model, tok, text: str, layer: int, ntok: int, preset: str) -> f
     return worst
 
 
-def shrink_v_range(alpha: float) -> None:
-    """What-if for --v-range: onecard.kvarn.reference.quantize_tile with V's per-token rounding
-    range mid +- alpha * (max - min) / 2 (K unchanged). Values beyond it clamp to the end codes:
-    2-bit codes over a near-Gaussian row spend less on its rare extremes."""
+MSE_GRID = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
+
+
+def shrink_ranges(v_alpha: float | str = 1.0, k_alpha: float | str = 1.0) -> None:
+    """What-ifs for --v-range / --k-range: onecard.kvarn.reference.quantize_tile with each
+    rounding group's range (V: a token's row; K: a channel over the tile) shrunk to
+    mid +- alpha * (max - min) / 2; values beyond clamp to the end codes. ``"mse"``: per group,
+    the alpha of MSE_GRID with the least squared error in real units (V weighted by the
+    channel scales squared, K by the token norms squared). Same stored parameters: a
+    quantizer choice, not a format change."""
     import torch
     from onecard.kvarn import reference as R
 
     stock = R.quantize_tile
 
+    def pick(x, wt, dim, bits, alpha):
+        """x [..] values, wt broadcastable weights; groups along ``dim``. -> (min, scale) fp16."""
+        lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+        mid, half = (hi + lo) / 2, (hi - lo) / 2
+        levels = 2 ** bits - 1
+        best = None
+        for a in (MSE_GRID if alpha == "mse" else (float(alpha),)):
+            mn = (mid - half * a).half().to(x.dtype)
+            sc = (2 * half * a / levels).clamp_min(R.EPS).half().to(x.dtype)
+            err = ((((x - mn) / sc).round().clamp(0, levels) * sc + mn - x) ** 2 * wt).sum(dim, keepdim=True)
+            if best is None:
+                best = (err, mn, sc)
+            else:
+                take = err < best[0]
+                best = (torch.where(take, err, best[0]), torch.where(take, mn, best[1]),
+                        torch.where(take, sc, best[2]))
+        return best[1].squeeze(dim).half(), best[2].squeeze(dim).half()
+
     def quantize_tile(k_rot, v_rot, preset=None, dtype=torch.float32):
         qt = stock(k_rot, v_rot, preset, dtype)
         p = R.get_preset(preset)
-        w = v_rot.to(dtype) / qt.v_norm.to(dtype)
-        mid, half = (w.amax(-1) + w.amin(-1)) / 2, (w.amax(-1) - w.amin(-1)) / 2 * alpha
-        vmn = (mid - half).half()
-        vsc = (2 * half / (2 ** p.v_bits - 1)).clamp_min(R.EPS).half()
-        return R.encode(k_rot, v_rot, R.QuantTile(None, None, qt.k_scale, qt.k_min, qt.k_norm, vsc, vmn,
+        kmn, ksc, vmn, vsc = qt.k_min, qt.k_scale, qt.v_min, qt.v_scale
+        if v_alpha != 1.0:
+            w = v_rot.to(dtype) / qt.v_norm.to(dtype)
+            vmn, vsc = pick(w, qt.v_norm.to(dtype) ** 2, -1, p.v_bits, v_alpha)
+        if k_alpha != 1.0:
+            u = k_rot.to(dtype) / qt.k_norm.to(dtype)[..., None]
+            kmn, ksc = pick(u, qt.k_norm.to(dtype)[..., None] ** 2, 0, p.k_bits, k_alpha)
+        return R.encode(k_rot, v_rot, R.QuantTile(None, None, ksc, kmn, qt.k_norm, vsc, vmn,
                                                   qt.v_norm), p, dtype)
 
     R.quantize_tile = quantize_tile
+
+
+def range_arg(flag: str, value: str) -> float | str:
+    try:
+        alpha = value if value == "mse" else float(value)
+    except ValueError:
+        alpha = -1.0
+    if alpha != "mse" and not 0.0 < alpha <= 1.0:
+        raise SystemExit(f"error: {flag} {value} is not valid; valid: 0 < ALPHA <= 1, or mse")
+    return alpha
 
 
 def main(argv=None) -> int:
@@ -436,15 +473,17 @@ def main(argv=None) -> int:
     ap.add_argument("--window-cost", action="store_true",
                     help="also print, per kvarn config, the 27B cost of its fp16 tiles beyond the "
                          "own tile and sink (fp16_window_cost: bytes/seq, CTX=huge pool)")
-    ap.add_argument("--v-range", type=float, default=1.0, metavar="ALPHA",
+    ap.add_argument("--v-range", default="1.0", metavar="ALPHA|mse",
                     help="what-if (not in the kernels): each token's V rounding range is the "
                          "min..max range shrunk by ALPHA around its midpoint (codes clamp at the "
-                         "ends); 1.0 = the format")
+                         "ends); mse: per token the least-squared-error ALPHA of "
+                         f"{MSE_GRID}; 1.0 = the format")
+    ap.add_argument("--k-range", default="1.0", metavar="ALPHA|mse",
+                    help="the same for K's per-channel ranges over a tile")
     a = ap.parse_args(argv)
-    if not 0.0 < a.v_range <= 1.0:
-        raise SystemExit(f"error: --v-range {a.v_range} is not valid; valid: 0 < ALPHA <= 1")
-    if a.v_range != 1.0:
-        shrink_v_range(a.v_range)
+    v_alpha, k_alpha = range_arg("--v-range", a.v_range), range_arg("--k-range", a.k_range)
+    if (v_alpha, k_alpha) != (1.0, 1.0):
+        shrink_ranges(v_alpha, k_alpha)
     configs = [(c, parse_config(c)) for c in a.configs.split(",") if c]
     needle_cfgs = [(c, parse_config(c)) for c in a.needle_configs.split(",") if c] if a.needle else []
     import torch
@@ -465,7 +504,7 @@ def main(argv=None) -> int:
         print(f"max kernels-vs-simulation error {worst:.1e} ({'OK' if worst <= 1e-2 else 'FAIL'})")
         return 0 if worst <= 1e-2 else 1
     tok, model = load(a.model)
-    rec = {"model": a.model, "rev": a.rev, "rows": [], "needle": []}
+    rec = {"model": a.model, "rev": a.rev, "v_range": v_alpha, "k_range": k_alpha, "rows": [], "needle": []}
     base: dict = {}
     for tid, text in texts:
         ids = tok(text)["input_ids"]
