@@ -503,12 +503,13 @@ def verdict(rec: dict, log=None) -> int:
 
 
 def boot_all(names, plan, out: Path, rec: dict, servers: dict, left, min_left: float,
-             log=None) -> None:
+             log=None, first: bool = True) -> None:
     """Start one server per name at once (``plan(name, port)`` -> (argv, child_env, _)), filling
     ``servers`` as they start (the caller stops them in its ``finally``) and ``rec["servers"]``
     with argv and boot seconds; wait until every one answers /health, raising when ``left()``
     drops under ``min_left`` first. Server processes get this repo first on PYTHONPATH.
-    ``log`` prints the launch / boot lines (default: this driver's ``say``)."""
+    ``log`` prints the launch / boot lines (default: this driver's ``say``); ``first``: then time
+    each server's first request (first_requests)."""
     log = log or say
     (out / "server.pids").unlink(missing_ok=True)
     env = dict(os.environ)
@@ -532,7 +533,8 @@ def boot_all(names, plan, out: Path, rec: dict, servers: dict, left, min_left: f
     for n, s in servers.items():
         rec["servers"][n]["boot_s"] = round(s.boot_s, 1)
     log("boot: " + ", ".join(f"{n} {s.boot_s:.0f} s" for n, s in servers.items()))
-    first_requests(servers, rec, log)
+    if first:
+        first_requests(servers, rec, log)
 
 
 FIRST_PROMPT = [11 + (i * 7) % 97 for i in range(64)]   # ordinary ids of the tiny vocabulary
