@@ -389,13 +389,14 @@ def kernel_check(model, tok, text: str, layer: int, ntok: int, preset: str) -> f
 MSE_GRID = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 
 
-def shrink_ranges(v_alpha: float | str = 1.0, k_alpha: float | str = 1.0) -> None:
+def shrink_ranges(v_alpha: float | str | None = None, k_alpha: float | str | None = None) -> None:
     """What-ifs for --v-range / --k-range: onecard.kvarn.reference.quantize_tile with each
     rounding group's range (V: a token's row; K: a channel over the tile) shrunk to
     mid +- alpha * (max - min) / 2; values beyond clamp to the end codes. ``"mse"``: per group,
     the alpha of MSE_GRID with the least squared error in real units (V weighted by the
-    channel scales squared, K by the token norms squared). Same stored parameters: a
-    quantizer choice, not a format change."""
+    channel scales squared, K by the token norms squared); None: the preset's own writer
+    (Preset.v_clip for V, min..max for K). Same stored parameters: a quantizer choice, not a
+    format change."""
     import torch
     from onecard.kvarn import reference as R
 
@@ -423,10 +424,10 @@ def shrink_ranges(v_alpha: float | str = 1.0, k_alpha: float | str = 1.0) -> Non
         qt = stock(k_rot, v_rot, preset, dtype)
         p = R.get_preset(preset)
         kmn, ksc, vmn, vsc = qt.k_min, qt.k_scale, qt.v_min, qt.v_scale
-        if v_alpha != 1.0:
+        if v_alpha is not None:
             w = v_rot.to(dtype) / qt.v_norm.to(dtype)
             vmn, vsc = pick(w, qt.v_norm.to(dtype) ** 2, -1, p.v_bits, v_alpha)
-        if k_alpha != 1.0:
+        if k_alpha is not None:
             u = k_rot.to(dtype) / qt.k_norm.to(dtype)[..., None]
             kmn, ksc = pick(u, qt.k_norm.to(dtype)[..., None] ** 2, 0, p.k_bits, k_alpha)
         return R.encode(k_rot, v_rot, R.QuantTile(None, None, ksc, kmn, qt.k_norm, vsc, vmn,
@@ -473,16 +474,18 @@ def main(argv=None) -> int:
     ap.add_argument("--window-cost", action="store_true",
                     help="also print, per kvarn config, the 27B cost of its fp16 tiles beyond the "
                          "own tile and sink (fp16_window_cost: bytes/seq, CTX=huge pool)")
-    ap.add_argument("--v-range", default="1.0", metavar="ALPHA|mse",
+    ap.add_argument("--v-range", metavar="ALPHA|mse",
                     help="what-if (not in the kernels): each token's V rounding range is the "
                          "min..max range shrunk by ALPHA around its midpoint (codes clamp at the "
                          "ends); mse: per token the least-squared-error ALPHA of "
-                         f"{MSE_GRID}; 1.0 = the format")
-    ap.add_argument("--k-range", default="1.0", metavar="ALPHA|mse",
-                    help="the same for K's per-channel ranges over a tile")
+                         f"{MSE_GRID}; 1.0 = min..max. Default: the preset's own writer "
+                         "(Preset.v_clip: 0.75 for 2-bit V)")
+    ap.add_argument("--k-range", metavar="ALPHA|mse",
+                    help="the same for K's per-channel ranges over a tile (default: min..max)")
     a = ap.parse_args(argv)
-    v_alpha, k_alpha = range_arg("--v-range", a.v_range), range_arg("--k-range", a.k_range)
-    if (v_alpha, k_alpha) != (1.0, 1.0):
+    v_alpha = None if a.v_range is None else range_arg("--v-range", a.v_range)
+    k_alpha = None if a.k_range is None else range_arg("--k-range", a.k_range)
+    if (v_alpha, k_alpha) != (None, None):
         shrink_ranges(v_alpha, k_alpha)
     configs = [(c, parse_config(c)) for c in a.configs.split(",") if c]
     needle_cfgs = [(c, parse_config(c)) for c in a.needle_configs.split(",") if c] if a.needle else []

@@ -115,17 +115,18 @@ def test_range_what_ifs_shrink_and_pick_the_least_error(monkeypatch):
     monkeypatch.setattr(R, "quantize_tile", R.quantize_tile)  # restored after the test
     g = torch.Generator().manual_seed(3)
     k, v = torch.randn(64, 2, 64, generator=g), torch.randn(64, 2, 64, generator=g)
-    stock = R.quantize_tile(k, v, "k4v2_g64")
+    pre = R.Preset("k4v2_g64_minmax", 4, 2, 64)  # v_clip 1.0: the min..max writer
+    stock = R.quantize_tile(k, v, pre)
 
     def v_err(qt):
         return float(((R.dequant_tile(qt)[1] - v.double()) ** 2).sum())
 
     F.shrink_ranges(v_alpha=0.8)
-    shrunk = R.quantize_tile(k, v, "k4v2_g64")
+    shrunk = R.quantize_tile(k, v, pre)
     assert torch.equal(shrunk.k_codes, stock.k_codes) and torch.equal(shrunk.k_scale, stock.k_scale)
     assert torch.allclose(shrunk.v_scale.float(), stock.v_scale.float() * 0.8, rtol=2e-3)
     F.shrink_ranges(v_alpha="mse")  # wraps the shrunk one; V is recomputed from the raw rows
-    best = R.quantize_tile(k, v, "k4v2_g64")
+    best = R.quantize_tile(k, v, pre)
     # the per-token search's grid holds alpha = 1 and 0.8: never worse than either
     assert v_err(best) <= min(v_err(stock), v_err(shrunk)) * 1.001
     with pytest.raises(SystemExit, match="valid: 0 < ALPHA <= 1, or mse"):

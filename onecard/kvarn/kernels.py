@@ -71,6 +71,7 @@ def _kvarn_pack_kernel(
     HEAD_DIM: tl.constexpr, TILE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     OFF_KC: tl.constexpr, OFF_VC: tl.constexpr, OFF_KSC: tl.constexpr, OFF_KMN: tl.constexpr,
     OFF_KN: tl.constexpr, OFF_VSC: tl.constexpr, OFF_VMN: tl.constexpr, OFF_VG: tl.constexpr,
+    V_CLIP: tl.constexpr = 1.0,
 ):
     # stage_* are fp16 rows [R, Hkv, D]: job j packs rows [src_row[j], src_row[j] + TILE) into
     # block block[j]; when sink_row[j] >= 0 the rows are also copied to [sink_row[j], + TILE).
@@ -108,8 +109,14 @@ def _kvarn_pack_kernel(
     w = r / vg.to(tl.float32)[None, :]
     lo = tl.min(w, axis=1)
     hi = tl.max(w, axis=1)
+    if V_CLIP != 1.0:  # the range mid +- V_CLIP * (hi - lo) / 2 (reference.quantize_tile)
+        half = (hi - lo) * (0.5 * V_CLIP)
+        lo = (hi + lo) * 0.5 - half
+        rng = 2.0 * half
+    else:
+        rng = hi - lo
     vmn = lo.to(tl.float16)
-    vsc = tl.maximum((hi - lo) / VMAX, eps).to(tl.float16)
+    vsc = tl.maximum(rng / VMAX, eps).to(tl.float16)
     vc = tl.floor((w - vmn.to(tl.float32)[:, None]) / vsc.to(tl.float32)[:, None] + 0.5)
     vc = tl.minimum(tl.maximum(vc, 0.0), VMAX).to(tl.int32)
     # pack: PER codes a byte, code j of a byte at bit j * BITS
@@ -198,7 +205,7 @@ def kvarn_pack_rows(rows_k: torch.Tensor, rows_v: torch.Tensor, cache: torch.Ten
         rows_k.stride(0), rows_k.stride(1),
         cache.stride(0), cache.stride(1), EPS,
         HEAD_DIM=d, TILE=p.tile, K_BITS=p.k_bits, V_BITS=p.v_bits, **_layout_consts(layout),
-        num_warps=8 if p.tile * d >= 128 * 128 else 4,
+        V_CLIP=float(p.v_clip), num_warps=8 if p.tile * d >= 128 * 128 else 4,
     )
 
 

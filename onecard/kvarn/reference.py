@@ -78,8 +78,14 @@ def quantize_tile(k_rot: torch.Tensor, v_rot: torch.Tensor, preset: str | Preset
     r = v_rot.to(dtype)
     vg = torch.sqrt((r * r).sum(0) / T).clamp_min(EPS).half()  # [H, D]
     w = r / vg.to(dtype)
-    vmn = w.amin(-1).half()  # [T, H]
-    vsc = ((w.amax(-1) - w.amin(-1)) / vmax).clamp_min(EPS).half()
+    lo, hi = w.amin(-1), w.amax(-1)  # [T, H]
+    if p.v_clip != 1.0:  # the writer's range: mid +- v_clip * (max - min) / 2 (Preset.v_clip)
+        half = (hi - lo) * (0.5 * p.v_clip)
+        lo, rng = (hi + lo) * 0.5 - half, 2.0 * half
+    else:
+        rng = hi - lo
+    vmn = lo.half()
+    vsc = (rng / vmax).clamp_min(EPS).half()
     return encode(k_rot, v_rot, QuantTile(None, None, ksc, kmn, kn, vsc, vmn, vg), p, dtype)
 
 
