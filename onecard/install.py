@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,8 +122,6 @@ class Installer:
         with `[Errno 28] No space left on device`, leaving a half-installed venv)."""
         kind = "cuda" if shutil.which("nvidia-smi") else "cpu"
         need = float(os.environ.get("ONECARD_MIN_FREE_GB", MIN_FREE_GB[kind]))
-        import tempfile
-
         for what, where in (("the venv", self.venv), ("pip's temporary files (TMPDIR)", Path(tempfile.gettempdir()))):
             at, free = free_gb(where)
             if free < need:

@@ -475,9 +475,9 @@ def main(argv=None) -> int:
                     help="also print, per kvarn config, the 27B cost of its fp16 tiles beyond the "
                          "own tile and sink (fp16_window_cost: bytes/seq, CTX=huge pool)")
     ap.add_argument("--v-range", metavar="ALPHA|mse",
-                    help="what-if (not in the kernels): each token's V rounding range is the "
-                         "min..max range shrunk by ALPHA around its midpoint (codes clamp at the "
-                         "ends); mse: per token the least-squared-error ALPHA of "
+                    help="what-if, overriding the preset's writer: each token's V rounding range "
+                         "is the min..max range shrunk by ALPHA around its midpoint (codes clamp "
+                         "at the ends); mse: per token the least-squared-error ALPHA of "
                          f"{MSE_GRID}; 1.0 = min..max. Default: the preset's own writer "
                          "(Preset.v_clip: 0.75 for 2-bit V)")
     ap.add_argument("--k-range", metavar="ALPHA|mse",
