@@ -121,7 +121,12 @@ class Installer:
         """Refuse before pip starts when the disk cannot hold the install (pip would stop half-way
         with `[Errno 28] No space left on device`, leaving a half-installed venv)."""
         kind = "cuda" if shutil.which("nvidia-smi") else "cpu"
-        need = float(os.environ.get("ONECARD_MIN_FREE_GB", MIN_FREE_GB[kind]))
+        raw = os.environ.get("ONECARD_MIN_FREE_GB", str(MIN_FREE_GB[kind]))
+        try:
+            need = float(raw)
+        except ValueError:
+            raise StepFailed("packages", f"ONECARD_MIN_FREE_GB={raw!r} is not valid",
+                             "valid: a number of GB, e.g. ONECARD_MIN_FREE_GB=4") from None
         for what, where in (("the venv", self.venv), ("pip's temporary files (TMPDIR)", Path(tempfile.gettempdir()))):
             at, free = free_gb(where)
             if free < need:

@@ -85,6 +85,9 @@ def test_too_little_disk_refuses_before_pip(tmp_path, monkeypatch):
     with pytest.raises(install.StepFailed, match=r"only 1\.5 GB free .* need about \d+ GB") as exc:
         inst.step_packages()
     assert inst.calls == [] and "--venv DIR" in exc.value.fix
+    monkeypatch.setenv("ONECARD_MIN_FREE_GB", "lots")
+    with pytest.raises(install.StepFailed, match="ONECARD_MIN_FREE_GB='lots' is not valid"):
+        inst.step_packages()
     monkeypatch.setenv("ONECARD_MIN_FREE_GB", "1")  # the override lowers the check
     inst.step_packages()
     assert any(f"vllm=={install.VLLM_PIN}" in c for c in inst.calls)
