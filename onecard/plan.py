@@ -181,6 +181,9 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
         if feat and not profiles.feature_installed(feat):
             which = "CTX=huge" if feat == "kvarn" else "SPEC=dflash2"
             raise PlanError(f"{which}: {profiles.FEATURE_INSTALL[feat]}; valid now: CTX=fast|long, SPEC=off|mtp")
+    if ctx.needs == "kvarn" and (stale := profiles.feature_stale("kvarn")):
+        raise PlanError(f"CTX=huge: the KVarN code installed in this vLLM is older than this checkout ({stale} "
+                        f"changed); run kvarn/install.sh (or ./install.sh --kvarn) to update it; valid now: CTX=fast|long")
 
     # KV dtype
     if plan.values["KV"].source == "default":

@@ -144,10 +144,9 @@ FEATURE_INSTALL = {  # what is missing and how to get it, for the launcher's one
 }
 
 
-def feature_installed(name: str) -> bool:
-    """A later feature (KVarN, DFlash2) is present when its installer left the marker file
-    ``vllm/<name>_installed.txt`` inside the installed vllm package (kvarn/install.sh writes
-    ``kvarn_installed.txt``). Found with importlib.util.find_spec: vllm is not imported."""
+def _feature_marker(name: str):
+    """Path of the feature's marker inside the installed vllm package, or None. Found with
+    importlib.util.find_spec: vllm is not imported."""
     import importlib.util
     from pathlib import Path
 
@@ -155,10 +154,39 @@ def feature_installed(name: str) -> bool:
     try:
         spec = importlib.util.find_spec("vllm")
     except (ImportError, ValueError):
-        return False
+        return None
     if spec is None or not spec.submodule_search_locations:
-        return False
-    return any((Path(p) / marker).is_file() for p in spec.submodule_search_locations)
+        return None
+    return next((Path(p) / marker for p in spec.submodule_search_locations if (Path(p) / marker).is_file()), None)
+
+
+def feature_installed(name: str) -> bool:
+    """A later feature (KVarN, DFlash2) is present when its installer left the marker file
+    ``vllm/<name>_installed.txt`` inside the installed vllm package (kvarn/install.sh writes
+    ``kvarn_installed.txt``)."""
+    return _feature_marker(name) is not None
+
+
+def feature_stale(name: str) -> str:
+    """What of an installed feature differs from this checkout ('' when nothing does, or when it
+    is not installed). Only KVarN's marker records its sources (a hash per copied file and of
+    kvarn/series): after an update of onecard the vLLM copy keeps running the old code until
+    kvarn/install.sh runs again."""
+    if name != "kvarn":
+        return ""
+    marker = _feature_marker(name)
+    if marker is None:
+        return ""
+    from onecard.kvarn.installer import marker_text
+
+    have, want = marker.read_text(encoding="utf-8", errors="replace"), marker_text()
+    if have == want:
+        return ""
+    diff = set(have.splitlines()) ^ set(want.splitlines())
+    names = sorted({line.split()[-1].rsplit("/", 1)[-1] for line in diff if "  vllm/" in line})
+    if any(line.startswith("series ") for line in diff):
+        names.append("kvarn/series")
+    return ", ".join(names) or "its marker"
 
 
 def kvarn_installed() -> bool:

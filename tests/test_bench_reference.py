@@ -264,14 +264,15 @@ def _lease_arms(tmp_path):
     """Arms whose PYTHONPATH starts with a vllm dir of their own, as on the GPU machine: the
     patched one with the DFlash2 and KVarN markers, the stock one (pristine 0.27.1) without."""
     from onecard import profiles
+    from onecard.kvarn.installer import marker_text
     pp = os.pathsep.join([str(REPO), str(REPO / "tests")])
     paths = {}
     for arm, markers in (("patched", profiles.FEATURE_MARKERS.values()), ("stock", ())):
         d = tmp_path / f"site-{arm}" / "vllm"
         d.mkdir(parents=True)
         (d / "__init__.py").write_text("")
-        for m in markers:
-            (d / m).write_text("1")
+        for m in markers:  # KVarN's marker as a current install writes it
+            (d / m).write_text(marker_text() if m == profiles.FEATURE_MARKERS["kvarn"] else "1")
         paths[arm] = os.pathsep.join([str(d.parent), pp])
     draft = tmp_path / "drafter"
     draft.mkdir()

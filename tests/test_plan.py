@@ -23,8 +23,10 @@ def features(tmp_path, monkeypatch):
     """Pretend KVarN and DFlash2 are installed (marker files in a fake vllm dir)."""
     d = tmp_path / "fakevllm"
     d.mkdir()
-    for marker in profiles.FEATURE_MARKERS.values():
-        (d / marker).write_text("1")
+    from onecard.kvarn.installer import marker_text
+
+    for name, marker in profiles.FEATURE_MARKERS.items():
+        (d / marker).write_text(marker_text() if name == "kvarn" else "1")  # kvarn's: current
     fake = types.SimpleNamespace(submodule_search_locations=[str(d)])
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: fake)
     draft = tmp_path / "drafter"

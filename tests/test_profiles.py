@@ -1,6 +1,7 @@
 """Profiles are data; the single-user README is generated from them."""
 from pathlib import Path
 import types
+import pytest
 
 from onecard import profiles
 
@@ -53,3 +54,27 @@ def test_write_readme_atomic(tmp_path):
     profiles.write_readme(str(p))
     assert p.read_text() == profiles.render_readme()
     assert not list(tmp_path.glob(".readme.*"))
+
+
+def test_kvarn_stale_marker_names_what_changed(tmp_path, monkeypatch):
+    """The marker records a hash per copied KVarN file: after an update of onecard the launcher
+    must not serve CTX=huge with the old copy (the plan refuses with the files that changed)."""
+    import importlib.util
+
+    from onecard import plan as P
+    from onecard.kvarn.installer import marker_text
+
+    fake = types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: fake)
+    assert profiles.feature_stale("kvarn") == ""          # not installed: nothing to say
+    marker = tmp_path / "kvarn_installed.txt"
+    marker.write_text(marker_text())
+    assert profiles.feature_stale("kvarn") == ""          # current
+    old = marker_text().replace(marker_text().splitlines()[2].split()[0], "0" * 16)
+    marker.write_text(old)
+    changed = marker_text().splitlines()[2].split()[-1].rsplit("/", 1)[-1]
+    assert profiles.feature_stale("kvarn") == changed
+    with pytest.raises(P.PlanError, match=f"older than this checkout \\({changed} changed\\); run kvarn/install.sh") as e:
+        P.make_plan({"CTX": "huge", "SPEC": "mtp"}, tmp_path, "python3", "models/x", check_paths=False)
+    assert "\n" not in str(e.value)
+    assert profiles.feature_stale("dflash2") == ""
