@@ -87,6 +87,14 @@ def run(out: Path, deadline_s: float) -> int:
     caches = {arm: tempfile.mkdtemp(prefix=f"onecard-triton-{arm}-", dir=os.environ.get("TMPDIR", "/var/tmp"))
               for arm in ARMS}
     rec["triton_cache_dirs"] = caches
+    from onecard.bench import provenance
+
+    rec["provenance"] = provenance.build(
+        argv=launcher_argv(), prompt_set={"id": "job70-first-prompt", "prompt_ids": D.FIRST_PROMPT},
+        sampling=dict(REQUESTS), max_tokens=8, token_count_source="none (request wall times only)",
+        warmup={"arms": {arm: f"WARMUP={v}" for arm, v in ARMS.items()},
+                "triton_cache": "empty per arm"},
+        environ={**os.environ, **KNOBS})
 
     def plan(arm, port):
         return launcher_argv(), arm_env(arm, port, caches[arm]), None
