@@ -278,17 +278,17 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
         raise PlanError("EXTRA_ARGS must not carry --api-key (it would show in the process list); valid: set VLLM_API_KEY instead")
     plan.set("EXTRA_ARGS", extra, plan.values["EXTRA_ARGS"].source)
     if ctx.name == "huge" and spec.name == "dflash2":
-        # vLLM's backend check: the DFlash2 drafter's attention is non-causal, the KVARN backend
-        # has no non-causal path, and no other backend reads a KVarN cache (2026-12-02, CPU check
-        # for job 63): the server would die at boot. Keeping the drafter's layers out of KVarN
-        # (--kv-cache-dtype-skip-layers) passes that check; whether it serves is job 63's question.
-        if not any(a == "--kv-cache-dtype-skip-layers" or a.startswith("--kv-cache-dtype-skip-layers=")
-                   for a in extra):
-            raise PlanError("CTX=huge with SPEC=dflash2 does not boot: the DFlash2 drafter's attention is "
-                            "non-causal and KVarN's backend has no non-causal path; valid: CTX=huge with "
-                            "SPEC=off|mtp, or SPEC=dflash2 with CTX=fast|long")
-        plan.notes.append("CTX=huge with SPEC=dflash2 and --kv-cache-dtype-skip-layers in EXTRA_ARGS: the "
-                          "drafter's layers keep a bf16 cache (not counted by the memory model); unverified on a GPU")
+        # The DFlash2 drafter's attention is non-causal and the KVARN backend has none, so its
+        # layers cannot live in KVarN. Keeping them in bf16 (--kv-cache-dtype-skip-layers) dies in
+        # vLLM 0.27.1's KV-cache setup (unify_kv_cache_spec_page_size: the bf16 drafter page is
+        # not a multiple of KVarN's and KVarN pages cannot be padded), after the model load and
+        # the profiling run; with that fixed, the bf16 drafter (20,480 B/token) outweighs all 16
+        # KVarN layers (13,440 B/token) and the CTX=huge pin holds ~74k tokens on the 27B, about
+        # CTX=long's. CPU reproduction with vLLM's own code: docs/results/2026-12-03-huge-dflash2-cpu.
+        raise PlanError("CTX=huge with SPEC=dflash2 does not boot on vLLM 0.27.1: the DFlash2 drafter's "
+                        "attention is non-causal and KVarN has none, and keeping its layers in bf16 "
+                        "fails at KV-cache setup (docs/results/2026-12-03-huge-dflash2-cpu); valid: "
+                        "CTX=huge with SPEC=off|mtp, or SPEC=dflash2 with CTX=fast|long")
 
     # tensor parallel: the TP knob or --tensor-parallel-size/-tp in EXTRA_ARGS, decided here only
     valid_tp = "|".join(profiles.KNOBS["TP"].choices)

@@ -1,23 +1,20 @@
 #!/usr/bin/env bash
 # timeout: 600
-# 63-kvarn-spec (issue 9): SPEC=mtp and SPEC=dflash2 on the KVarN KV cache (kvarn_k4v2_g128), on the
+# 63-kvarn-spec (issue 9): SPEC=mtp on the KVarN KV cache (kvarn_k4v2_g128) vs SPEC=off, on the
 # tiny model (+ its tiny DFlash2 drafter; head_dim 256 target / 64 drafter: both powers of two
 # >= 64, which the KVARN backend supports). KVarN goes into a private view of the patched tree
 # (/var/tmp/site-kvarn-63) exactly as job 61 does (61-kvarn-serve.py setup), put first on PYTHONPATH.
 # tests/gpu/spec_kv_sweep.py --suite kvarn boots through the launcher's plan, CTX=huge (KVarN),
 # MAX_LEN 4096 (tiny KVarN block B = 1,024: a hit under speculation needs prompts > 2B), KV_MEM
 # 1G, MAX_SEQS 16, prefix caching on, CUDA graphs (KVARN itself runs eager: piecewise graphs):
-#   kvarn-off, kvarn-mtp (k 3), and kvarn-d2k7-skipdraft (DFLASH_TOKENS=7 with
-#   --kv-cache-dtype-skip-layers <the drafter's layer indices>: the drafter's KV stays bf16).
-# Known gap, predicted on CPU by the dry run: the DFlash2 drafter's attention is non-causal and
-# KVARN has no non-causal attention, so plain CTX=huge + SPEC=dflash2 would die at boot; the
-# launcher refuses it (onecard/plan.py) unless EXTRA_ARGS keeps the drafter's layers out of KVarN.
-# kvarn-d2k7-skipdraft is that configuration (informational: its boot does not gate, a divergence
-# after it booted does).
+#   kvarn-off and kvarn-mtp (k 3).
+# No dflash2 server: the DFlash2 drafter's attention is non-causal and KVARN has none, and keeping
+# the drafter's layers in bf16 (--kv-cache-dtype-skip-layers) fails at vLLM 0.27.1's KV-cache setup
+# (CPU reproduction: docs/results/2026-12-03-huge-dflash2-cpu); the launcher refuses both.
 # Checks: greedy, 128 prompts of 2,176..2,303 tokens (every residue mod 128 = the KVarN tile), 32
 # tokens, two passes (2nd hits the prefix cache; hit tokens printed), all servers at once; each
 # spec server == kvarn-off token for token (bf16 near-tie rule), reported per pair and pass.
-# Expected wall: 250-520 s. Exit 0 only if kvarn-off/-mtp booted and no pair diverged.
+# Expected wall: 200-450 s. Exit 0 only if kvarn-off/-mtp booted and no pair diverged.
 # Writes $JOB_OUT/{kvarn.json,run.txt,server-*.log,summary.txt}. CPU dry run:
 # python3 tests/gpu/spec_kv_sweep.py --suite kvarn --dry-run (tests/test_gpu_spec_kv_dry.py).
 set -u

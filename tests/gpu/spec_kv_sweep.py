@@ -13,9 +13,8 @@ Suites (``--suite``):
          under speculation on every server (vLLM 0.27.1 drops one block per hit under
          speculation: a hit needs L > 2B; B = 400/416 int8, 768..800 int4; docs/prefix-cache.md).
   kvarn  (job 63) CTX=huge (KVarN kvarn_k4v2_g128, installed into a private view by the job),
-         servers off, mtp, and dflash2 k7 with the drafter's layers kept out of KVarN
-         (``--kv-cache-dtype-skip-layers`` = the drafter's layer indices; informational, see
-         below): the launcher refuses plain CTX=huge + SPEC=dflash2. MAX_LEN 4096 (B = 1,024 on the tiny model: a spec hit needs L > 2,048);
+         servers off and mtp (the launcher refuses CTX=huge + SPEC=dflash2, see below).
+         MAX_LEN 4096 (B = 1,024 on the tiny model: a spec hit needs L > 2,048);
          prompts of 2,176..2,303 tokens.
 
 Every server: the launcher's plan (onecard.plan.make_plan, MODEL=tiny), prefix caching on (+
@@ -33,11 +32,13 @@ the off server of its KV dtype, token for token with the bf16 near-tie rule. The
 server the /metrics spec-decode counters (drafts, tokens/step: random drafters, plumbing only).
 
 Exit 0 only when every gating server booted and no pair has a real divergence. A server marked
-informational (the kvarn suite's skip-layers dflash2 arm) does not gate on its boot, but a real
-divergence after it booted still fails. Known gap (CPU-checked by ``--dry-run``): the DFlash2
-drafter's attention is non-causal and the KVARN backend has no non-causal attention, so a plain
-kvarn dflash2 server would fail at boot with "non-causal attention not supported"; the launcher
-refuses that configuration before boot (onecard/plan.py).
+informational (a suite's "info" set; none today) does not gate on its boot, but a real
+divergence after it booted still fails. Known gap: the DFlash2 drafter's attention is non-causal
+and the KVARN backend has no non-causal attention, so a kvarn dflash2 server would fail at boot
+("non-causal attention not supported"); keeping the drafter's layers in bf16
+(``--kv-cache-dtype-skip-layers``) fails later, at vLLM 0.27.1's KV-cache setup (CPU
+reproduction: docs/results/2026-12-03-huge-dflash2-cpu). The launcher refuses both before boot
+(onecard/plan.py).
 
 ``--dry-run``: builds the tiny pair, prints every argv, parses each with the vLLM on the path's
 own serve parser (the fields that matter as JSON), predicts each server's attention backends
@@ -74,16 +75,6 @@ WARM_MAX_S, WARM_RESERVE_S, SWEEP_RESERVE_S = 240, 160, 60
 KV_SHORT = {"int8_per_token_head": "int8", "int4_per_token_head": "int4"}
 
 
-def _tiny_layers(model: Path) -> tuple[int, int]:
-    """(target text layers, drafter layers) of the tiny pair (drafter layers are numbered after
-    the target's in vLLM: qwen3_dflash start_layer_id = target layers)."""
-    cfg = json.loads((model / "config.json").read_text())
-    n_target = cfg.get("text_config", cfg)["num_hidden_layers"]
-    dcfg = model.parent / (model.name + "-dflash2") / "config.json"
-    n_draft = json.loads(dcfg.read_text())["num_hidden_layers"] if dcfg.is_file() else 2
-    return n_target, n_draft
-
-
 def suite(name: str, model: Path | None = None) -> dict:
     """The server table of a suite: {"servers": {name: knobs (+ "EXTRA": [words])},
     "base": base knobs, "pairs": [(spec server, off server)], "base_len", "info": set of
@@ -98,16 +89,12 @@ def suite(name: str, model: Path | None = None) -> dict:
         return {"servers": servers, "pairs": pairs, "info": set(), "warm_first": "int8-off",
                 "base": {**COMMON, "CTX": "long", "MAX_LEN": "2048"}, "base_len": 1664}
     if name == "kvarn":
-        n_target, n_draft = _tiny_layers(model) if model is not None else (8, 2)
-        skip = [str(i) for i in range(n_target, n_target + n_draft)]
-        servers = {
-            "kvarn-off": {"SPEC": "off"},
-            "kvarn-mtp": {"SPEC": "mtp"},
-            "kvarn-d2k7-skipdraft": {"SPEC": "dflash2", "DFLASH_TOKENS": "7",
-                                     "EXTRA": ["--kv-cache-dtype-skip-layers", *skip]},
-        }
-        pairs = [(n, "kvarn-off") for n in servers if n != "kvarn-off"]
-        return {"servers": servers, "pairs": pairs, "info": {"kvarn-d2k7-skipdraft"},
+        # no dflash2 server: the launcher refuses CTX=huge + SPEC=dflash2 (onecard/plan.py), also
+        # with the drafter's layers kept in bf16 (dies at KV-cache setup on vLLM 0.27.1:
+        # docs/results/2026-12-03-huge-dflash2-cpu)
+        servers = {"kvarn-off": {"SPEC": "off"}, "kvarn-mtp": {"SPEC": "mtp"}}
+        pairs = [("kvarn-mtp", "kvarn-off")]
+        return {"servers": servers, "pairs": pairs, "info": set(),
                 "warm_first": "kvarn-off",
                 "base": {**COMMON, "CTX": "huge", "MAX_LEN": "4096"}, "base_len": 2176}
     raise ValueError(f"suite {name!r} is not valid; valid: quant, kvarn")
