@@ -2,12 +2,27 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def check_job_contract(job: Path, driver: str = r"\w+") -> str:
+    """A GPU job script keeps gpu/README.md's contract: a `# timeout:` header within one device
+    call (600 s), its `run_driver TAG END_S` ending inside that header, valid bash. ``driver``:
+    a regex the run_driver line must show after END_S. Returns the script's text."""
+    text = job.read_text()
+    m = re.search(r"^# timeout: (\d+)$", text, re.M)
+    assert m and int(m.group(1)) <= 600, job               # one device call's limit
+    inner = re.search(rf"^run_driver \w+ (\d+) {driver}", text, re.M)  # gpu/lib/job.sh: END_S
+    assert inner and int(inner.group(1)) < int(m.group(1)), job    # the driver ends inside the header
+    assert subprocess.run(["bash", "-n", str(job)]).returncode == 0, job
+    return text
 
 
 def _vllm_dir() -> Path | None:

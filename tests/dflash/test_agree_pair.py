@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import check_job_contract
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,12 +123,7 @@ def test_ensure_is_idempotent(pair, root):
 
 
 def test_job_header_and_syntax():
-    text = JOB.read_text()
-    m = re.search(r"^# timeout: (\d+)$", text, re.M)
-    assert m and int(m.group(1)) <= 600
-    inner = re.search(r"^run_driver lane (\d+) python3 tests/gpu/dflash2_lane.py", text, re.M)
-    assert inner and int(inner.group(1)) < int(m.group(1))
-    assert subprocess.run(["bash", "-n", str(JOB)]).returncode == 0
+    check_job_contract(JOB, r"python3 tests/gpu/dflash2_lane.py")
 
 
 def test_dry_run_passes(root, pair, patched_site, tmp_path):

@@ -13,18 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import check_job_contract
+
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tests" / "gpu" / "test_dflash2.py"
 JOB = REPO / "gpu" / "jobs" / "70-dflash2.sh"
 
 
 def test_job_header_and_syntax():
-    text = JOB.read_text()
-    m = re.search(r"^# timeout: (\d+)$", text, re.M)
-    assert m and int(m.group(1)) <= 600          # one device call's limit
-    inner = re.search(r"^run_driver \w+ (\d+) ", text, re.M)   # gpu/lib/job.sh: END_S of the job clock
-    assert inner and int(inner.group(1)) < int(m.group(1))   # the driver ends inside the header
-    assert subprocess.run(["bash", "-n", str(JOB)]).returncode == 0
+    check_job_contract(JOB)
 
 
 @pytest.fixture(scope="module")

@@ -11,18 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import check_job_contract
+
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tests" / "gpu" / "warmup_check.py"
 JOB = REPO / "gpu" / "jobs" / "73-warmup.sh"
 
 
 def test_job_header_and_syntax():
-    text = JOB.read_text()
-    m = re.search(r"^# timeout: (\d+)$", text, re.M)
-    assert m and int(m.group(1)) <= 600
-    inner = re.search(r"^run_driver \w+ (\d+) ", text, re.M)
-    assert inner and int(inner.group(1)) < int(m.group(1))
-    assert subprocess.run(["bash", "-n", str(JOB)]).returncode == 0
+    check_job_contract(JOB)
 
 
 def test_dry_run_passes(tmp_path, patched_site):

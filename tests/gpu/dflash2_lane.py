@@ -28,7 +28,6 @@ tests/dflash/test_agree_pair.py). Writes OUT/lane.json (atomic) and OUT/server-*
 """
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import json
 import os
@@ -43,7 +42,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from test_dflash2 import (HOST, Server, boot_all, free_port, metrics_delta,  # noqa: E402
+from test_dflash2 import (HOST, Server, boot_all, driver_main, free_port, metrics_delta,  # noqa: E402
                           parse_metrics, recorded, server_plan, verdict, write_json)
 
 SERVERS = {
@@ -226,13 +225,7 @@ def dry_run(out: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("JOB_OUT", "/tmp/dflash2-lane")))
-    ap.add_argument("--deadline", type=float, default=330.0, help="seconds for the whole run")
-    ap.add_argument("--dry-run", action="store_true")
-    a = ap.parse_args(argv)
-    a.out.mkdir(parents=True, exist_ok=True)
-    return dry_run(a.out) if a.dry_run else run(a.out, a.deadline)
+    return driver_main(argv, __doc__, "/tmp/dflash2-lane", dry_run, run)
 
 
 if __name__ == "__main__":

@@ -673,6 +673,18 @@ def dry_run(out: Path) -> int:
     return 0 if ok else 1
 
 
+def driver_main(argv, doc: str, default_out: str, dry_run, run, deadline_s: float = 330.0) -> int:
+    """The command line of a one-arm GPU driver (jobs 72, 73): --out (default $JOB_OUT, else
+    ``default_out``), --deadline, --dry-run; calls ``dry_run(out)`` or ``run(out, deadline)``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("JOB_OUT", default_out)))
+    ap.add_argument("--deadline", type=float, default=deadline_s, help="seconds for the whole run")
+    ap.add_argument("--dry-run", action="store_true")
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    return dry_run(a.out) if a.dry_run else run(a.out, a.deadline)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("JOB_OUT", "/tmp/dflash2")))

@@ -22,7 +22,6 @@ arm's plan says WARMUP 1 and the cold arm's 0 (tests/dflash/test_gpu_warmup_dry.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -144,13 +143,7 @@ def dry_run(out: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("JOB_OUT", "/tmp/warmup")))
-    ap.add_argument("--deadline", type=float, default=330.0, help="seconds for the whole run")
-    ap.add_argument("--dry-run", action="store_true")
-    a = ap.parse_args(argv)
-    a.out.mkdir(parents=True, exist_ok=True)
-    return dry_run(a.out) if a.dry_run else run(a.out, a.deadline)
+    return D.driver_main(argv, __doc__, "/tmp/warmup", dry_run, run)
 
 
 if __name__ == "__main__":
