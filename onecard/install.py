@@ -162,8 +162,26 @@ class Installer:
         last = out.stdout.strip().splitlines()[-1]
         self.note("patches", "already applied" if last.startswith("already") else "applied", last)
 
+    def kvarn_present(self) -> bool:
+        """Whether the venv's vLLM carries the KVarN marker (a KVarN install from before)."""
+        probe = ("import importlib.util, pathlib; s = importlib.util.find_spec('vllm'); "
+                 "print(bool(s) and any((pathlib.Path(p) / 'kvarn_installed.txt').is_file() "
+                 "for p in (s.submodule_search_locations or [])))")
+        try:
+            out = subprocess.run([str(self.py), "-c", probe], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return out.returncode == 0 and out.stdout.strip() == "True"
+
     def step_kvarn(self) -> None:
         script = REPO / "kvarn" / "install.sh"
+        if not self.kvarn and not self.pristine and script.is_file() and self.kvarn_present():
+            # installed before: bring the copy in vLLM up to this checkout (an update of onecard
+            # changes the copied files; the launcher refuses CTX=huge with a stale copy)
+            self.sh("kvarn", ["bash", script], "see kvarn/README.md; kvarn/install.sh --uninstall restores stock",
+                    env={"VENV": str(self.venv)})
+            self.note("kvarn", "kept up to date", "it was installed before; kvarn/install.sh --uninstall removes it")
+            return
         if not self.kvarn:
             self.note("kvarn", "skipped", "add --kvarn for CTX=huge")
             return

@@ -96,3 +96,17 @@ def test_too_little_disk_refuses_before_pip(tmp_path, monkeypatch):
 def test_free_gb_walks_up_to_an_existing_parent(tmp_path):
     at, free = REAL_FREE_GB(tmp_path / "not" / "yet" / "venv")
     assert at == tmp_path and free > 0
+
+
+def test_kvarn_installed_before_is_kept_up_to_date(tmp_path, monkeypatch):
+    """./install.sh without --kvarn refreshes a KVarN install it finds (idempotent; an update of
+    onecard changes the copied files), and leaves a vLLM without KVarN alone."""
+    inst = Recorder(tmp_path / "venv")
+    monkeypatch.setattr(inst, "kvarn_present", lambda: True)
+    inst.step_kvarn()
+    assert any(c[-1].endswith("kvarn/install.sh") for c in inst.calls) and inst.summary[-1][1] == "kept up to date"
+    other = Recorder(tmp_path / "venv")
+    monkeypatch.setattr(other, "kvarn_present", lambda: False)
+    other.step_kvarn()
+    assert other.calls == [] and other.summary[-1][1] == "skipped"
+    assert not Recorder(tmp_path / "nope").kvarn_present()   # no venv python: not installed
