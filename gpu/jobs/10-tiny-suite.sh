@@ -20,7 +20,7 @@ mkdir -p "$MODELS"
 PY=python3
 status=0
 
-say "== 10-tiny-suite $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+job_header
 $PY - <<'EOF' 2>&1 | tee -a "$summary"
 import sys
 try:

@@ -47,7 +47,7 @@ MEASURE_S=${MEASURE_S:-60}         # kept for measuring + stopping after a boot
 # the arms, in order: LABEL SPEC WIDE_VERIFY DFLASH_TOKENS(- = none) REQUIRED(1: must run)
 ARMS=${ARMS:-"off:off:1:-:1 mtp-wide1:mtp:1:-:1 d2k7:dflash2:1:7:0 d2k15:dflash2:1:15:0 mtp-wide0:mtp:0:-:0"}
 
-say "== 31-verify-e2e $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+job_header
 PORT=$(free_port)
 URL="http://127.0.0.1:$PORT"
 # the launcher env of one arm: arm_env SPEC WIDE_VERIFY DFLASH_TOKENS(-: none)

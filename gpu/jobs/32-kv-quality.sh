@@ -15,7 +15,7 @@ cd "$(dirname "$0")/../.."
 : "${VLLM:=python3 -m vllm.entrypoints.cli.main}"
 . gpu/lib/job.sh  # MODELS, $summary, say, elapsed, free_port, boot_server, stop_server (trap EXIT)
 BOOT_TAIL=20
-say "== 32-kv-quality $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+job_header
 
 SMOL=$(timeout 120 python3 -c 'from onecard.prepare.gguf import ensure_smollm2; print(ensure_smollm2())' 2>"$JOB_OUT/convert.log" | tail -1)
 if [ -z "$SMOL" ] || [ ! -f "$SMOL/config.json" ]; then

@@ -52,7 +52,7 @@ suite() {  # suite LABEL : the full single-user suite, smoke sizes, against the 
   return $rc
 }
 
-say "== 50-bench-smoke $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}${FAKE:+ (DRY RUN: fake server)}"
+job_header "${FAKE:+ (DRY RUN: fake server)}"
 
 # ---- 1. SmolLM2-135M, plain vllm serve
 SMOL="$MODELS/smollm2-135m"

@@ -21,7 +21,7 @@ cd "$(dirname "$0")/../.."
 : "${JOB_OUT:=/var/tmp/out/61-kvarn-serve}"
 : "${VLLM:=python3 -m vllm.entrypoints.cli.main}"
 . gpu/lib/job.sh  # MODELS, $summary, say, elapsed, free_port, boot_server, stop_server (trap EXIT)
-say "== 61-kvarn-serve $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+job_header
 H="gpu/jobs/61-kvarn-serve.py"
 status=0
 

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/../.."
 : "${JOB_OUT:=/var/tmp/out/62-kvarn-decode}"
 . gpu/lib/job.sh  # MODELS, $summary, say, elapsed
 H="gpu/jobs/61-kvarn-serve.py"
-say "== 62-kvarn-decode $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+job_header
 SRC=$(python3 -c 'import importlib.util as u; print(list(u.find_spec("vllm").submodule_search_locations)[0])' 2>/dev/null)
 timeout 60 python3 "$H" setup --src "${SRC:-/var/tmp/site/vllm}" --site /var/tmp/site-kvarn 2>&1 | tee -a "$summary"
 if [ "${PIPESTATUS[0]}" != 0 ]; then say "FAIL: kvarn install into /var/tmp/site-kvarn"; exit 1; fi

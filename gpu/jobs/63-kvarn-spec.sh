@@ -23,7 +23,7 @@ cd "$(dirname "$0")/../.."
 . gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
 correctness_boots  # outputs only, no timings: no Triton autotuning (gpu/lib/job.sh)
 mkdir -p "$MODELS"
-say "== 63-kvarn-spec $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+job_header
 
 # --- KVarN into a private view (job 61's setup; /var/tmp/site is not written). A view of its own,
 # not job 61's /var/tmp/site-kvarn: setup deletes and rebuilds its view, and 61 may run beside
@@ -40,5 +40,4 @@ run_driver kvarn 585 python3 tests/gpu/spec_kv_sweep.py --suite kvarn --out "$JO
 rc=$?
 grep -h "Setting attention block size\|GPU KV cache size" "$JOB_OUT"/server-kvarn-*.log 2>/dev/null \
   | cut -c1-200 | head -8 | sed 's/^/  /' | tee -a "$summary"
-say "== 63-kvarn-spec: $([ $rc -eq 0 ] && echo PASS || echo FAIL) (rc=$rc)"
-exit $rc
+job_end $rc

@@ -21,11 +21,9 @@ cd "$(dirname "$0")/../.."
 . gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
 correctness_boots  # outputs only, no timings: no Triton autotuning (gpu/lib/job.sh)
 mkdir -p "$MODELS"
-say "== 70-dflash2 $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+job_header
 vllm_markers
 ensure_tiny_drafter 70-dflash2   # the tiny model and its DFlash2 drafter
 # everything ends inside the 480 s header
 run_driver dflash2 465 python3 tests/gpu/test_dflash2.py --out "$JOB_OUT"
-rc=$?
-say "== 70-dflash2: $([ $rc -eq 0 ] && echo PASS || echo FAIL) (rc=$rc)"
-exit $rc
+job_end $?

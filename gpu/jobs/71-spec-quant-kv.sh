@@ -23,11 +23,9 @@ cd "$(dirname "$0")/../.."
 . gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
 correctness_boots  # outputs only, no timings: no Triton autotuning (gpu/lib/job.sh)
 mkdir -p "$MODELS"
-say "== 71-spec-quant-kv $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+job_header
 vllm_markers
 ensure_tiny_drafter 71-spec-quant-kv   # the tiny model and its DFlash2 drafter
 # everything ends inside the 600 s header
 run_driver quant 585 python3 tests/gpu/spec_kv_sweep.py --suite quant --out "$JOB_OUT"
-rc=$?
-say "== 71-spec-quant-kv: $([ $rc -eq 0 ] && echo PASS || echo FAIL) (rc=$rc)"
-exit $rc
+job_end $?

@@ -20,7 +20,7 @@ cd "$(dirname "$0")/../.."
 . gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
 correctness_boots  # outputs only, no timings: no Triton autotuning (gpu/lib/job.sh)
 mkdir -p "$MODELS"
-say "== 72-dflash2-lane $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+job_header
 vllm_markers
 # the tiny model and the agreeing pair (CPU, cached in $MODELS)
 timeout 120 "${PY:-python3}" -m onecard.dflash.agree > "$JOB_OUT/build.txt" 2>&1
@@ -29,6 +29,4 @@ tail -1 "$JOB_OUT/build.txt" | tee -a "$summary"
 if [ $rc -ne 0 ]; then say "agreeing pair build FAILED rc=$rc"; say "== 72-dflash2-lane: FAIL"; exit 1; fi
 # everything ends inside the 480 s header
 run_driver lane 465 python3 tests/gpu/dflash2_lane.py --out "$JOB_OUT"
-rc=$?
-say "== 72-dflash2-lane: $([ $rc -eq 0 ] && echo PASS || echo FAIL) (rc=$rc)"
-exit $rc
+job_end $?

@@ -16,10 +16,8 @@ cd "$(dirname "$0")/../.."
 . gpu/lib/job.sh  # MODELS, $summary, say, kill_leftover_groups
 correctness_boots  # no Triton autotuning: the first-use compiles are what this job looks at
 mkdir -p "$MODELS"
-say "== 73-warmup $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+job_header
 vllm_markers
 ensure_tiny_drafter 73-warmup   # the tiny model and its DFlash2 drafter
 run_driver warmup 405 python3 tests/gpu/warmup_check.py --out "$JOB_OUT"
-rc=$?
-say "== 73-warmup: $([ $rc -eq 0 ] && echo PASS || echo FAIL) (rc=$rc)"
-exit $rc
+job_end $?
