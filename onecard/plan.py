@@ -234,6 +234,20 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
         raise PlanError(f"GPU_UTIL={plan.get('GPU_UTIL')!r} out of range; valid: 0.10..0.99")
     plan.values["GPU_UTIL"].value = util
 
+    # the card the preflight fits the plan into (step 9): CARD_GIB, else nvidia-smi at a real launch
+    if plan.values["CARD_GIB"].source == "default":
+        card, why = card_memory(environ, probe=probe_gpus)
+        plan.set("CARD_GIB", round(card / memory.GiB, 2) if card else "", "nvidia-smi" if card else "default", why)
+    else:
+        try:
+            gib = float(plan.get("CARD_GIB"))
+        except ValueError:
+            raise PlanError(f"CARD_GIB={plan.get('CARD_GIB')!r} is not a number; valid: 1..2048 (GiB), "
+                            f"or unset to ask nvidia-smi") from None
+        if not 1 <= gib <= 2048:
+            raise PlanError(f"CARD_GIB={plan.get('CARD_GIB')!r} out of range; valid: 1..2048 (GiB)")
+        plan.values["CARD_GIB"].value = gib
+
     kv_mem_raw = plan.get("KV_MEM")
     if plan.values["KV_MEM"].source == "default":
         pin = spec.kv_mem.get(ctx.name, ctx.kv_mem)
@@ -390,6 +404,42 @@ def visible_gpus(environ: Mapping[str, str], probe: bool = True) -> tuple[int | 
         return None, f"nvidia-smi -L failed ({e.__class__.__name__}): not checked"
     n = sum(1 for ln in out.splitlines() if ln.startswith("GPU "))
     return (n, "nvidia-smi -L") if n else (None, "nvidia-smi -L listed no GPU: not checked")
+
+
+def card_memory(environ: Mapping[str, str], probe: bool = True) -> tuple[int | None, str]:
+    """(bytes of the first GPU this process would use, how that was found); None = unknown (never a
+    failure). Asks ``nvidia-smi --query-gpu=index,uuid,memory.total`` only when ``probe`` (a real
+    launch); the GPU is CUDA_VISIBLE_DEVICES's first entry (an index or a UUID prefix), else GPU 0."""
+    if not probe:
+        return None, "not asked in a dry run: the note compares with a 24 GiB card (set CARD_GIB to check)"
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None, "no nvidia-smi: the note compares with a 24 GiB card (set CARD_GIB to check)"
+    try:
+        out = subprocess.run([smi, "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"nvidia-smi failed ({e.__class__.__name__}): the note compares with a 24 GiB card"
+    gpus = []
+    for ln in out.splitlines():
+        parts = [x.strip() for x in ln.split(",")]
+        if len(parts) == 3 and parts[2].isdigit():
+            gpus.append((parts[0], parts[1], int(parts[2]) * memory.MiB))
+    if not gpus:
+        return None, "nvidia-smi listed no GPU: the note compares with a 24 GiB card"
+    first = (environ.get("CUDA_VISIBLE_DEVICES") or "").split(",")[0].strip()
+    pick = gpus[0]
+    if first:
+        match = [g for g in gpus if g[0] == first or (first.startswith("GPU-") and g[1].startswith(first))]
+        if not match:
+            small = min(gpus, key=lambda g: g[2])
+            return small[2], (f"nvidia-smi: CUDA_VISIBLE_DEVICES={first!r} not matched, the smallest GPU "
+                              f"({small[0]}: {small[2] // memory.MiB:,} MiB)")
+        pick = match[0]
+    return pick[2], f"nvidia-smi: GPU {pick[0]}, {pick[2] // memory.MiB:,} MiB"
 
 
 def build_argv(plan: ServePlan, python: str = sys.executable, model_path: str | None = None) -> list[str]:

@@ -23,13 +23,18 @@ Checks, in order:
 8. PREFIX_CACHE=1 with speculation (SPEC=mtp/dflash2: vLLM's EAGLE-style path): every prefix-cache
    hit loses its last attention block, so prompts of <= 2 x block tokens never hit; and, with a
    pool prediction, how many resent prompts the LRU cache keeps (docs/prefix-cache.md).
-9. What the KV pin does not cover (onecard.memory.vram_budget), against a 24 GiB card: the
-   target's weights, SPEC=dflash2's drafter weights (DRAFT's safetensors headers, else its
-   config shape, else the published 27B drafter: 3.58 GiB bf16), SPEC=mtp's draft_lm_head of
-   patch 0012 (MODEL/draft_vocab.json unless ONECARD_DRAFT_VOCAB=0), CTX=huge's KVarN fp16
-   stage, the reserves. A note, never a refusal (the card is not known in --dry-run); when a
-   drafter / draft-head / stage term is what pushes it over, the note names it. The DFlash2
-   drafter's own attention layers share the pool: step 4 predicts with them and its cap says so.
+9. What the KV pin does not cover (onecard.memory.vram_budget): the target's weights,
+   SPEC=dflash2's drafter weights (DRAFT's safetensors headers, else its config shape, else the
+   published 27B drafter: 3.58 GiB bf16), SPEC=mtp's draft_lm_head of patch 0012
+   (MODEL/draft_vocab.json unless ONECARD_DRAFT_VOCAB=0), CTX=huge's KVarN fp16 stage, the
+   reserves; when a drafter / draft-head / stage term is what pushes it over, the note names it.
+   The card: CARD_GIB, else nvidia-smi's memory.total of the first visible GPU at a real launch
+   (plan.card_memory), else a 24 GiB card as a note only (--dry-run, no nvidia-smi).
+   9a (before step 4): with the card known and VRAM_CHECK=1 (default), a plan that does not fit
+   does not boot as it is: a profile's KV_MEM pin is capped to the largest that fits (the pool
+   and MAX_LEN follow from it), an explicit KV_MEM is refused naming that pin; VRAM_CHECK=0 makes
+   it a note again (the reserves are 3090 estimates). The DFlash2 drafter's own attention
+   layers share the pool: step 4 predicts with them and its cap says so.
 """
 from __future__ import annotations
 
@@ -166,16 +171,24 @@ def _drafter(plan: ServePlan) -> memory.DrafterVRAM | None:
     return memory.dflash_drafter_vram(str(plan.get("DRAFT")))
 
 
-def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: memory.DrafterVRAM | None,
-            environ, attn_layers: int) -> None:
-    """Step 9: the VRAM beside the KV pin, into plan.prediction["vram"] and one note."""
+def _card(plan: ServePlan) -> tuple[int, bool]:
+    """(bytes of the card the plan must fit, whether it is known): CARD_GIB or nvidia-smi's answer
+    (plan.resolve), else 24 GiB as an assumption for the note."""
+    v = plan.get("CARD_GIB") if "CARD_GIB" in plan.values else ""
+    if v in ("", None):
+        return memory.CARD_24G, False
+    return int(float(v) * memory.GiB), True
+
+
+def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: memory.DrafterVRAM | None,
+          environ, attn_layers: int) -> tuple[dict | None, str, dict]:
+    """Everything one GPU holds at the KV_MEM pin, against the card: (budget, the sum as one line,
+    the drafter / draft-head / stage terms by name); budget None when the target's weights are
+    unknown (the line then says why)."""
     model = str(plan.get("MODEL"))
-    if model == "tiny":
-        return
     weights, wsrc = memory.target_weight_bytes(model, plan.get("SPEC"), geom)
     if weights is None:
-        plan.notes.append(f"VRAM beside the KV pin not predicted: target weights {wsrc}")
-        return
+        return None, f"target weights {wsrc}", {}
     head, hsrc = (0, "")
     if plan.get("SPEC") == "mtp":
         head, hsrc = memory.draft_lm_head_bytes(model, (environ or {}).get("ONECARD_DRAFT_VOCAB"))
@@ -183,11 +196,10 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
     stage = 0
     if kv == "kvarn" or kv.startswith("kvarn_"):
         stage = memory.kvarn_reserve_bytes(geom, kv, int(plan.get("MAX_SEQS")), attn_layers)
-    b = memory.vram_budget(kv_mem, weights, drafter.weight_bytes if drafter else 0, head, stage)
+    card, _ = _card(plan)
+    b = memory.vram_budget(kv_mem, weights, drafter.weight_bytes if drafter else 0, head, stage, card_bytes=card)
     b["sources"] = {"weights": wsrc, "drafter_weights": drafter.source if drafter else "",
                     "draft_lm_head": hsrc}
-    plan.prediction["vram"] = b
-    card = b["card_bytes"] // memory.GiB
     parts = [f"weights {_gib(weights)} ({wsrc})"]
     added = {}
     if drafter:
@@ -200,18 +212,65 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
         parts.append(f"KVarN fp16 stage + prefill scratch {_gib(stage)} (MAX_SEQS={plan.get('MAX_SEQS')})")
         added["the KVarN fp16 stage and prefill scratch"] = stage
     parts += [f"reserves {_gib(b['reserves'])}", f"KV pin {_gib(kv_mem)}"]
-    line = f"VRAM on one GPU: {' + '.join(parts)} = {_gib(b['total'])} GiB"
+    return b, f"{' + '.join(parts)} = {_gib(b['total'])} GiB", added
+
+
+def _card_name(plan: ServePlan) -> str:
+    card, known = _card(plan)
+    gib = card / memory.GiB
+    name = f"{gib:.0f}" if abs(gib - round(gib)) < 0.005 else f"{gib:.2f}"
+    return f"{name} GiB card" + ("" if not known else
+                                 " (nvidia-smi)" if plan.values["CARD_GIB"].source == "nvidia-smi" else " (CARD_GIB)")
+
+
+def _fit_card(plan: ServePlan, geom: memory.ModelGeometry, drafter: memory.DrafterVRAM | None,
+              environ, attn_layers: int) -> None:
+    """Step 9a, before the pool is sized: with the card known (CARD_GIB, or nvidia-smi at a real
+    launch) and VRAM_CHECK=1, a plan whose VRAM sum exceeds the card does not boot as it is: a
+    profile's KV_MEM pin is lowered to the largest that fits (the pool and MAX_LEN follow), an
+    explicit KV_MEM is refused, naming the largest that fits."""
+    _, known = _card(plan)
+    if not known or plan.get("VRAM_CHECK") != "1" or str(plan.get("MODEL")) == "tiny":
+        return
+    kv_mem = int(plan.get("KV_MEM"))
+    b, line, _ = _vram(plan, geom, kv_mem, drafter, environ, attn_layers)
+    if b is None or b["fits"]:
+        return
+    card = _card_name(plan)
+    kv_max = b["kv_max"] // memory.MiB * memory.MiB
+    if kv_max <= 0:
+        raise PlanError(f"the plan does not fit the {card} even without a KV pool ({line}); valid: a larger "
+                        f"card, SPEC=off|mtp (no drafter), or VRAM_CHECK=0 to boot anyway")
+    if plan.values["KV_MEM"].source != "profile":
+        raise PlanError(f"KV_MEM={kv_mem} does not fit the {card} ({line}); valid: KV_MEM <= "
+                        f"{kv_max // memory.MiB}M, or VRAM_CHECK=0 to boot anyway (the reserves are estimates)")
+    plan.cap("KV_MEM", kv_max, f"the profile's pin {_gib(kv_mem)} GiB does not fit the {card} ({line}); "
+                               f"the largest pin that fits (VRAM_CHECK=0 keeps the pin)")
+
+
+def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: memory.DrafterVRAM | None,
+            environ, attn_layers: int) -> None:
+    """Step 9: the VRAM beside the KV pin, into plan.prediction["vram"] and one note."""
+    if str(plan.get("MODEL")) == "tiny":
+        return
+    b, line, added = _vram(plan, geom, kv_mem, drafter, environ, attn_layers)
+    if b is None:
+        plan.notes.append(f"VRAM beside the KV pin not predicted: {line}")
+        return
+    plan.prediction["vram"] = b
+    card = _card_name(plan)
+    line = f"VRAM on one GPU: {line}"
     if b["fits"]:
-        plan.notes.append(f"{line}: fits a {card} GiB card")
+        plan.notes.append(f"{line}: fits a {card}")
         return
     without = b["total"] - sum(added.values())
     if added and without <= b["card_bytes"]:
-        why = (f"does NOT fit a {card} GiB card because of {' and '.join(added)} "
+        why = (f"does NOT fit a {card} because of {' and '.join(added)} "
                f"(without {'them' if len(added) > 1 else 'it'}: {_gib(without)} GiB, which fits)")
     else:
-        why = f"does NOT fit a {card} GiB card"
-    fix = (f"valid on a {card} GiB card: KV_MEM <= {b['kv_max'] // memory.MiB}M" if b["kv_max"] > 0
-           else f"the other terms alone exceed a {card} GiB card")
+        why = f"does NOT fit a {card}"
+    fix = (f"valid on this card: KV_MEM <= {b['kv_max'] // memory.MiB}M" if b["kv_max"] > 0
+           else f"the other terms alone exceed a {card}")
     plan.notes.append(f"{line}: {why}; {fix}, or a larger card (reserves are 3090 estimates)")
 
 
@@ -270,9 +329,16 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
     # DFlash2: no MTP layer is built; the drafter's own attention layers share the pool instead
     pool_kw = drafter.pool_kw() if drafter else {}
     attn_layers = geom.num_full_attention + (drafter.attn_layers if drafter else (geom.mtp_layers if k > 0 else 0))
+    # 9a. the card, when known: a profile pin that does not fit is lowered before the pool is sized
+    _fit_card(plan, geom, drafter, environ, attn_layers)
+    kv_mem = plan.get("KV_MEM")
     pred = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), max_len, k, prefix, **pool_kw)
     one_seq = pred.one_sequence_tokens()
     if one_seq < MIN_POOL:
+        if plan.values["KV_MEM"].source == "cap":
+            raise PlanError(f"on the {_card_name(plan)} the KV pin that fits, {kv_mem // memory.MiB}M, gives a pool "
+                            f"of {max(one_seq, 0):,} tokens (< {MIN_POOL:,}); valid: a larger card, SPEC=off|mtp, "
+                            f"or VRAM_CHECK=0 to keep the profile's pin")
         raise PlanError(f"KV_MEM={kv_mem} gives a pool of {max(one_seq, 0):,} tokens (< {MIN_POOL:,}); "
                         f"valid: KV_MEM >= {memory.kv_mem_for_pool(geom, MIN_POOL, plan.get('KV'), MIN_POOL, k, prefix):,}")
     if one_seq < max_len:

@@ -122,6 +122,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("WARMUP", "1", "0|1", "1: once the server answers /health the launcher's detached helper sends a few "
          "greedy and sampled requests, so the first real request does not compile vLLM's Triton kernels "
          "(onecard/warmup.py); 0: none", BOOL),
+    Knob("CARD_GIB", "", "1..2048, or '' (ask nvidia-smi at launch)",
+         "the GPU's memory the preflight fits the plan into (weights + drafter + reserves + KV pin); '': "
+         "nvidia-smi's memory.total of the first visible GPU at a real launch, a 24 GiB note in --dry-run"),
+    Knob("VRAM_CHECK", "1", "0|1", "1: when the plan does not fit the card (CARD_GIB or nvidia-smi), a profile's "
+         "KV_MEM pin is lowered to what fits and an explicit KV_MEM is refused; 0: a note only (the reserves "
+         "are 3090 estimates)", BOOL),
     Knob("EXTRA_ARGS", "", "shell words", "appended last to vllm serve"),
     Knob("VLLM_API_KEY", "", "string", "API key (or .env, or api_key.txt mode 0600); never printed"),
 ]}

@@ -87,6 +87,18 @@ def gen(request):
     return torch.Generator().manual_seed(seed)
 
 
+from onecard import plan as _plan  # noqa: E402
+
+REAL_CARD_MEMORY = _plan.card_memory  # tests/test_preflight.py tests the real one
+
+
+@pytest.fixture(autouse=True)
+def _no_gpu_probe(monkeypatch):
+    """The preflight's card (plan.card_memory asks nvidia-smi at a real launch) is unknown in every
+    test, so a developer's GPU does not change the plans tests check; tests set CARD_GIB instead."""
+    monkeypatch.setattr(_plan, "card_memory", lambda environ, probe=True: (None, "tests: no GPU probe"))
+
+
 @pytest.fixture(autouse=True)
 def _no_real_warmup(monkeypatch):
     """No test may fork the launcher's real warm-up helper (it would poll a port for 30 min):

@@ -155,3 +155,113 @@ def test_vram_note_when_over_without_new_terms(tmp_path):
     plan = mk({"CTX": "fast", "SPEC": "off", "KV_MEM": "9G"}, tmp_path)
     note = next(n for n in plan.notes if n.startswith("VRAM on one GPU"))
     assert "does NOT fit a 24 GiB card;" in note and "because of" not in note and "KV_MEM <=" in note
+
+
+# ---------------------------------------------------------------- 9a: the card, when known
+
+
+def test_known_card_caps_a_profile_pin_that_does_not_fit(tmp_path, monkeypatch):
+    """CTX=long SPEC=dflash2 on a 24 GiB card: the 3090 pin plus the drafter's 3.58 GiB is 25.13 GiB,
+    so the pin drops to the largest that fits (3906M), the pool and MAX_LEN follow, the note says it fits."""
+    draft = _dflash2_installed(tmp_path, monkeypatch)
+    env = {"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "24"}
+    plan = mk(env, tmp_path)
+    kv = plan.values["KV_MEM"]
+    assert kv.source == "cap" and kv.value == 3906 * memory.MiB
+    assert "does not fit the 24 GiB card (CARD_GIB)" in kv.reason and "25.13 GiB" in kv.reason
+    assert plan.argv[plan.argv.index("--kv-cache-memory-bytes") + 1] == str(3906 * memory.MiB)
+    assert plan.prediction["vram"]["fits"] and plan.get("MAX_LEN") < 70_912
+    assert plan.get("MAX_LEN") <= plan.prediction["num_blocks"] * plan.prediction["block_size"]
+    note = next(n for n in plan.notes if n.startswith("VRAM on one GPU"))
+    assert note.endswith("fits a 24 GiB card (CARD_GIB)")
+    # VRAM_CHECK=0: the pin stays and the note says it does not fit
+    kept = mk({**env, "VRAM_CHECK": "0"}, tmp_path)
+    assert kept.values["KV_MEM"].source == "profile" and not kept.prediction["vram"]["fits"]
+    assert kept.get("MAX_LEN") == 70_912
+    # a card that holds it: nothing changes
+    big = mk({**env, "CARD_GIB": "80"}, tmp_path)
+    assert big.values["KV_MEM"].source == "profile" and big.prediction["vram"]["fits"]
+    assert any(n.endswith("fits a 80 GiB card (CARD_GIB)") for n in big.notes)
+
+
+def test_known_card_refuses_an_explicit_pin_that_does_not_fit(tmp_path, monkeypatch):
+    draft = _dflash2_installed(tmp_path, monkeypatch)
+    env = {"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "24", "KV_MEM": "5G"}
+    with pytest.raises(P.PlanError, match=r"KV_MEM=5368709120 does not fit the 24 GiB card .*valid: KV_MEM "
+                                          r"<= 3906M, or VRAM_CHECK=0"):
+        mk(env, tmp_path)
+    assert mk({**env, "KV_MEM": "3906M"}, tmp_path).values["KV_MEM"].source == "env"
+    assert mk({**env, "VRAM_CHECK": "0"}, tmp_path).get("KV_MEM") == 5 * memory.GiB
+
+
+def test_known_card_too_small_is_refused(tmp_path, monkeypatch):
+    draft = _dflash2_installed(tmp_path, monkeypatch)
+    with pytest.raises(P.PlanError, match="does not fit the 16 GiB card .*even without a KV pool"):
+        mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "16"}, tmp_path)
+    # a pin that fits but holds no useful pool
+    with pytest.raises(P.PlanError, match=r"on the 20\.50 GiB card \(CARD_GIB\) the KV pin that fits, \d+M, gives a pool"):
+        mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "20.5"}, tmp_path)
+
+
+def test_mtp_and_off_profiles_fit_a_24_gib_card_unchanged(tmp_path):
+    for ctx in ("fast", "long"):
+        for spec in ("off", "mtp"):
+            plan = mk({"CTX": ctx, "SPEC": spec, "CARD_GIB": "24"}, tmp_path)
+            assert plan.values["KV_MEM"].source == "profile" and plan.prediction["vram"]["fits"], (ctx, spec)
+
+
+@pytest.mark.parametrize("bad", ["abc", "0.5", "4096", "-3"])
+def test_card_gib_validated(tmp_path, bad):
+    with pytest.raises(P.PlanError, match=r"CARD_GIB=.* valid: 1\.\.2048"):
+        mk({"CARD_GIB": bad}, tmp_path)
+
+
+def test_unknown_card_stays_a_note(tmp_path, monkeypatch):
+    """No CARD_GIB and no nvidia-smi answer (a dry run, or a machine without one): today's note."""
+    draft = _dflash2_installed(tmp_path, monkeypatch)
+    plan = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft)}, tmp_path)
+    assert plan.values["KV_MEM"].source == "profile" and plan.get("CARD_GIB") == ""
+    assert any("does NOT fit a 24 GiB card because of" in n for n in plan.notes)
+
+
+def test_real_launch_asks_nvidia_smi(tmp_path, monkeypatch):
+    """make_plan(check_paths=True) is the real launch: the card comes from plan.card_memory."""
+    from onecard.dflash.tiny_drafter import build_geometry_drafter
+
+    _dflash2_installed(tmp_path, monkeypatch)
+    draft = tmp_path / "geometry-drafter"
+    build_geometry_drafter(draft, config_only=True)  # a real DFlash2 config (checked at launch)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    asked = []
+    monkeypatch.setattr(P, "card_memory", lambda env, probe=True: asked.append(probe) or
+                        (24576 * memory.MiB, "nvidia-smi: GPU 0, 24,576 MiB"))
+    plan = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "MODEL": str(model)}, tmp_path,
+              check_paths=True)
+    assert asked == [True] and plan.values["CARD_GIB"].source == "nvidia-smi"
+    assert plan.values["KV_MEM"].source == "cap" and "24 GiB card (nvidia-smi)" in plan.values["KV_MEM"].reason
+
+
+def _smi(monkeypatch, out: str):
+    import shutil
+    import subprocess
+    import types
+
+    monkeypatch.setattr(shutil, "which", lambda n: "/usr/bin/nvidia-smi" if n == "nvidia-smi" else None)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=out, returncode=0))
+
+
+def test_card_memory_reads_the_first_visible_gpu(monkeypatch):
+    from conftest import REAL_CARD_MEMORY as card_memory
+
+    out = "0, GPU-aaaa1111, 24576\n1, GPU-bbbb2222, 12288\n"
+    _smi(monkeypatch, out)
+    assert card_memory({}) == (24576 * memory.MiB, "nvidia-smi: GPU 0, 24,576 MiB")
+    assert card_memory({"CUDA_VISIBLE_DEVICES": "1,0"})[0] == 12288 * memory.MiB
+    assert card_memory({"CUDA_VISIBLE_DEVICES": "GPU-bbbb"})[0] == 12288 * memory.MiB
+    n, why = card_memory({"CUDA_VISIBLE_DEVICES": "7"})
+    assert n == 12288 * memory.MiB and "not matched, the smallest GPU" in why
+    assert card_memory({}, probe=False)[0] is None
+    _smi(monkeypatch, "")
+    assert card_memory({})[0] is None
