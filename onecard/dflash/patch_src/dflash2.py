@@ -74,9 +74,9 @@ class DFlash2Proposer(DFlashProposer):
         )
         if importlib.util.find_spec("flashinfer") is None:
             logger.warning(
-                "DFlash2: FlashInfer is NOT installed - the candidate top-k and vLLM's "
-                "sampler run their slower torch fallbacks; install flashinfer-python for "
-                "full DFlash2 speed."
+                "DFlash2: FlashInfer is NOT installed - vLLM's sampler (top-k/top-p of "
+                "sampled requests) runs its PyTorch fallback; greedy requests and the drafter's "
+                "candidate top-k (torch.topk either way) are unaffected. Cost: docs/dflash2.md."
             )
 
     # ------------------------------------------------------------------ inputs
