@@ -147,7 +147,8 @@ def check_flashinfer(ctx) -> Result:
     pinned = _vllm_requirement("flashinfer-python")
     found = _version("flashinfer-python")
     if found is None:
-        return Result(WARN, "flashinfer", "not installed: DFlash2's selector and FlashInfer sampling fall back to slower paths")
+        return Result(WARN, "flashinfer", "not installed: sampled requests use vLLM's PyTorch sampler fallback (greedy and "
+                      "DFlash2's drafting are unaffected)")
     err = _import_in_subprocess("flashinfer")
     if err:
         return Result(WARN, "flashinfer", f"{found} installed but not importable ({err}); slower fallbacks will be used")
@@ -341,6 +342,42 @@ def check_draft_vocab(ctx) -> Result | None:
                                        + (f", held-out coverage {cov:.4f}" if cov is not None else ""))
 
 
+def check_plan(ctx) -> Result:
+    """Would ./start_qwen.sh start with this environment and .env? The launcher's own plan and
+    preflight (``python -m onecard.launch --json``, no boot) on the card a real launch would see:
+    CARD_GIB, else nvidia-smi's (plan.card_memory). FAIL on a refusal (its one line), WARN when
+    the card made the preflight lower the profile's KV_MEM pin, PASS otherwise."""
+    from onecard.plan import card_memory
+
+    env = dict(os.environ)
+    card_src = "CARD_GIB" if env.get("CARD_GIB") else ""
+    if not card_src:
+        card, _ = card_memory(env, probe=True)
+        if card:
+            env["CARD_GIB"], card_src = f"{card / 2**30:.2f}", "nvidia-smi"
+    if ctx.get("model"):
+        env["MODEL"] = ctx["model"]
+    try:
+        out = subprocess.run([sys.executable, "-m", "onecard.launch", "--json"], capture_output=True,
+                             text=True, env=env, timeout=120)
+    except (OSError, subprocess.SubprocessError) as e:
+        return Result(FAIL, "plan", f"onecard.launch --json did not run ({type(e).__name__}: {e})")
+    if out.returncode != 0:
+        line = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
+        return Result(FAIL, "plan", line.removeprefix("onecard launch: "))
+    values = json.loads(out.stdout)["values"]
+    val = {k: v["value"] for k, v in values.items()}
+    kv = val.get("KV_MEM")
+    kv_s = f"{kv // 2**20}M" if isinstance(kv, int) else str(kv)
+    card = f"on a {float(env['CARD_GIB']):g} GiB card ({card_src})" if card_src else "card not known: set CARD_GIB to check it"
+    detail = (f"CTX={val.get('CTX')} SPEC={val.get('SPEC')}: MAX_LEN {val.get('MAX_LEN'):,}, "
+              f"KV_MEM {kv_s}, MAX_SEQS {val.get('MAX_SEQS')}, {card}")
+    if values.get("KV_MEM", {}).get("source") == "cap" and "does not fit" in values["KV_MEM"].get("reason", ""):
+        return Result(WARN, "plan", f"{detail}; the profile's KV pin does not fit this card and was lowered "
+                                    f"(VRAM_CHECK=0 keeps it; ./start_qwen.sh --dry-run shows why)")
+    return Result(PASS, "plan", detail)
+
+
 OFFLINE_CHECKS: list[Callable[[dict], Result | None]] = [
     check_python,
     check_venv,
@@ -354,6 +391,7 @@ OFFLINE_CHECKS: list[Callable[[dict], Result | None]] = [
     check_model,
     check_model_requant,
     check_draft_vocab,
+    check_plan,
 ]
 
 

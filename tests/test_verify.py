@@ -95,3 +95,31 @@ def test_flash_attention_check_runs_without_a_gpu():
 
     r = check_flash_attention({})
     assert r is None or r.status != FAIL
+
+
+def test_plan_check_runs_the_launchers_own_plan(monkeypatch, vllm_dir):
+    """check_plan: PASS with the plan's sizes; FAIL with the launcher's one-line refusal."""
+    for k in ("CTX", "SPEC", "KV_MEM", "MAX_LEN", "MODEL", "CARD_GIB"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("CARD_GIB", "24")
+    res = verify.check_plan({})
+    assert res.status == verify.PASS and "CTX=fast SPEC=mtp: MAX_LEN 65,536" in res.detail
+    assert "on a 24 GiB card (CARD_GIB)" in res.detail
+    monkeypatch.setenv("CARD_GIB", "abc")
+    res = verify.check_plan({})
+    assert res.status == verify.FAIL and res.detail.startswith("CARD_GIB='abc' is not a number")
+
+
+def test_plan_check_warns_when_the_card_lowered_the_pin(monkeypatch):
+    import json as _json
+    import types
+
+    plan = {"values": {"CTX": {"value": "long"}, "SPEC": {"value": "dflash2"}, "MAX_LEN": {"value": 48384},
+                       "MAX_SEQS": {"value": 4},
+                       "KV_MEM": {"value": 3906 * 2**20, "source": "cap",
+                                  "reason": "the profile's pin 4.95 GiB does not fit the 24 GiB card (CARD_GIB)"}}}
+    monkeypatch.setenv("CARD_GIB", "24")
+    monkeypatch.setattr(verify.subprocess, "run", lambda *a, **k: types.SimpleNamespace(
+        returncode=0, stdout=_json.dumps(plan), stderr=""))
+    res = verify.check_plan({})
+    assert res.status == verify.WARN and "KV_MEM 3906M" in res.detail and "VRAM_CHECK=0" in res.detail
