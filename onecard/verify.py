@@ -358,8 +358,11 @@ def check_plan(ctx) -> Result:
     if ctx.get("model"):
         env["MODEL"] = ctx["model"]
     try:
+        # from where start_qwen.sh runs it (it cds to its own directory: .env and api_key.txt there)
+        repo = Path(__file__).resolve().parents[1]
+        cwd = repo if (repo / "start_qwen.sh").is_file() else Path.cwd()
         out = subprocess.run([sys.executable, "-m", "onecard.launch", "--json"], capture_output=True,
-                             text=True, env=env, timeout=120)
+                             text=True, env=env, timeout=120, cwd=cwd)
     except (OSError, subprocess.SubprocessError) as e:
         return Result(FAIL, "plan", f"onecard.launch --json did not run ({type(e).__name__}: {e})")
     if out.returncode != 0:
