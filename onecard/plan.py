@@ -378,6 +378,19 @@ def tensor_parallel(extra: list[str]) -> int:
     return _tp_in_extra(extra) or 1
 
 
+def _nvidia_smi(args: list[str]) -> tuple[str | None, str]:
+    """(nvidia-smi's stdout, "") or (None, why it gave none): never raises."""
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None, "no nvidia-smi"
+    try:
+        return subprocess.run([smi, *args], capture_output=True, text=True, timeout=10).stdout, ""
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"nvidia-smi {args[0]} failed ({e.__class__.__name__})"
+
+
 def visible_gpus(environ: Mapping[str, str], probe: bool = True) -> tuple[int | None, str]:
     """(GPUs this process would see, how that was found); None = unknown (never a failure):
     CUDA_VISIBLE_DEVICES when set (entries up to the first invalid '-1'), else `nvidia-smi -L`
@@ -392,16 +405,9 @@ def visible_gpus(environ: Mapping[str, str], probe: bool = True) -> tuple[int | 
         return len(ids), f"CUDA_VISIBLE_DEVICES={cvd!r}"
     if not probe:
         return None, "CUDA_VISIBLE_DEVICES unset; nvidia-smi is asked at launch, not in a dry run"
-    import shutil
-    import subprocess
-
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None, "no CUDA_VISIBLE_DEVICES and no nvidia-smi: not checked"
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"nvidia-smi -L failed ({e.__class__.__name__}): not checked"
+    out, why = _nvidia_smi(["-L"])
+    if out is None:
+        return None, f"no CUDA_VISIBLE_DEVICES and {why}: not checked"
     n = sum(1 for ln in out.splitlines() if ln.startswith("GPU "))
     return (n, "nvidia-smi -L") if n else (None, "nvidia-smi -L listed no GPU: not checked")
 
@@ -412,17 +418,9 @@ def card_memory(environ: Mapping[str, str], probe: bool = True) -> tuple[int | N
     launch); the GPU is CUDA_VISIBLE_DEVICES's first entry (an index or a UUID prefix), else GPU 0."""
     if not probe:
         return None, "not asked in a dry run: the note compares with a 24 GiB card (set CARD_GIB to check)"
-    import shutil
-    import subprocess
-
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None, "no nvidia-smi: the note compares with a 24 GiB card (set CARD_GIB to check)"
-    try:
-        out = subprocess.run([smi, "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"nvidia-smi failed ({e.__class__.__name__}): the note compares with a 24 GiB card"
+    out, why = _nvidia_smi(["--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"])
+    if out is None:
+        return None, f"{why}: the note compares with a 24 GiB card (set CARD_GIB to check)"
     gpus = []
     for ln in out.splitlines():
         parts = [x.strip() for x in ln.split(",")]
