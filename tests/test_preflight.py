@@ -3,6 +3,7 @@ import pytest
 
 from onecard import memory
 from onecard import plan as P
+from tests.conftest import REAL_CARD_MEMORY as card_memory  # the real one (conftest stubs it per test)
 
 
 def mk(env, tmp_path, **kw):
@@ -253,8 +254,6 @@ def _smi(monkeypatch, out: str):
 
 
 def test_card_memory_reads_the_first_visible_gpu(monkeypatch):
-    from conftest import REAL_CARD_MEMORY as card_memory
-
     out = "0, GPU-aaaa1111, 24576\n1, GPU-bbbb2222, 12288\n"
     _smi(monkeypatch, out)
     assert card_memory({}) == (24576 * memory.MiB, "nvidia-smi: GPU 0, 24,576 MiB")
