@@ -346,7 +346,8 @@ def check_plan(ctx) -> Result:
     """Would ./start_qwen.sh start with this environment and .env? The launcher's own plan and
     preflight (``python -m onecard.launch --json``, no boot) on the card a real launch would see:
     CARD_GIB, else nvidia-smi's (plan.card_memory). FAIL on a refusal (its one line), WARN when
-    the card made the preflight lower the profile's KV_MEM pin, PASS otherwise."""
+    the card made the preflight lower the profile's KV_MEM pin or the plan is over the card by
+    the estimated reserves only (the note's pin that fits is named), PASS otherwise."""
     from onecard.plan import card_memory
 
     env = dict(os.environ)
@@ -368,7 +369,8 @@ def check_plan(ctx) -> Result:
     if out.returncode != 0:
         line = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
         return Result(FAIL, "plan", line.removeprefix("onecard launch: "))
-    values = json.loads(out.stdout)["values"]
+    doc = json.loads(out.stdout)
+    values = doc["values"]
     val = {k: v["value"] for k, v in values.items()}
     kv = val.get("KV_MEM")
     kv_s = f"{kv // 2**20}M" if isinstance(kv, int) else str(kv)
@@ -378,6 +380,11 @@ def check_plan(ctx) -> Result:
     if values.get("KV_MEM", {}).get("source") == "cap" and "does not fit" in values["KV_MEM"].get("reason", ""):
         return Result(WARN, "plan", f"{detail}; the profile's KV pin does not fit this card and was lowered "
                                     f"(VRAM_CHECK=0 keeps it; ./start_qwen.sh --dry-run shows why)")
+    tight = next((n for n in doc.get("notes", []) if "so the pin stays" in n), None)
+    if tight:
+        kv_fit = tight.split("valid on this card: ")[-1].split(";")[0]
+        return Result(WARN, "plan", f"{detail}; over this card by the estimated reserves only: it boots at "
+                                    f"the pin, and if it runs out of GPU memory, {kv_fit}")
     return Result(PASS, "plan", detail)
 
 

@@ -123,3 +123,20 @@ def test_plan_check_warns_when_the_card_lowered_the_pin(monkeypatch):
         returncode=0, stdout=_json.dumps(plan), stderr=""))
     res = verify.check_plan({})
     assert res.status == verify.WARN and "KV_MEM 3906M" in res.detail and "VRAM_CHECK=0" in res.detail
+
+
+def test_plan_check_warns_when_only_the_estimate_is_over(monkeypatch):
+    import json as _json
+    import types
+
+    plan = {"values": {"CTX": {"value": "long"}, "SPEC": {"value": "dflash2"}, "MAX_LEN": {"value": 70912},
+                       "MAX_SEQS": {"value": 4}, "KV_MEM": {"value": 5309988864, "source": "profile", "reason": ""}},
+            "notes": ["VRAM on one GPU: ... = 25.13 GiB: does NOT fit a 24 GiB card (CARD_GIB) because of the "
+                      "DFlash2 drafter's weights (without it: 21.55 GiB, which fits); valid on this card: KV_MEM "
+                      "<= 3906M; without the estimated graph/activation reserves it is 23.13 GiB, so the pin "
+                      "stays: if the boot runs out of GPU memory, set that KV_MEM, or a larger card"]}
+    monkeypatch.setenv("CARD_GIB", "24")
+    monkeypatch.setattr(verify.subprocess, "run", lambda *a, **k: types.SimpleNamespace(
+        returncode=0, stdout=_json.dumps(plan), stderr=""))
+    res = verify.check_plan({})
+    assert res.status == verify.WARN and res.detail.endswith("if it runs out of GPU memory, KV_MEM <= 3906M")
