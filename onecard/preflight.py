@@ -182,24 +182,33 @@ def _card(plan: ServePlan) -> tuple[int, bool]:
     return int(float(v) * memory.GiB), True
 
 
-def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: memory.DrafterVRAM | None,
-          environ, attn_layers: int) -> tuple[dict | None, str, dict]:
-    """Everything one GPU holds at the KV_MEM pin, against the card: (budget, the sum as one line,
-    the drafter / draft-head / stage terms by name); budget None when the target's weights are
-    unknown (the line then says why)."""
+def _weights(plan: ServePlan, geom: memory.ModelGeometry, environ) -> tuple:
+    """(target weight bytes, source, MTP draft_lm_head bytes, source): read once per plan (the
+    checkpoint's safetensors headers, MODEL/draft_vocab.json) for steps 9a and 9."""
     model = str(plan.get("MODEL"))
     weights, wsrc = memory.target_weight_bytes(model, plan.get("SPEC"), geom)
+    head, hsrc = (0, "")
+    if weights is not None and plan.get("SPEC") == "mtp":
+        head, hsrc = memory.draft_lm_head_bytes(model, (environ or {}).get("ONECARD_DRAFT_VOCAB"))
+    return weights, wsrc, head, hsrc
+
+
+def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: memory.DrafterVRAM | None,
+          weights: tuple, attn_layers: int) -> tuple[dict | None, str, dict]:
+    """Everything one GPU holds at the KV_MEM pin, against the card: (budget, the sum as one line,
+    the drafter / draft-head / stage terms by name); budget None when the target's weights are
+    unknown (the line then says why). ``weights``: _weights(). The budget's "certain" is its
+    total without the estimated CUDA-graph and activation reserves (the CUDA context stays)."""
+    weights, wsrc, head, hsrc = weights
     if weights is None:
         return None, f"target weights {wsrc}", {}
-    head, hsrc = (0, "")
-    if plan.get("SPEC") == "mtp":
-        head, hsrc = memory.draft_lm_head_bytes(model, (environ or {}).get("ONECARD_DRAFT_VOCAB"))
     kv = str(plan.get("KV"))
     stage = 0
     if kv == "kvarn" or kv.startswith("kvarn_"):
         stage = memory.kvarn_reserve_bytes(geom, kv, int(plan.get("MAX_SEQS")), attn_layers)
     card, _ = _card(plan)
     b = memory.vram_budget(kv_mem, weights, drafter.weight_bytes if drafter else 0, head, stage, card_bytes=card)
+    b["certain"] = b["total"] - b["reserves"] + memory.CUDA_CONTEXT
     b["sources"] = {"weights": wsrc, "drafter_weights": drafter.source if drafter else "",
                     "draft_lm_head": hsrc}
     parts = [f"weights {_gib(weights)} ({wsrc})"]
@@ -226,7 +235,7 @@ def _card_name(plan: ServePlan) -> str:
 
 
 def _fit_card(plan: ServePlan, geom: memory.ModelGeometry, drafter: memory.DrafterVRAM | None,
-              environ, attn_layers: int) -> None:
+              weights: tuple, attn_layers: int) -> None:
     """Step 9a, before the pool is sized: with the card known (CARD_GIB, or nvidia-smi at a real
     launch) and VRAM_CHECK=1, a plan that cannot fit does not boot as it is: a profile's KV_MEM
     pin is lowered to the largest that fits by the estimate (the pool and MAX_LEN follow), an
@@ -240,14 +249,13 @@ def _fit_card(plan: ServePlan, geom: memory.ModelGeometry, drafter: memory.Draft
     if not known or plan.get("VRAM_CHECK") != "1" or str(plan.get("MODEL")) == "tiny":
         return
     kv_mem = int(plan.get("KV_MEM"))
-    b, line, _ = _vram(plan, geom, kv_mem, drafter, environ, attn_layers)
+    b, line, _ = _vram(plan, geom, kv_mem, drafter, weights, attn_layers)
     if b is None or b["fits"]:
         return
-    certain = b["total"] - b["reserves"] + memory.CUDA_CONTEXT
-    if certain <= b["card_bytes"]:
+    if b["certain"] <= b["card_bytes"]:
         return  # over only by the estimated reserves: step 9's note says so
     card = _card_name(plan)
-    line += f"; without the estimated graph/activation reserves still {_gib(certain)} GiB"
+    line += f"; without the estimated graph/activation reserves still {_gib(b['certain'])} GiB"
     kv_max = b["kv_max"] // memory.MiB * memory.MiB
     if kv_max <= 0:
         raise PlanError(f"the plan does not fit the {card} even without a KV pool ({line}); valid: a larger "
@@ -260,11 +268,11 @@ def _fit_card(plan: ServePlan, geom: memory.ModelGeometry, drafter: memory.Draft
 
 
 def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: memory.DrafterVRAM | None,
-            environ, attn_layers: int) -> None:
+            weights: tuple, attn_layers: int) -> None:
     """Step 9: the VRAM beside the KV pin, into plan.prediction["vram"] and one note."""
     if str(plan.get("MODEL")) == "tiny":
         return
-    b, line, added = _vram(plan, geom, kv_mem, drafter, environ, attn_layers)
+    b, line, added = _vram(plan, geom, kv_mem, drafter, weights, attn_layers)
     if b is None:
         plan.notes.append(f"VRAM beside the KV pin not predicted: {line}")
         return
@@ -282,9 +290,8 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
         why = f"does NOT fit a {card}"
     fix = (f"valid on this card: KV_MEM <= {b['kv_max'] // memory.MiB}M" if b["kv_max"] > 0
            else f"the other terms alone exceed a {card}")
-    certain = b["total"] - b["reserves"] + memory.CUDA_CONTEXT
-    if _card(plan)[1] and certain <= b["card_bytes"]:
-        fix += (f"; without the estimated graph/activation reserves it is {_gib(certain)} GiB, so the pin "
+    if _card(plan)[1] and b["certain"] <= b["card_bytes"]:
+        fix += (f"; without the estimated graph/activation reserves it is {_gib(b['certain'])} GiB, so the pin "
                 f"stays: if the boot runs out of GPU memory, set that KV_MEM")
     plan.notes.append(f"{line}: {why}; {fix}, or a larger card (reserves are 3090 estimates)")
 
@@ -345,7 +352,8 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
     pool_kw = drafter.pool_kw() if drafter else {}
     attn_layers = geom.num_full_attention + (drafter.attn_layers if drafter else (geom.mtp_layers if k > 0 else 0))
     # 9a. the card, when known: a profile pin that does not fit is lowered before the pool is sized
-    _fit_card(plan, geom, drafter, environ, attn_layers)
+    weights = _weights(plan, geom, environ) if str(plan.get("MODEL")) != "tiny" else (None, "", 0, "")
+    _fit_card(plan, geom, drafter, weights, attn_layers)
     kv_mem = plan.get("KV_MEM")
     pred = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), max_len, k, prefix, **pool_kw)
     one_seq = pred.one_sequence_tokens()
@@ -381,7 +389,7 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
         f"{(2 if prefix else 1)}+{k}); MAX_SEQS={plan.get('MAX_SEQS')} admits, the pool decides residency "
         f"({resident_full} sequence(s) at full {pred.max_len:,} context)")
     # 9. VRAM beside the pin
-    _budget(plan, geom, int(kv_mem), drafter, environ, attn_layers)
+    _budget(plan, geom, int(kv_mem), drafter, weights, attn_layers)
     # 8b. how many resent prompts the prefix cache keeps
     _prefix_cache_capacity_note(plan, pred)
     return plan

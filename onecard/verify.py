@@ -347,7 +347,7 @@ def check_plan(ctx) -> Result:
     preflight (``python -m onecard.launch --json``, no boot) on the card a real launch would see:
     CARD_GIB, else nvidia-smi's (plan.card_memory). FAIL on a refusal (its one line), WARN when
     the card made the preflight lower the profile's KV_MEM pin or the plan is over the card by
-    the estimated reserves only (the note's pin that fits is named), PASS otherwise."""
+    the estimated reserves only (the plan's vram prediction; the pin that fits is named), PASS otherwise."""
     from onecard.plan import card_memory
 
     env = dict(os.environ)
@@ -380,11 +380,10 @@ def check_plan(ctx) -> Result:
     if values.get("KV_MEM", {}).get("source") == "cap" and "does not fit" in values["KV_MEM"].get("reason", ""):
         return Result(WARN, "plan", f"{detail}; the profile's KV pin does not fit this card and was lowered "
                                     f"(VRAM_CHECK=0 keeps it; ./start_qwen.sh --dry-run shows why)")
-    tight = next((n for n in doc.get("notes", []) if "so the pin stays" in n), None)
-    if tight:
-        kv_fit = tight.split("valid on this card: ")[-1].split(";")[0]
+    vram = (doc.get("prediction") or {}).get("vram")
+    if card_src and vram and not vram["fits"] and vram["certain"] <= vram["card_bytes"]:
         return Result(WARN, "plan", f"{detail}; over this card by the estimated reserves only: it boots at "
-                                    f"the pin, and if it runs out of GPU memory, {kv_fit}")
+                                    f"the pin, and if it runs out of GPU memory, KV_MEM <= {vram['kv_max'] // 2**20}M")
     return Result(PASS, "plan", detail)
 
 

@@ -131,10 +131,8 @@ def test_plan_check_warns_when_only_the_estimate_is_over(monkeypatch):
 
     plan = {"values": {"CTX": {"value": "long"}, "SPEC": {"value": "dflash2"}, "MAX_LEN": {"value": 70912},
                        "MAX_SEQS": {"value": 4}, "KV_MEM": {"value": 5309988864, "source": "profile", "reason": ""}},
-            "notes": ["VRAM on one GPU: ... = 25.13 GiB: does NOT fit a 24 GiB card (CARD_GIB) because of the "
-                      "DFlash2 drafter's weights (without it: 21.55 GiB, which fits); valid on this card: KV_MEM "
-                      "<= 3906M; without the estimated graph/activation reserves it is 23.13 GiB, so the pin "
-                      "stays: if the boot runs out of GPU memory, set that KV_MEM, or a larger card"]}
+            "prediction": {"vram": {"fits": False, "total": int(25.13 * 2**30), "certain": int(23.13 * 2**30),
+                                    "card_bytes": 24 * 2**30, "kv_max": 3906 * 2**20 + 5}}}
     monkeypatch.setenv("CARD_GIB", "24")
     monkeypatch.setattr(verify.subprocess, "run", lambda *a, **k: types.SimpleNamespace(
         returncode=0, stdout=_json.dumps(plan), stderr=""))
