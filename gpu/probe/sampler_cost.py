@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
+from jobutil import write_json  # noqa: E402  (gpu/lib/jobutil.py: atomic JSON)
 
 VOCAB = 248_320
 TOP_K, TOP_P = 20, 0.95
@@ -88,14 +89,6 @@ def time_flashinfer(rows: int, vocab: int) -> dict:
     fi = _bench(lambda: sampler.forward_cuda(logits.clone(), {}, k, p), "cuda")
     clone = _bench(lambda: logits.clone(), "cuda")
     return {"rows": rows, "flashinfer_ms": round(fi - clone, 4), "first_call_s": round(first, 1)}
-
-
-def write_json(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
