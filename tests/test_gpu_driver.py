@@ -105,3 +105,20 @@ def test_fa2_prejit_runs_beside_the_jobs(env):
     log = (Path(env["OUTROOT"]) / "fa2-prejit.log").read_text()
     assert "6 workers" in log and "CUDA_CACHE_MAXSIZE=4294967296" in log
     assert "rc=0" in (Path(env["OUT"]) / "summary.txt").read_text()
+
+
+def test_a_no_wait_job_runs_beside_the_prejit_and_74_prebuilds_flashinfer(env):
+    """A job headed `# prejit: no-wait` (job 20: it builds checkpoints) starts before the pre-JIT
+    has finished; a timing job after it still waits. Naming job 74 also starts FlashInfer's
+    sampling pre-build (it fails here, no GPU, without stopping anything)."""
+    jobs = Path(env["JOBS_DIR"])
+    (jobs / "05-build.sh").write_text("#!/usr/bin/env bash\n# timeout: 30\n# prejit: no-wait\necho built\n")
+    (jobs / "74-timing.sh").write_text("# timeout: 30\necho timed\n")
+    env = {**env, "GPU_NO_FA2_PREJIT": "0", "CUDA_CACHE_PATH": str(Path(env["OUTROOT"]) / "jit")}
+    out = run(["05", "74"], env, timeout=240)
+    assert out.returncode == 0, out.stderr
+    s = out.stdout
+    assert "FlashInfer sampling pre-build started" in s
+    assert s.index("job 05-build") < s.index("FA2 pre-JIT finished") < s.index("job 74-timing")
+    assert s.index("FlashInfer pre-build finished") < s.index("job 74-timing")
+    assert (REPO / "gpu" / "jobs" / "20-geometry.sh").read_text().splitlines()[2].startswith("# prejit: no-wait")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # timeout: 480
+# prejit: no-wait   (builds checkpoints; its boot figures are informational: runs beside the pre-JIT)
 # 20-geometry: build the Qwen3.8-27B-geometry random W4A16 checkpoint ON the GPU into
 # $MODELS/qwen38-27b-geom (kept for later jobs), print its size and build time, then boot it
 # with the patched vLLM (text-only, eager) and send one greedy completion to prove it loads.
