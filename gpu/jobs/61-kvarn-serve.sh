@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# timeout: 360
+# timeout: 600
 # 61-kvarn-serve (issue 9): the KVarN KV cache served by vLLM 0.27.1. kvarn/install.sh's
 # installer puts KVarN into a private view of the patched tree (/var/tmp/site-kvarn: symlinks +
 # copies; /var/tmp/site is not written), put first on PYTHONPATH. Then:
@@ -8,7 +8,8 @@
 #     continuations of job 32's 6 texts (gpu/jobs/32-kv-quality.py measure), one needle (~2.2k
 #     tokens); perplexity delta vs bf16 and int8 from job 32's files of this session
 #     (/var/tmp/out/32-kv-quality; compared after part 2, waiting for job 32 when it runs beside
-#     this one in a `+` group), or a bf16 boot of our own when job 32 did not run.
+#     this one in a `+` group), or a bf16 boot of our own when job 32 did not run (right after
+#     the KVarN server, before part 2: the files are kept if part 2 is cut).
 #  2. If $MODELS/qwen38-27b-geom exists: CTX=huge through `python3 -m onecard.launch` (SPEC=mtp
 #     default, KV_MEM pin, 245,760): "GPU KV cache size" vs onecard.memory's prediction, block
 #     size, health, C1 decode tok/s at an 8k prompt; CTX=long (int8) the same if time is left.
@@ -55,29 +56,35 @@ if boot kvarn 130 --kv-cache-dtype kvarn_k4v2_g128; then
 else
   status=1
 fi
-# --- 2. 27B geometry, CTX=huge -------------------------------------------------------------------
-say "[$(elapsed)s] 27B geometry: CTX=huge via onecard.launch"
-timeout -k 5 $(( 295 - $(elapsed) )) python3 "$H" huge --out "$JOB_OUT" --models "$MODELS" \
-  --deadline $(( T0 + 290 )) 2>&1 | tee -a "$summary"
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
-grep -h "Setting attention block size\|Padding mamba page\|GPU KV cache size" "$JOB_OUT"/server-*huge*.log 2>/dev/null \
-  | cut -c1-200 | head -4 | sed 's/^/  /' | tee -a "$summary"
+# --- 1b. the bf16 baseline, before the 27B part (2026-12-03: booted after it, it never ran: the
+# huge boot used the time left, and the quality comparison had no pair). Only when job 32 is not
+# in this lease (its files are the baselines then, compared below).
 J32=/var/tmp/out/32-kv-quality
-# Job 32 may run beside this one in a `+` group (its bf16 / int8 files are the baselines): wait for
-# them while it is still running and the time left allows; only without job 32 boot our own bf16.
-while [ -d "$J32" ] && [ ! -f "$J32/kvq-int8.json" ] && pgrep -f "32-kv-quality" >/dev/null 2>&1 \
-      && [ "$(elapsed)" -lt 330 ]; do sleep 3; done
-for arm in bf16 int8; do
-  [ -f "$J32/kvq-$arm.json" ] && cp "$J32/kvq-$arm.json" "$JOB_OUT/" && say "baseline $arm from job 32 of this session"
-done
-if [ ! -f "$JOB_OUT/kvq-bf16.json" ] && [ -f "$JOB_OUT/kvq-kvarn.json" ] && [ ! -d "$J32" ] && [ "$(elapsed)" -lt 200 ]; then
-  if boot bf16 100 --attention-backend TRITON_ATTN; then
-    timeout -k 5 40 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label bf16 \
+if [ -f "$JOB_OUT/kvq-kvarn.json" ] && [ ! -d "$J32" ]; then
+  if boot bf16 130 --attention-backend TRITON_ATTN; then
+    timeout -k 5 60 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label bf16 \
       --json "$JOB_OUT/kvq-bf16.json" 2>&1 | tail -2 | tee -a "$summary"
     timeout -k 5 30 python3 "$H" needle --url "$URL" --model smol --json "$JOB_OUT/needle-bf16.json" 2>&1 | tee -a "$summary"
     stop_server
+  else
+    say "bf16 baseline: boot failed"
   fi
 fi
+
+# --- 2. 27B geometry, CTX=huge -------------------------------------------------------------------
+say "[$(elapsed)s] 27B geometry: CTX=huge via onecard.launch"
+timeout -k 5 $(( 585 - $(elapsed) )) python3 "$H" huge --out "$JOB_OUT" --models "$MODELS" \
+  --deadline $(( T0 + 580 )) 2>&1 | tee -a "$summary"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+grep -h "Setting attention block size\|Padding mamba page\|GPU KV cache size" "$JOB_OUT"/server-*huge*.log 2>/dev/null \
+  | cut -c1-200 | head -4 | sed 's/^/  /' | tee -a "$summary"
+# Job 32 may run beside this one in a `+` group (its bf16 / int8 files are the baselines): wait for
+# them while it is still running and the time left allows; only without job 32 boot our own bf16.
+while [ -d "$J32" ] && [ ! -f "$J32/kvq-int8.json" ] && pgrep -f "32-kv-quality" >/dev/null 2>&1 \
+      && [ "$(elapsed)" -lt 560 ]; do sleep 3; done
+for arm in bf16 int8; do
+  [ -f "$J32/kvq-$arm.json" ] && cp "$J32/kvq-$arm.json" "$JOB_OUT/" && say "baseline $arm from job 32 of this session"
+done
 if [ -f "$JOB_OUT/kvq-bf16.json" ] && [ -f "$JOB_OUT/kvq-kvarn.json" ]; then
   say "--- KV quality vs bf16 (SmolLM2-135M, 6 texts, greedy 96)"
   python3 gpu/jobs/32-kv-quality.py compare --dir "$JOB_OUT" --base bf16 2>&1 | tee -a "$summary"
