@@ -30,8 +30,10 @@ def _load(name: str):
 class _Fake:
     """spec: one stream event per step, 1 token each (acceptance 0), drafts += steps."""
 
-    def __init__(self, spec: bool, step_s: float = 0.002, quant_noise: float = 0.0, port: int = 0):
+    def __init__(self, spec: bool, step_s: float = 0.002, quant_noise: float = 0.0, port: int = 0,
+                 prof_dir: str | None = None):
         self.spec, self.step_s, self.noise = spec, step_s, quant_noise
+        self.prof_dir, self.profiling = prof_dir, False
         self.decode_sum = self.drafts = self.gen = self.iters = 0.0
         outer = self
 
@@ -73,6 +75,19 @@ class _Fake:
                 self.wfile.write(data)
 
             def do_POST(self):
+                if self.path in ("/start_profile", "/stop_profile"):
+                    # vLLM's profiler endpoints: a trace (Chrome JSON, gzipped) and vLLM's table
+                    # appear in the profiler dir at the stop
+                    if self.path == "/stop_profile" and outer.prof_dir and outer.profiling:
+                        import gzip
+                        d = Path(outer.prof_dir)
+                        d.mkdir(parents=True, exist_ok=True)
+                        evs = [{"ph": "X", "cat": "kernel", "name": "fake_kernel", "ts": i * 100, "dur": 60}
+                               for i in range(24)]
+                        (d / "w.pt.trace.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": evs}).encode()))
+                        (d / "profiler_out_0.txt").write_text("fake vllm table\n")
+                    outer.profiling = self.path == "/start_profile"
+                    return self._json({})
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 prompt = body["prompt"]
                 ptoks = len(prompt) if isinstance(prompt, list) else len(prompt.split())
@@ -232,18 +247,31 @@ def test_job31_all_arms_against_fake_servers(tmp_path):
     serve = ("import os, sys, time; sys.path.insert(0, %r); from test_verify_quality_jobs import _Fake; "
              "e = os.environ; print('fake launch ' + ' '.join(f'{k}={e.get(k)}' for k in ('SPEC', 'WIDE_VERIFY', "
              "'DFLASH_TOKENS', 'DRAFT', 'VLLM_ALLOW_LONG_MAX_MODEL_LEN')), flush=True); "
-             "f = _Fake(e['SPEC'] != 'off', port=int(e['PORT'])); time.sleep(600)") % str(REPO / "tests")
+             "pd = [w.split('=', 1)[1] for w in e.get('EXTRA_ARGS', '').split() "
+             "if w.startswith('--profiler-config.torch_profiler_dir=')]; "
+             "f = _Fake(e['SPEC'] != 'off', port=int(e['PORT']), prof_dir=(pd or [None])[0]); "
+             "time.sleep(600)") % str(REPO / "tests")
     (shim / "python3").write_text(
         "#!/bin/sh\n"
         f'if [ "$1" = "-m" ] && [ "$2" = "onecard.launch" ]; then exec {sys.executable} -c "{serve}"; fi\n'
         f'exec {sys.executable} "$@"\n')
     (shim / "python3").chmod(0o755)
     env = {**os.environ, "JOB_OUT": str(tmp_path / "out"), "MODELS": str(models), "PYTHONPATH": str(REPO),
-           "PATH": f"{shim}{os.pathsep}{os.environ.get('PATH', '')}", "DEPTHS": "64,128", "OUT_TOK": "8"}
+           "PATH": f"{shim}{os.pathsep}{os.environ.get('PATH', '')}", "DEPTHS": "64,128", "OUT_TOK": "8",
+           "PROF_ROOT": str(tmp_path / "prof"),
+           "ARMS": "off:off:1:-:1 mtp-wide1:mtp:1:-:1 d2k7:dflash2:1:7:0:prof d2k15:dflash2:1:15:0 "
+                   "mtp-wide0:mtp:0:-:0"}
     env.pop("JOB31_DRY", None)
     r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
                        text=True, timeout=240, cwd=str(tmp_path))
     out = tmp_path / "out"
+    # the `prof` arm: profiler args reached the launcher, the request was profiled, the trace summarized
+    assert (tmp_path / "prof" / "prof-d2k7" / "w.pt.trace.json.gz").exists()   # dir from EXTRA_ARGS
+    assert json.loads((out / "d2k7.json").read_text())["profile"]["ok"] is True
+    assert json.loads((out / "off.json").read_text())["profile"] is None
+    assert "fake_kernel" in (out / "prof-d2k7.txt").read_text()
+    assert (out / "prof-d2k7-vllm.txt").read_text() == "fake vllm table\n"
+    assert json.loads((out / "prof-d2k7.json").read_text())["steps"] == 24
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "arms measured: off mtp-wide1 d2k7 d2k15 mtp-wide0" in r.stdout and "arms skipped" not in r.stdout
     booted = [ln.split()[2] for ln in r.stdout.splitlines() if "] booting " in ln]

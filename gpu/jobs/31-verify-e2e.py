@@ -11,6 +11,11 @@ with prometheus_client). Per request:
                   (chunks - 1) (one stream event per engine step at C1)
 A depth whose prompt + OUT exceeds the server's max_model_len (/v1/models) is recorded as a
 skipped row (``skipped``: why), not measured and not a problem.
+With --profile-depth N (the server booted with vLLM's torch profiler, job 31's ``prof`` arms):
+after the depths, the N-token prompt is sent again (a prefix-cache hit: short prefill) with
+--profile-tokens out between POST /start_profile and /stop_profile; the server's profiler config
+decides which iterations are recorded (delay_iterations / max_iterations); the request's figures
+go to the JSON's ``profile`` entry; gpu/probe/trace_summary.py reads the trace.
 Writes one JSON (provenance + rows) atomically; prints one line per depth.
 Exit 0 when every request finished with usage.completion_tokens == OUT and the counters moved
 (steps > 0; with --spec, drafts > 0); 1 otherwise; 2 on bad arguments.
@@ -74,6 +79,25 @@ def step_row(before: metrics.Snapshot, after: metrics.Snapshot, res, out_tokens:
     return row
 
 
+def profile_request(a, c: Client, ids: list[int], sampling: dict) -> dict:
+    """POST /start_profile, one streamed request, POST /stop_profile (the trace is written then:
+    up to minutes). Never raises: what failed is in the returned dict's ``error``."""
+    import httpx
+
+    rec: dict = {"depth": len(ids), "out_tokens": a.profile_tokens}
+    try:
+        with httpx.Client(base_url=a.url, timeout=300.0) as h:
+            h.post("/start_profile").raise_for_status()
+            res = c.stream(ids, a.profile_tokens, sampling, keep_text=False)
+            rec.update(ok=res.ok, error=res.error)
+            t = time.perf_counter()
+            h.post("/stop_profile").raise_for_status()
+            rec["stop_s"] = round(time.perf_counter() - t, 1)
+    except Exception as e:  # noqa: BLE001 - a profile is extra; the step figures stand without it
+        rec["error"] = f"{type(e).__name__}: {e}"[:300]
+    return rec
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", required=True)
@@ -85,6 +109,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--warmup-tokens", type=int, default=1024)
     ap.add_argument("--json", required=True, type=Path)
     ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
+    ap.add_argument("--profile-depth", type=int, default=0,
+                    help="after the depths, one profiled request of this many prompt tokens")
+    ap.add_argument("--profile-tokens", type=int, default=40)
     a = ap.parse_args(argv)
     try:
         depths = [int(x) for x in a.depths.split(",") if x]
@@ -124,6 +151,10 @@ def main(argv: list[str]) -> int:
               f"{f(row['client_ms_per_step'])} ms/step, {row['steps']} steps, tokens/step "
               f"{f(row['tokens_per_step'])}, ttft {f(row['ttft_s'])} s"
               + (f"  PROBLEMS: {'; '.join(row['problems'])}" if row["problems"] else ""), flush=True)
+    profile = None
+    if a.profile_depth:
+        profile = profile_request(a, c, ids[:a.profile_depth], sampling)
+        print(f"{a.label:<14} profile depth {a.profile_depth}: {profile}", flush=True)
     c.close()
     record = {
         "kind": "verify_e2e",
@@ -134,6 +165,7 @@ def main(argv: list[str]) -> int:
             sampling=sampling, token_count_source="usage.completion_tokens + server counters",
             warmup=warmup, server=info, max_tokens=a.out_tokens),
         "rows": rows,
+        "profile": profile,
     }
     write_json(a.json, record)
     measured = [r for r in rows if not r.get("skipped")]

@@ -12,6 +12,14 @@
 #              it: the published 27B DFlash2 drafter's shapes, random weights)
 #   d2k15      SPEC=dflash2 DFLASH_TOKENS=15  (7 drafter rows + 8 lookup positions, LOOKUP=1)
 #   mtp-wide0  SPEC=mtp WIDE_VERIFY=0 (informative; only when the time left fits it)
+# An arm whose 6th field is `prof` (e.g. d2k7p:dflash2:1:7:0:prof) boots with vLLM's torch
+# profiler (trace in $PROF_ROOT/prof-LABEL, /var/tmp by default, not packed: it can be tens of MB), measures like the
+# others, then resends the first depth's prompt with PROF_TOKENS (40) out between
+# /start_profile and /stop_profile; the profiler records PROF_STEPS (24) engine iterations after
+# skipping 4 (the resend's short prefill); gpu/probe/trace_summary.py writes prof-LABEL.txt /
+# .json (GPU busy vs idle per step, kernels and buckets per step) and vLLM's own table is copied
+# to prof-LABEL-vllm.txt. Why: a DFlash2 k=7 step at 8k cost 22.6 ms vs 11.5 plain (2026-12-03),
+# ~7 ms more than its kernels' timings predicted.
 # ms/step from the server's counters (request_decode_time_seconds_sum / steps, steps = delta
 # spec_decode_num_drafts with speculation: one draft per verify step at C1; else generated - 1)
 # and from the wall time between stream events. Random weights: acceptance ~0, so every verify
@@ -44,7 +52,10 @@ JOB_BUDGET_S=${JOB_BUDGET_S:-1000}  # no work planned past this (the header's ti
 ARM_MIN_S=${ARM_MIN_S:-110}        # an arm starts only with this much budget left
 BOOT_WAIT_S=${BOOT_WAIT_S:-330}    # the longest one boot may take
 MEASURE_S=${MEASURE_S:-60}         # kept for measuring + stopping after a boot
-# the arms, in order: LABEL SPEC WIDE_VERIFY DFLASH_TOKENS(- = none) REQUIRED(1: must run)
+PROF_STEPS=${PROF_STEPS:-24}        # engine iterations a `prof` arm's trace records
+PROF_ROOT=${PROF_ROOT:-/var/tmp}    # traces go to $PROF_ROOT/prof-LABEL (not under JOB_OUT)
+PROF_TOKENS=${PROF_TOKENS:-40}      # tokens out of the profiled request (4 skipped + PROF_STEPS + slack)
+# the arms, in order: LABEL SPEC WIDE_VERIFY DFLASH_TOKENS(- = none) REQUIRED(1: must run) [prof]
 ARMS=${ARMS:-"off:off:1:-:1 mtp-wide1:mtp:1:-:1 d2k7:dflash2:1:7:0 d2k15:dflash2:1:15:0 mtp-wide0:mtp:0:-:0"}
 
 job_header
@@ -99,8 +110,14 @@ failed=""
 # run_arm LABEL SPEC WIDE_VERIFY DFLASH_TOKENS REQUIRED: boot, measure, stop; rc 0 measured,
 # 1 not valid, 2 skipped (time or drafter)
 run_arm() {
-  local label=$1 spec=$2 wv=$3 k=$4 left wait mt specflag=""
+  local label=$1 spec=$2 wv=$3 k=$4 prof=${5:-} left wait mt specflag="" profargs=() envargs=()
   [ "$spec" != off ] && specflag="--spec"
+  read -ra envargs <<< "$(arm_env "$spec" "$wv" "$k")"
+  if [ "$prof" = prof ]; then
+    rm -rf "$PROF_ROOT/prof-$label"
+    envargs+=("EXTRA_ARGS=--profiler-config.profiler=torch --profiler-config.torch_profiler_dir=$PROF_ROOT/prof-$label --profiler-config.torch_profiler_with_stack=false --profiler-config.ignore_frontend=true --profiler-config.delay_iterations=4 --profiler-config.max_iterations=$PROF_STEPS")
+    profargs=(--profile-depth "${DEPTHS%%,*}" --profile-tokens "$PROF_TOKENS")
+  fi
   if [ "$spec" = dflash2 ] && [ ! -f "$D/config.json" ]; then
     say "($label skipped: no drafter at $D (job 20 builds it))"; skipped="$skipped $label(no-drafter)"; return 2
   fi
@@ -111,16 +128,22 @@ run_arm() {
   fi
   wait=$((left - MEASURE_S)); [ "$wait" -gt "$BOOT_WAIT_S" ] && wait=$BOOT_WAIT_S
   say "[$(elapsed)s] booting $label (SPEC=$spec WIDE_VERIFY=$wv$([ "$k" != - ] && echo " DFLASH_TOKENS=$k"); boot may take ${wait}s)"
-  if ! boot_server "$label" "$wait" env $(arm_env "$spec" "$wv" "$k") python3 -m onecard.launch; then
+  if ! boot_server "$label" "$wait" env "${envargs[@]}" python3 -m onecard.launch; then
     say "$label: boot failed or not healthy within ${wait}s"; failed="$failed $label(boot)"; return 1
   fi
   grep -E "attention block size|GPU KV cache size|Maximum concurrency|Model loading took" \
     "$JOB_OUT/server-$label.log" | tail -4 | tee -a "$summary"
   mt=$((JOB_BUDGET_S - $(elapsed) - 15)); [ "$mt" -gt 150 ] && mt=150; [ "$mt" -lt 20 ] && mt=20
   timeout -k 5 "$mt" python3 gpu/jobs/31-verify-e2e.py --url "$URL" --model geom --label "$label" $specflag \
-    --depths "$DEPTHS" --out-tokens "$OUT_TOK" --json "$JOB_OUT/$label.json" 2>&1 | tee -a "$summary"
+    --depths "$DEPTHS" --out-tokens "$OUT_TOK" --json "$JOB_OUT/$label.json" "${profargs[@]}" 2>&1 | tee -a "$summary"
   local rc=${PIPESTATUS[0]}
   stop_server
+  if [ "$prof" = prof ]; then
+    cp "$PROF_ROOT/prof-$label"/profiler_out_*.txt "$JOB_OUT/prof-$label-vllm.txt" 2>/dev/null
+    timeout -k 5 120 python3 gpu/probe/trace_summary.py "$PROF_ROOT/prof-$label" --steps "$PROF_STEPS" \
+      --json "$JOB_OUT/prof-$label.json" > "$JOB_OUT/prof-$label.txt" 2>&1
+    head -12 "$JOB_OUT/prof-$label.txt" | tee -a "$summary"
+  fi
   if [ "$rc" != 0 ]; then
     say "$label: measurement not valid (rc $rc$([ "$rc" = 124 ] && echo ", cut at ${mt}s"))"; failed="$failed $label"; return 1
   fi
@@ -129,8 +152,8 @@ run_arm() {
 }
 
 for arm in $ARMS; do
-  IFS=: read -r label spec wv k required <<< "$arm"
-  run_arm "$label" "$spec" "$wv" "$k"
+  IFS=: read -r label spec wv k required prof <<< "$arm"
+  run_arm "$label" "$spec" "$wv" "$k" "$prof"
   rc=$?
   if [ $rc = 1 ] && [ "$label" != mtp-wide0 ]; then status=1; fi
   if [ $rc = 2 ] && [ "$required" = 1 ]; then status=1; fi

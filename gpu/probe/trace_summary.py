@@ -1,0 +1,168 @@
+"""Where a served engine step's GPU time goes: a summary of a vLLM torch-profiler trace.
+
+Job 31's profiled arm (ARMS field 6 = ``prof``) boots the server with vLLM's torch profiler
+(``--profiler-config.*``: delay_iterations / max_iterations, no stacks), resends an already
+measured prompt (prefix cache: the prefill is short) between ``/start_profile`` and
+``/stop_profile``, and calls this on the trace directory. Question it answers (2026-12-03, #8): a
+DFlash2 k=7 step at 8k cost 22.6 ms vs 11.5 ms for a plain step, ~7 ms more than the kernel
+timings predicted; is that time in kernels (which ones) or in gaps between them (host-bound)?
+
+Prints, for the trace's GPU activity (kernels, memcpy, memset): the span from first start to last
+end, the busy time (union of the intervals), busy %, and per step (``--steps``, the profiled
+engine iterations) the span, busy and idle milliseconds; then the kernels by total time (count per
+step, ms per step, share) and the same by bucket (attention / GDN / GEMM / mamba state / spec &
+sampling / other; name patterns below). ``--json`` writes every figure. A trace is Chrome-trace
+JSON (``*.json`` or ``*.json.gz``, torch.profiler's tensorboard handler); every file under the
+directory is read and the busiest one (the worker's) is summarized.
+
+  python3 gpu/probe/trace_summary.py DIR --steps 24 [--top 25] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+from pathlib import Path
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+# first match wins; lower-case kernel names
+BUCKETS = (
+    ("attention", r"wide_verify|unified_attention|flash|fmha|attn|paged|reshape_and_cache"),
+    ("gdn", r"gated_delta|fused_recurrent|chunk_|fla_|causal_conv|conv1d|l2norm|gdn|solve_tril|"
+            r"recompute_w_u|fused_gdn"),
+    ("mamba state", r"mamba|precopy|postprocess"),
+    ("gemm", r"marlin|gemm|gemv|gptq|cutlass|sm90_xmma|sm80_xmma|ampere|hopper|matmul|cublas|"
+             r"wgmma|splitk|machete|awq|nvjet"),
+    ("spec & sampling", r"rejection|eagle|dflash|topk|top_k|sort|argmax|sample|selector|"
+                        r"radix|softmax_kernel|expand|lookup"),
+)
+
+
+def load_events(path: Path) -> list[dict]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    events = data.get("traceEvents", data) if isinstance(data, dict) else data
+    return [e for e in events if isinstance(e, dict)]
+
+
+def gpu_events(events: list[dict]) -> list[dict]:
+    return [e for e in events
+            if e.get("ph") == "X" and e.get("cat") in GPU_CATS and "dur" in e and "ts" in e]
+
+
+def bucket(name: str) -> str:
+    low = name.lower()
+    for label, pat in BUCKETS:
+        if re.search(pat, low):
+            return label
+    return "other"
+
+
+def busy_us(evs: list[dict]) -> float:
+    """Union length of the [ts, ts + dur) intervals (concurrent streams count once)."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs)
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def summarize(evs: list[dict], steps: int, top: int = 25) -> dict:
+    if not evs:
+        raise ValueError("no GPU activity in the trace (kernel / gpu_memcpy / gpu_memset events)")
+    steps = max(1, int(steps))
+    start = min(float(e["ts"]) for e in evs)
+    end = max(float(e["ts"]) + float(e["dur"]) for e in evs)
+    span, busy = end - start, busy_us(evs)
+    by_name: dict[str, list[float]] = {}
+    for e in evs:
+        rec = by_name.setdefault(str(e.get("name", "?")), [0.0, 0])
+        rec[0] += float(e["dur"])
+        rec[1] += 1
+    total = sum(v[0] for v in by_name.values())
+    kernels = [{"name": n, "bucket": bucket(n), "total_us": round(t, 1), "count": c,
+                "per_step_count": round(c / steps, 2), "ms_per_step": round(t / steps / 1e3, 4),
+                "share": round(t / total, 4) if total else 0.0}
+               for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])]
+    buckets: dict[str, float] = {}
+    for k in kernels:
+        buckets[k["bucket"]] = buckets.get(k["bucket"], 0.0) + k["total_us"]
+    return {
+        "steps": steps, "events": len(evs), "span_ms": round(span / 1e3, 3),
+        "busy_ms": round(busy / 1e3, 3), "busy_pct": round(100.0 * busy / span, 1) if span else 0.0,
+        "per_step": {"span_ms": round(span / steps / 1e3, 3), "busy_ms": round(busy / steps / 1e3, 3),
+                     "idle_ms": round((span - busy) / steps / 1e3, 3),
+                     "kernel_sum_ms": round(total / steps / 1e3, 3)},
+        "buckets": {b: {"ms_per_step": round(t / steps / 1e3, 3), "share": round(t / total, 4) if total else 0.0}
+                    for b, t in sorted(buckets.items(), key=lambda kv: -kv[1])},
+        "kernels": kernels[:top], "kernel_names": len(kernels),
+    }
+
+
+def pick_trace(root: Path) -> tuple[Path, list[dict]]:
+    files = sorted(p for p in root.rglob("*") if p.is_file()
+                   and (p.name.endswith(".json") or p.name.endswith(".json.gz")))
+    if not files:
+        raise FileNotFoundError(f"no trace under {root}; valid: a directory holding *.json or "
+                                "*.json.gz Chrome traces (vLLM's torch_profiler_dir)")
+    best = None
+    for p in files:
+        try:
+            evs = gpu_events(load_events(p))
+        except (OSError, ValueError, EOFError):
+            continue
+        if best is None or len(evs) > len(best[1]):
+            best = (p, evs)
+    if best is None or not best[1]:
+        raise ValueError(f"no trace under {root} holds GPU activity (kernel events)")
+    return best
+
+
+def render(path: Path, s: dict) -> str:
+    ps = s["per_step"]
+    lines = [f"trace {path.name}: {s['events']} GPU events over {s['span_ms']:.1f} ms, "
+             f"{s['steps']} steps",
+             f"per step: span {ps['span_ms']:.2f} ms, GPU busy {ps['busy_ms']:.2f} ms "
+             f"({s['busy_pct']:.1f} %), idle {ps['idle_ms']:.2f} ms, kernel sum {ps['kernel_sum_ms']:.2f} ms",
+             "| bucket | ms/step | share |", "|---|---|---|"]
+    lines += [f"| {b} | {v['ms_per_step']:.3f} | {100 * v['share']:.1f} % |" for b, v in s["buckets"].items()]
+    lines += ["| kernel | bucket | per step | ms/step | share |", "|---|---|---|---|---|"]
+    lines += [f"| {k['name'][:90]} | {k['bucket']} | {k['per_step_count']:g} | {k['ms_per_step']:.3f} | "
+              f"{100 * k['share']:.1f} % |" for k in s["kernels"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir", type=Path, help="vLLM's torch_profiler_dir (or a trace file's directory)")
+    ap.add_argument("--steps", type=int, required=True, help="engine iterations the trace holds")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    try:
+        path, evs = pick_trace(a.dir)
+        s = summarize(evs, a.steps, a.top)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(render(path, s))
+    if a.json:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
+        from jobutil import write_json
+
+        write_json(a.json, {"trace": str(path), **s})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
