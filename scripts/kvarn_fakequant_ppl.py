@@ -25,6 +25,11 @@ S tiles fp16 (S = 1 is the format's sink). ``--window-cost`` prints what they wo
 Texts: the two repo documents of gpu/jobs/32-kv-quality.py (README.md, docs/wide-verify.md,
 6,000 chars each); --text PATH adds others. Prints one table row per (text, config) and the
 needle answers; --json writes all numbers.
+
+  kvarn_fakequant_ppl.py --model /tmp/smollm2-135m --served-json kvq-kvarn.json --json out.json
+``--served-json``: a served kv_quality JSON (gpu/jobs/32-kv-quality.py measure, e.g. the GPU's
+kvarn arm) against CPU none and ``--served-config`` on the very tokens it scored (texts rebuilt
+by the job at the JSON's commit; served logprob i = token i+1), one row per text.
 """
 from __future__ import annotations
 
@@ -446,6 +451,263 @@ def range_arg(flag: str, value: str) -> float | str:
     return alpha
 
 
+SERVED_CONFIG = "kvarn_k4v2_g128+selffp16"  # what label "kvarn" served (the read rule since b2da41d)
+KVQ_JOB = REPO / "gpu" / "jobs" / "32-kv-quality.py"
+
+
+def git_show_bytes(rev: str, rel: str) -> bytes:
+    """A repository file at git revision ``rev``, byte-exact (no newline or locale decoding)."""
+    import subprocess
+    r = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{rel}"], capture_output=True)
+    if r.returncode:
+        raise SystemExit(f"error: git show {rev}:{rel} failed: "
+                         f"{r.stderr.decode(errors='replace').strip().splitlines()[-1:]}")
+    return r.stdout
+
+
+def served_texts(rec: dict) -> tuple[list[tuple[str, str]], dict]:
+    """The texts of a served kv_quality JSON (gpu/jobs/32-kv-quality.py measure), rebuilt by the
+    job's own texts() over the files at the JSON's provenance commit: bench/prompts/*.jsonl and the
+    job's LONG_DOCS are written from ``git show`` into a scratch tree and the job module's
+    ``__file__`` / onecard.bench.prompts.PROMPTS_DIR point there while texts() runs. Returns
+    (texts, info); info["sha_ok"]: the job's texts_id() sha256 equals the provenance's
+    prompt_set.sha256 (the byte-identity check of the rebuilt texts)."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    prov = rec.get("provenance") or {}
+    commit = (prov.get("git") or {}).get("commit")
+    if not commit:
+        raise SystemExit("error: the served JSON has no provenance.git.commit; valid: a kv_quality "
+                         "JSON written by gpu/jobs/32-kv-quality.py measure")
+    spec = importlib.util.spec_from_file_location("kvq_job_32", KVQ_JOB)
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    ls = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", commit, "bench/prompts/"],
+                        capture_output=True, text=True)
+    if ls.returncode:
+        raise SystemExit(f"error: git ls-tree {commit} bench/prompts/ failed: {ls.stderr.strip()}")
+    same_job = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", commit, "--",
+                               str(KVQ_JOB.relative_to(REPO))]).returncode == 0
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp).resolve()
+        for rel in [*(n for n in ls.stdout.split() if n.endswith(".jsonl")), *job.LONG_DOCS]:
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_bytes(git_show_bytes(commit, rel))
+        saved = job.__file__, job.P.PROMPTS_DIR
+        job.__file__ = str(root / KVQ_JOB.relative_to(REPO))
+        job.P.PROMPTS_DIR = root / "bench" / "prompts"
+        try:
+            texts, tid = job.texts(), job.texts_id()
+        finally:
+            job.__file__, job.P.PROMPTS_DIR = saved
+    want = (prov.get("prompt_set") or {}).get("sha256")
+    return texts, {"commit": commit, "sha256": tid["sha256"], "provenance_sha256": want,
+                   "sha_ok": tid["sha256"] == want, "job_code_same_as_commit": same_job}
+
+
+def clean_positions(cfg: Quant) -> int:
+    """Token positions below this read no quantized K/V under ``cfg`` (0: every position may):
+    kvarn_* with its own tile fp16 (+selffp16 / +winW) first reads a quantized tile at tile
+    sinks + window; with its own tile quantized, at tile sinks; none: never."""
+    if cfg.name == "none":
+        return 1 << 62
+    if not cfg.name.startswith("kvarn_"):
+        return 0
+    tile = preset_of(cfg.name).tile
+    return (cfg.sinks + (cfg.window if cfg.self_tile == "fp16" else 0)) * tile
+
+
+def _ppl(lps: list[float]) -> float:
+    return math.exp(-sum(lps) / len(lps))
+
+
+def served_row(rid: str, n_ids: int, served: list[float], none: list[float], fq: list[float],
+               clean: int) -> dict:
+    """One text: served logprob i belongs to token i + 1 of the n_ids-token CPU tokenization
+    (echo+logprobs / prompt_logprobs give the first prompt token none), like none/fq (nll()).
+    ``clean``: positions below it read no quantized tile (clean_positions)."""
+    n = n_ids - 1
+    if not (len(served) == len(none) == len(fq) == n):
+        raise ValueError(f"{rid}: {len(served)} served / {len(none)} none / {len(fq)} fq logprobs "
+                         f"for {n_ids} tokens; valid: {n} each")
+    m = max(0, min(n, clean - 1))  # scored tokens at positions 1..clean-1
+    p_s, p_n, p_f = _ppl(served), _ppl(none), _ppl(fq)
+    ad = lambda a, b, lo, hi: sum(abs(x - y) for x, y in zip(a[lo:hi], b[lo:hi]))  # noqa: E731
+    row = {"id": rid, "status": "ok", "tokens": n_ids, "scored": n, "ppl_served": p_s,
+           "ppl_cpu_none": p_n, "ppl_cpu_fq": p_f,
+           "served_vs_none_pct": 100 * (p_s / p_n - 1), "fq_vs_none_pct": 100 * (p_f / p_n - 1),
+           "served_vs_fq_pct": 100 * (p_s / p_f - 1),
+           "mean_abs_served_fq": sum(abs(a - b) for a, b in zip(served, fq)) / n,
+           "mean_abs_served_none": sum(abs(a - b) for a, b in zip(served, none)) / n,
+           "clean_scored": m,
+           "sums": {"served": sum(served), "none": sum(none), "fq": sum(fq),
+                    "abs_served_fq": sum(abs(a - b) for a, b in zip(served, fq)),
+                    "abs_served_none": sum(abs(a - b) for a, b in zip(served, none)),
+                    "clean_served": sum(served[:m]), "clean_none": sum(none[:m])}}
+    if m:
+        row["clean_served_vs_none_pct"] = 100 * (_ppl(served[:m]) / _ppl(none[:m]) - 1)
+        row["clean_mean_abs_served_none"] = ad(served, none, 0, m) / m
+    if m < n:  # positions that read quantized tiles: does served follow fq or none?
+        row["rest_mean_abs_served_none"] = ad(served, none, m, n) / (n - m)
+        row["rest_mean_abs_served_fq"] = ad(served, fq, m, n) / (n - m)
+        row["rest_mean_abs_fq_none"] = ad(fq, none, m, n) / (n - m)
+    return row
+
+
+def pool_rows(rows: list[dict], clean_only: bool = False) -> dict | None:
+    """Token-weighted totals over ok rows (clean_only: over their clean positions only)."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    if clean_only:
+        n = sum(r["clean_scored"] for r in ok)
+        if not n:
+            return None
+        s = sum(r["sums"]["clean_served"] for r in ok)
+        b = sum(r["sums"]["clean_none"] for r in ok)
+        return {"scored": n, "ppl_served": math.exp(-s / n), "ppl_cpu_none": math.exp(-b / n),
+                "served_vs_none_pct": 100 * (math.exp((b - s) / n) - 1)}
+    n = sum(r["scored"] for r in ok)
+    if not n:
+        return None
+    s, b, f = (sum(r["sums"][k] for r in ok) for k in ("served", "none", "fq"))
+    return {"scored": n, "ppl_served": math.exp(-s / n), "ppl_cpu_none": math.exp(-b / n),
+            "ppl_cpu_fq": math.exp(-f / n), "served_vs_none_pct": 100 * (math.exp((b - s) / n) - 1),
+            "fq_vs_none_pct": 100 * (math.exp((b - f) / n) - 1),
+            "mean_abs_served_fq": sum(r["sums"]["abs_served_fq"] for r in ok) / n,
+            "mean_abs_served_none": sum(r["sums"]["abs_served_none"] for r in ok) / n}
+
+
+def compare_served(rec: dict, texts: list[tuple[str, str]], tokenize, score, config: str,
+                   clean: int, log=print) -> dict:
+    """Rows of one served JSON vs CPU logprobs on the same tokens. tokenize(text) -> ids;
+    score(ids, config) -> logprobs of tokens 1..len(ids)-1 (config "none" and ``config``).
+    A row whose served logprob count is not len(ids) - 1 is "not comparable" (no guessing)."""
+    by_id = dict(texts)
+    out = []
+    for r in rec.get("rows", []):
+        rid, served = r["id"], r.get("logprobs")
+        if "error" in r or served is None:
+            out.append({"id": rid, "status": f"not comparable (served error: {r.get('error')})"})
+            continue
+        if rid not in by_id:
+            out.append({"id": rid, "status": "not comparable (no rebuilt text of this id)"})
+            continue
+        ids = tokenize(by_id[rid])
+        if len(served) != len(ids) - 1:
+            out.append({"id": rid, "tokens": len(ids), "served_logprobs": len(served),
+                        "status": f"not comparable ({len(served)} vs {len(ids) - 1} tokens: served "
+                                  f"logprobs vs CPU tokens after the first)"})
+            continue
+        t0 = time.time()
+        none = score(ids, "none")
+        fq = none if config == "none" else score(ids, config)
+        row = served_row(rid, len(ids), [float(x) for x in served], none, fq, clean)
+        row.update(seconds=round(time.time() - t0, 1), method=r.get("method"),
+                   first_logprob={"served": served[0], "cpu_none": none[0]},
+                   cpu_none_logprobs=none, cpu_fq_logprobs=fq)
+        out.append(row)
+        log(f"  {rid}: {len(ids)} tokens, {row['seconds']:.0f}s", flush=True)
+    return {"label": rec.get("label"), "config": config, "clean_positions": clean, "rows": out,
+            "all": pool_rows(out), "clean": pool_rows(out, clean_only=True),
+            "calibration": pool_rows([r for r in out if r["status"] == "ok"
+                                      and r["clean_scored"] == r["scored"]])}
+
+
+def format_served(res: dict, header: list[str]) -> list[str]:
+    """The printed table of one served JSON (compare_served's result)."""
+    cfg = res["config"]
+    f = lambda x, nd=3: "-" if x is None else f"{x:.{nd}f}"  # noqa: E731
+    lines = list(header)
+    lines.append(f"| text | tokens | served ppl | CPU none ppl | CPU {cfg} ppl | served vs CPU none "
+                 f"| CPU fq vs none | mean abs(served - CPU fq) logprob |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for r in res["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['id']} | {r.get('tokens', '-')} | {r['status']} | | | | | |")
+            continue
+        lines.append(f"| {r['id']} | {r['tokens']} | {f(r['ppl_served'])} | {f(r['ppl_cpu_none'])} | "
+                     f"{f(r['ppl_cpu_fq'])} | {r['served_vs_none_pct']:+.2f}% | "
+                     f"{r['fq_vs_none_pct']:+.2f}% | {f(r['mean_abs_served_fq'], 4)} |")
+    a = res["all"]
+    if a:
+        lines.append(f"| all (token-weighted) | {a['scored']} scored | {f(a['ppl_served'])} | "
+                     f"{f(a['ppl_cpu_none'])} | {f(a['ppl_cpu_fq'])} | {a['served_vs_none_pct']:+.2f}% | "
+                     f"{a['fq_vs_none_pct']:+.2f}% | {f(a['mean_abs_served_fq'], 4)} |")
+    c = res["calibration"]
+    short = [r for r in res["rows"] if r["status"] == "ok" and r["clean_scored"] == r["scored"]]
+    if c:
+        lines.append(f"calibration, rows that read no quantized tile ({', '.join(r['id'] for r in short)}; "
+                     f"every position < {res['clean_positions']}): served vs CPU none "
+                     f"{c['served_vs_none_pct']:+.2f}% pooled over {c['scored']} tokens (per row "
+                     + ", ".join(f"{r['served_vs_none_pct']:+.2f}%" for r in short)
+                     + f"), mean abs(served - CPU none) {c['mean_abs_served_none']:.4f}: GPU bf16 vs "
+                     f"CPU fp32 arithmetic (CPU fq vs none there "
+                     f"{max(abs(r['fq_vs_none_pct']) for r in short):.2f}% at most: fp16 K/V rows only)")
+    for r in res["rows"]:
+        if r["status"] == "ok" and r["clean_scored"] < r["scored"] and r["clean_scored"]:
+            lines.append(f"calibration, {r['id']} positions 1..{r['clean_scored']} (no quantized tile "
+                         f"read yet): served vs CPU none {r['clean_served_vs_none_pct']:+.2f}%, mean "
+                         f"abs(served - CPU none) {r['clean_mean_abs_served_none']:.4f}; positions "
+                         f"{r['clean_scored'] + 1}..{r['scored']}: mean abs(served - CPU none) "
+                         f"{r['rest_mean_abs_served_none']:.4f}, (served - CPU fq) "
+                         f"{r['rest_mean_abs_served_fq']:.4f}, (CPU fq - CPU none) "
+                         f"{r['rest_mean_abs_fq_none']:.4f}")
+    return lines
+
+
+def served_main(a, tok, model) -> int:
+    """--served-json: each served kv_quality JSON vs CPU none / --served-config on its tokens."""
+    cfg = parse_config(a.served_config)
+    clean = clean_positions(cfg)
+
+    def score(ids, raw):
+        STATE["q"] = Quant("none") if raw == "none" else cfg
+        return [-x for x in nll(model, ids)]
+
+    rc, rec_out = 0, {"model": a.model, "served_config": a.served_config, "served": []}
+    for path in a.served_json:
+        t0 = time.time()
+        rec = json.loads(Path(path).read_text())
+        if rec.get("kind") != "kv_quality":
+            raise SystemExit(f"error: {path}: kind {rec.get('kind')!r} is not valid; valid: kv_quality")
+        texts, info = served_texts(rec)
+        if not info["sha_ok"]:
+            print(f"{path}: texts rebuilt at {info['commit'][:7]} hash {info['sha256']} != the "
+                  f"provenance's {info['provenance_sha256']}: not comparable")
+            rec_out["served"].append({"path": str(path), "texts": info, "rows": []})
+            rc = 1
+            continue
+        prov = rec.get("provenance", {})
+        gpus = ", ".join(g.get("name", "?") for g in (prov.get("gpu") or {}).get("gpus", [])) or "?"
+        methods = sorted({r.get("method") for r in rec["rows"] if r.get("method")})
+        print(f"{path} (label {rec.get('label')}): scoring on CPU ...", flush=True)
+        res = compare_served(rec, texts, lambda t: tok(t)["input_ids"], score, a.served_config, clean)
+        res.update(path=str(path), texts=info, seconds=round(time.time() - t0, 1))
+        header = [
+            f"served: {path}",
+            f"  label {rec.get('label')} = CPU config {a.served_config}; vLLM {prov.get('vllm_version')} "
+            f"on {gpus} (bf16 weights and activations), {'/'.join(methods)}, commit {info['commit'][:7]}",
+            "  CPU: transformers float32 (eager attention), the same converted checkpoint "
+            "(bf16 weights upcast); 'none' = unquantized K/V",
+            "  so served vs CPU none mixes GPU-bf16-vs-CPU-fp32 arithmetic with the quantization; "
+            "CPU fq vs none is the quantization alone (same arithmetic)",
+            f"  texts: rebuilt by {KVQ_JOB.relative_to(REPO)} texts() over git show {info['commit'][:7]} "
+            f"files, sha256 {info['sha256']} = provenance ({'same job code' if info['job_code_same_as_commit'] else 'job code changed since; hash still matches'})",
+            "  alignment: served logprob i = token i+1 of the CPU tokenization (no BOS added; the "
+            "first token has no logprob); ppl = exp(-mean logprob) over those tokens",
+        ]
+        lines = format_served(res, header)
+        lines.append(f"({res['seconds']:.0f}s on CPU)")
+        print("\n".join(lines), flush=True)
+        res["printed"] = lines
+        rec_out["served"].append(res)
+        rc |= any(r["status"] != "ok" for r in res["rows"])
+    if a.json:
+        Path(a.json).write_text(json.dumps(rec_out, indent=1))
+    return rc
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -482,6 +744,14 @@ def main(argv=None) -> int:
                          "(Preset.v_clip: 0.75 for 2-bit V)")
     ap.add_argument("--k-range", metavar="ALPHA|mse",
                     help="the same for K's per-channel ranges over a tile (default: min..max)")
+    ap.add_argument("--served-json", nargs="+", metavar="PATH",
+                    help="instead: served kv_quality JSONs (gpu/jobs/32-kv-quality.py measure): "
+                         "rebuild their texts at the provenance commit, check token counts, and "
+                         "compare the served logprobs with CPU none and --served-config on the same "
+                         "tokens (one table per JSON; --json writes all numbers)")
+    ap.add_argument("--served-config", default=SERVED_CONFIG,
+                    help=f"the CPU config matching the served KV dtype (default {SERVED_CONFIG}: "
+                         "label kvarn, kvarn_k4v2_g128 with the serving read rule)")
     a = ap.parse_args(argv)
     v_alpha = None if a.v_range is None else range_arg("--v-range", a.v_range)
     k_alpha = None if a.k_range is None else range_arg("--k-range", a.k_range)
@@ -507,6 +777,8 @@ def main(argv=None) -> int:
         print(f"max kernels-vs-simulation error {worst:.1e} ({'OK' if worst <= 1e-2 else 'FAIL'})")
         return 0 if worst <= 1e-2 else 1
     tok, model = load(a.model)
+    if a.served_json:
+        return served_main(a, tok, model)
     rec = {"model": a.model, "rev": a.rev, "v_range": v_alpha, "k_range": k_alpha, "rows": [], "needle": []}
     base: dict = {}
     for tid, text in texts:
