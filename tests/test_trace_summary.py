@@ -44,6 +44,14 @@ def test_summary_busy_idle_and_buckets():
     assert s["kernels"][0]["name"] == "Marlin<256>" and s["kernels"][0]["per_step_count"] == 1.0
 
 
+def test_kernels_are_told_apart_by_launch_grid():
+    evs = [dict(_ev("_wide_verify_split_kernel", 0, 100), args={"grid": [1, 4, 33]}),
+           dict(_ev("_wide_verify_split_kernel", 200, 50), args={"grid": [1, 8, 16]}),
+           dict(_ev("_wide_verify_split_kernel", 300, 100), args={"grid": [1, 4, 33]})]
+    names = {k["name"]: k["total_us"] for k in T.summarize(evs, steps=1)["kernels"]}
+    assert names == {"_wide_verify_split_kernel grid=1x4x33": 200.0, "_wide_verify_split_kernel grid=1x8x16": 50.0}
+
+
 def test_cli_reads_the_busiest_gz_trace_and_writes_json(tmp_path):
     (tmp_path / "frontend.pt.trace.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": []}).encode()))
     (tmp_path / "worker.pt.trace.json.gz").write_bytes(gzip.compress(json.dumps(_trace()).encode()))

@@ -260,7 +260,7 @@ def test_job31_all_arms_against_fake_servers(tmp_path):
            "PATH": f"{shim}{os.pathsep}{os.environ.get('PATH', '')}", "DEPTHS": "64,128", "OUT_TOK": "8",
            "PROF_ROOT": str(tmp_path / "prof"),
            "ARMS": "off:off:1:-:1 mtp-wide1:mtp:1:-:1 d2k7:dflash2:1:7:0:prof d2k15:dflash2:1:15:0 "
-                   "mtp-wide0:mtp:0:-:0"}
+                   "mtp-wide0:mtp:0:-:0 d2k7-wv0:dflash2:0:7:0"}
     env.pop("JOB31_DRY", None)
     r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
                        text=True, timeout=240, cwd=str(tmp_path))
@@ -273,9 +273,11 @@ def test_job31_all_arms_against_fake_servers(tmp_path):
     assert (out / "prof-d2k7-vllm.txt").read_text() == "fake vllm table\n"
     assert json.loads((out / "prof-d2k7.json").read_text())["steps"] == 24
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert "arms measured: off mtp-wide1 d2k7 d2k15 mtp-wide0" in r.stdout and "arms skipped" not in r.stdout
+    assert "arms measured: off mtp-wide1 d2k7 d2k15 mtp-wide0 d2k7-wv0" in r.stdout and "arms skipped" not in r.stdout
     booted = [ln.split()[2] for ln in r.stdout.splitlines() if "] booting " in ln]
-    assert booted == ["off", "mtp-wide1", "d2k7", "d2k15", "mtp-wide0"]
+    assert booted == ["off", "mtp-wide1", "d2k7", "d2k15", "mtp-wide0", "d2k7-wv0"]
+    assert "SPEC=dflash2 WIDE_VERIFY=0 DFLASH_TOKENS=7" in (out / "server-d2k7-wv0.log").read_text()
+    assert "| d2k7-wv0 ms/step (ratio) |" in (out / "table.txt").read_text()   # an extra arm's column
     logs = {k: (out / f"server-{k}.log").read_text() for k in booted}
     draft = models / "qwen38-27b-geom-dflash2"
     assert f"SPEC=dflash2 WIDE_VERIFY=1 DFLASH_TOKENS=7 DRAFT={draft} VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in logs["d2k7"]

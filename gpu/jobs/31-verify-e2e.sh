@@ -159,10 +159,13 @@ for arm in $ARMS; do
   if [ $rc = 2 ] && [ "$required" = 1 ]; then status=1; fi
 done
 
-python3 - "$JOB_OUT" <<'PY' 2>&1 | tee "$JOB_OUT/table.txt" | tee -a "$summary"
+python3 - "$JOB_OUT" $ARMS <<'PY' 2>&1 | tee "$JOB_OUT/table.txt" | tee -a "$summary"
 import json, os, sys
 out = sys.argv[1]
 LABELS = ("off", "mtp-wide1", "d2k7", "d2k15", "mtp-wide0")
+# arms named in ARMS beyond the five (e.g. d2k7-wv0: the drafter's attention on stock) get a
+# column of their own after them
+LABELS += tuple(a.split(":")[0] for a in sys.argv[2:] if a.split(":")[0] not in LABELS)
 NAMES = {"mtp-wide1": "mtp (WIDE_VERIFY=1)", "d2k7": "dflash2 k7", "d2k15": "dflash2 k15",
          "mtp-wide0": "mtp (WIDE_VERIFY=0)"}
 arms = {}
@@ -171,10 +174,10 @@ for label in LABELS:
     if os.path.exists(p):
         arms[label] = {r["depth"]: r for r in json.load(open(p))["rows"] if not r.get("skipped")}
 f = lambda x: "-" if x is None else f"{x:.2f}"
-cols = ["mtp-wide1", "d2k7", "d2k15"] + (["mtp-wide0"] if "mtp-wide0" in arms else [])
+cols = ["mtp-wide1", "d2k7", "d2k15"] + [k for k in LABELS[4:] if k in arms]
 print("ms per engine step, C1 greedy, CTX=long int8 KV, 27B geometry, random weights "
       "(server counters / client stream gaps; ratio = server ms vs off)")
-print("| depth | off ms/step | " + " | ".join(f"{NAMES[c]} ms/step (ratio)" for c in cols) + " | mtp goal <= 1.3x |")
+print("| depth | off ms/step | " + " | ".join(f"{NAMES.get(c, c)} ms/step (ratio)" for c in cols) + " | mtp goal <= 1.3x |")
 print("|---|---|" + "---|" * len(cols) + "---|")
 depths = sorted({d for a in arms.values() for d in a})
 def cell(r):

@@ -9,8 +9,8 @@ timings predicted; is that time in kernels (which ones) or in gaps between them 
 
 Prints, for the trace's GPU activity (kernels, memcpy, memset): the span from first start to last
 end, the busy time (union of the intervals), busy %, and per step (``--steps``, the profiled
-engine iterations) the span, busy and idle milliseconds; then the kernels by total time (count per
-step, ms per step, share) and the same by bucket (attention / GDN / GEMM / mamba state / spec &
+engine iterations) the span, busy and idle milliseconds; then the kernels by total time, one row per
+(name, launch grid) (count per step, ms per step, share) and the same by bucket (attention / GDN / GEMM / mamba state / spec &
 sampling / other; name patterns below). ``--json`` writes every figure. A trace is Chrome-trace
 JSON (``*.json`` or ``*.json.gz``, torch.profiler's tensorboard handler); every file under the
 directory is read and the busiest one (the worker's) is summarized.
@@ -86,7 +86,12 @@ def summarize(evs: list[dict], steps: int, top: int = 25) -> dict:
     span, busy = end - start, busy_us(evs)
     by_name: dict[str, list[float]] = {}
     for e in evs:
-        rec = by_name.setdefault(str(e.get("name", "?")), [0.0, 0])
+        # the launch grid tells apart one kernel's uses (the target's verify attention has 4 KV
+        # heads in grid axis 1, a DFlash2 drafter's 8): torch.profiler puts it in args["grid"]
+        grid = (e.get("args") or {}).get("grid")
+        key = str(e.get("name", "?")) + (f" grid={'x'.join(str(g) for g in grid)}"
+                                         if isinstance(grid, list) and grid else "")
+        rec = by_name.setdefault(key, [0.0, 0])
         rec[0] += float(e["dur"])
         rec[1] += 1
     total = sum(v[0] for v in by_name.values())
@@ -137,7 +142,7 @@ def render(path: Path, s: dict) -> str:
              "| bucket | ms/step | share |", "|---|---|---|"]
     lines += [f"| {b} | {v['ms_per_step']:.3f} | {100 * v['share']:.1f} % |" for b, v in s["buckets"].items()]
     lines += ["| kernel | bucket | per step | ms/step | share |", "|---|---|---|---|---|"]
-    lines += [f"| {k['name'][:90]} | {k['bucket']} | {k['per_step_count']:g} | {k['ms_per_step']:.3f} | "
+    lines += [f"| {k['name'][:110]} | {k['bucket']} | {k['per_step_count']:g} | {k['ms_per_step']:.3f} | "
               f"{100 * k['share']:.1f} % |" for k in s["kernels"]]
     return "\n".join(lines)
 
