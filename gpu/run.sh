@@ -97,7 +97,7 @@ fi
 case " $* " in
   *74*)
     if [ "${GPU_NO_FA2_PREJIT:-0}" != 1 ]; then
-      (cd "$repo" && env -u VLLM_USE_FLASHINFER_SAMPLER timeout -k 5 420 python3 gpu/probe/sampler_cost.py --prebuild) \
+      (cd "$repo" && env -u VLLM_USE_FLASHINFER_SAMPLER timeout -k 5 300 python3 gpu/probe/sampler_cost.py --prebuild) \
         > "$OUTROOT/flashinfer-prebuild.log" 2>&1 & fi_pid=$!
       say "FlashInfer sampling pre-build started (pid $fi_pid, log $OUTROOT/flashinfer-prebuild.log)"
     fi ;;
