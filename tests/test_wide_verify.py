@@ -128,6 +128,30 @@ def test_choose_num_splits():
     assert wv.choose_num_splits(1000, 1, 4, 82) == 4  # capped by min chunk
 
 
+def test_reduce_launch_buckets_and_no_value_specialization():
+    """Few compiles for any split count (a drafter's split count follows the live context): the
+    reduce kernel pads to 16 or 64 splits, its warps follow the bucket, and neither kernel is
+    specialized on num_splits' value."""
+    assert [wv.reduce_launch(n, 256)[0] for n in (2, 3, 9, 16, 17, 33, 64)] == [16, 16, 16, 16, 64, 64, 64]
+    assert wv.reduce_launch(65, 256)[0] == 128            # an explicit count above the cap still fits
+    assert wv.reduce_launch(3, 256)[1] == 4 and wv.reduce_launch(33, 256)[1] == 8
+    assert wv.reduce_launch(33, 128)[1] == 8 and wv.reduce_launch(16, 128)[1] == 4
+    for kernel in (wv._wide_verify_split_kernel, wv._wide_verify_reduce_kernel):
+        dns = getattr(kernel, "do_not_specialize", None)
+        if dns is None:  # the interpreter's wrapper: read the jit options it keeps
+            dns = (getattr(kernel, "kwargs", None) or {}).get("do_not_specialize")
+        assert dns is not None and "num_splits" in [getattr(kernel, "arg_names", [None])[d]
+                                                    if isinstance(d, int) else d for d in dns]
+
+
+@inproc
+def test_more_than_sixteen_splits_match_reference(gen):
+    case = ref_mod.make_verify_case(
+        q_lens=[3], seq_lens=[400], num_q_heads=4, num_kv_heads=2, head_dim=32,
+        block_size=16, kv_dtype="int8", generator=gen)
+    _check(case, _run(case, num_splits=20, tile_n=16), gen.initial_seed())   # the 64 bucket
+
+
 @inproc
 def test_bad_input_messages(gen):
     case = ref_mod.make_verify_case(

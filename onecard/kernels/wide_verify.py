@@ -86,7 +86,7 @@ def _unpack_words(w, off, KV_MODE: tl.constexpr, N: tl.constexpr, D: tl.constexp
     return tl.reshape(x, (N, D))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one compile for any split count: launch_variants()
 def _wide_verify_split_kernel(
     q_ptr,
     k_ptr,
@@ -309,7 +309,7 @@ def _wide_verify_split_kernel(
         tl.store(part_l_ptr + ml_idx, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _wide_verify_reduce_kernel(
     out_ptr,
     part_o_ptr,
@@ -341,6 +341,23 @@ def _wide_verify_reduce_kernel(
     res = tl.where(denom > 0.0, acc / tl.maximum(denom, 1e-30), 0.0)
     tl.store(out_ptr + tok * stride_o_t + head * stride_o_h + offs_d,
              res.to(out_ptr.dtype.element_ty))
+
+
+def reduce_launch(num_splits: int, head_dim: int) -> tuple[int, int]:
+    """(SPLITS_PAD, num_warps) of the reduce kernel: two buckets, 16 and 64 splits (or the next
+    power of two above 64 for an explicit larger count), not one per power of two.
+
+    Why: every distinct constexpr / launch value is a separate Triton compile, made at its first
+    use. A DFlash drafter's non-causal attention runs outside CUDA graphs with the split count of
+    the live context (1..16 on the H200), so each new power of two used to compile a reduce
+    kernel during a user's request as the conversation grew; the H200 saw the wide-verify pair
+    compile in a DFlash2 server's first requests (2026-12-03, vLLM's JIT monitor). With
+    ``num_splits`` not specialized by value (``do_not_specialize``) and these buckets, the split
+    kernel has two variants (one split = direct output, or partials) and the reduce kernel one
+    per bucket, and the launcher's warm-up (a short and a ~700-token prompt) compiles the ones a
+    drafter uses. Masked loads of the unused partial rows cost only their addresses."""
+    pad = 16 if num_splits <= 16 else max(64, triton.next_power_of_2(num_splits))
+    return pad, (8 if pad * head_dim > 4096 else 4)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -523,12 +540,12 @@ def wide_verify_attention(
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
+        splits_pad, reduce_warps = reduce_launch(num_splits, head_dim)
         _wide_verify_reduce_kernel[(num_tokens, num_q_heads)](
             target, part_o, part_m, part_l, num_splits,
             target.stride(0), target.stride(1),
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=8 if num_splits * head_dim > 4096 else 4,
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, SPLITS_PAD=splits_pad,
+            num_warps=reduce_warps,
         )
     if mode == 4:
         from vllm.v1.attention.ops.int4_per_token_head import single_rht
