@@ -17,7 +17,7 @@ pytestmark = [
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("page", [16, 544])
-@pytest.mark.parametrize("splits", [1, None, 7])
+@pytest.mark.parametrize("splits", [1, None, 7, 20])
 def test_kernel_matches_reference_on_gpu(kv_dtype, page, splits):
     from onecard.kernels.reference import make_verify_case
     from onecard.kernels.wide_verify import wide_verify_attention
