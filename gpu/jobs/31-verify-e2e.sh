@@ -12,9 +12,9 @@
 #              it: the published 27B DFlash2 drafter's shapes, random weights)
 #   d2k15      SPEC=dflash2 DFLASH_TOKENS=15  (7 drafter rows + 8 lookup positions, LOOKUP=1)
 #   mtp-wide0  SPEC=mtp WIDE_VERIFY=0 (informative; only when the time left fits it)
-# An arm whose 6th field is `prof` (e.g. d2k7p:dflash2:1:7:0:prof) boots with vLLM's torch
-# profiler (trace in $PROF_ROOT/prof-LABEL, /var/tmp by default, not packed: it can be tens of MB), measures like the
-# others, then resends the first depth's prompt with PROF_TOKENS (40) out between
+# An arm whose 6th field is `prof` (e.g. d2k7:dflash2:1:7:1:prof) boots with vLLM's torch
+# profiler (trace in $PROF_ROOT/prof-LABEL, /var/tmp by default, not packed: it can be tens of
+# MB), measures like the others, then resends the first depth's prompt with PROF_TOKENS (40) out between
 # /start_profile and /stop_profile; the profiler records PROF_STEPS (24) engine iterations after
 # skipping 4 (the resend's short prefill); gpu/probe/trace_summary.py writes prof-LABEL.txt /
 # .json (GPU busy vs idle per step, kernels and buckets per step) and vLLM's own table is copied
