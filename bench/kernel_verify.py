@@ -432,7 +432,9 @@ def main(argv=None) -> int:
 
     if args.smoke:
         grid = [(4, 64, 1, kv) for kv in KV_DTYPES]
-        sweep = {kv: [{"tile_n": 16, "num_warps": 4, "num_stages": 1}] for kv in KV_DTYPES}
+        sweep = {kv: [{"tile_n": 16, "num_warps": 4, "num_stages": 1},
+                      {"tile_n": 16, "num_warps": 4, "num_stages": 1, "lazy_rescale": True}]
+                 for kv in KV_DTYPES}
         sweep_at = (4, 64, 1)
     else:
         # q=16 first: if the budget runs out, the q=8 rows go
@@ -441,10 +443,14 @@ def main(argv=None) -> int:
         # the first entry per dtype is the sm_90 default of ``default_launch`` (also timed at 2
         # waves of splits); the others: one knob away from it, plus the old 2-stage choice
         wide = {"tile_n": 32, "num_warps": 8}
+        # the default again with lazy_rescale (the accumulator rescaled only when a running max
+        # grows by > 2^8): an A/B the compiler's static counts cannot price (docs/wide-verify.md)
         sweep = {
-            "bf16": [{**wide, "num_stages": 4}, {**wide, "num_stages": 3},
+            "bf16": [{**wide, "num_stages": 4}, {**wide, "num_stages": 4, "lazy_rescale": True},
+                     {**wide, "num_stages": 3},
                      {"tile_n": 64, "num_warps": 8, "num_stages": 2}, {**wide, "num_stages": 2}],
             "int8": [{"tile_n": 16, "num_warps": 8, "num_stages": 4},
+                     {"tile_n": 16, "num_warps": 8, "num_stages": 4, "lazy_rescale": True},
                      {"tile_n": 16, "num_warps": 8, "num_stages": 6},
                      {**wide, "num_stages": 3}, {**wide, "num_stages": 2}],
         }
@@ -518,8 +524,8 @@ def main(argv=None) -> int:
             gbps = (r["kv_bytes"] / (r["ours_ms"] * 1e-3) / 1e9) if "ours_ms" in r else None
             pct = f"{100 * gbps / copy_gbps:5.1f} %copy" if gbps and copy_gbps else ""
             log(f"  {r['kv']:>5} tile {kw.get('tile_n')} warps {kw.get('num_warps')} stages "
-                f"{kw.get('num_stages')} splits {kw.get('num_splits')} (waves {r['waves']}): {t} "
-                f"{pct}")
+                f"{kw.get('num_stages')} splits {kw.get('num_splits')} (waves {r['waves']})"
+                f"{' lazy' if kw.get('lazy_rescale') else ''}: {t} {pct}")
     long_rows = [r for r in result["table"] if r["ctx"] >= 32768 and "ours_ms" in r
                  and "stock_ms" in r]
     if long_rows:

@@ -147,7 +147,8 @@ def _sass_histogram(sass: str) -> dict:
 
 
 def compile_config(kv: str, *, tile_n: int, num_warps: int, num_stages: int, q_len: int,
-                   page: int, splits: int, keep: Path | None, arch: int = 90) -> dict:
+                   page: int, splits: int, keep: Path | None, arch: int = 90,
+                   lazy: bool = False) -> dict:
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -170,7 +171,7 @@ def compile_config(kv: str, *, tile_n: int, num_warps: int, num_stages: int, q_l
             max_query_len=case.max_query_len, softmax_scale=case.softmax_scale, kv_mode=kv,
             k_scale_cache=case.k_scale_cache, v_scale_cache=case.v_scale_cache,
             max_seq_len=case.max_seq_len, num_splits=splits, tile_n=tile_n,
-            num_warps=num_warps, num_stages=num_stages)
+            num_warps=num_warps, num_stages=num_stages, lazy_rescale=lazy)
     finally:
         wv._wide_verify_split_kernel, wv._wide_verify_reduce_kernel = saved
     grid, args, kwargs = cap.calls[0]
@@ -218,6 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", type=int, default=4, help="> 1: the split (not direct) variant")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90, 86)")
     ap.add_argument("--keep", default=None, help="write ptx/ttgir/cubin/sass here")
+    ap.add_argument("--lazy", action="store_true", help="the lazy-rescale variant (lazy_rescale=True)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     rows = []
@@ -227,7 +229,8 @@ def main(argv=None) -> int:
                 for s in map(int, a.stages.split(",")):
                     r = compile_config(kv, tile_n=t, num_warps=w, num_stages=s, q_len=a.q_len,
                                        page=a.page, splits=a.splits,
-                                       keep=Path(a.keep) if a.keep else None, arch=a.arch)
+                                       keep=Path(a.keep) if a.keep else None, arch=a.arch,
+                                       lazy=a.lazy)
                     rows.append(r)
                     h = r["sass"]
                     print(f"sm_{a.arch} {kv:>5} tile {t:>3} warps {w:>2} stages {s} | "

@@ -221,3 +221,24 @@ def test_non_causal_block_sees_every_key(kv_dtype, gen):
     causal = _run(case, num_splits=1, tile_n=16)
     assert (causal.float() - out.float()).abs().max() > 1e-2
 
+
+
+@inproc
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
+def test_lazy_rescale_matches_reference(kv_dtype, gen):
+    # the lazy-rescale option (an A/B of the sweep, off by default): the running max moves only
+    # when a row's tile max grows by > 2^8. Keys scaled up page by page (x 2^j, exact for every
+    # cache format, int4's zero point included: a power of two leaves the mantissa bits alone) make
+    # later tiles dominate, so some tiles rescale and some do not; causal and non-causal, 1 and 3
+    # splits, against float64.
+    case = ref_mod.make_verify_case(
+        q_lens=[8, 3], seq_lens=[130, 61], num_q_heads=6, num_kv_heads=2, head_dim=32,
+        block_size=16, kv_dtype=kv_dtype, generator=gen)
+    halves = case.k_scale_cache if kv_dtype != "bf16" else case.key_cache
+    for s, sl in enumerate(case.seq_lens.tolist()):
+        for j in range(-(-sl // 16)):
+            halves[int(case.block_table[s, j])] *= 2.0 ** min(j, 4)
+    for causal in (True, False):
+        for splits in (1, 3):
+            _check(case, _run(case, num_splits=splits, tile_n=16, lazy_rescale=True, causal=causal),
+                   gen.initial_seed(), causal=causal)

@@ -131,6 +131,7 @@ def _wide_verify_split_kernel(
     DOT_F32: tl.constexpr,
     PAGE_TILES: tl.constexpr = False,
     CAUSAL: tl.constexpr = True,
+    LAZY_RESCALE: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -254,19 +255,36 @@ def _wide_verify_split_kernel(
             s = tl.where(pos[None, :] < lim_hi[:, None], s, float("-inf"))
         else:
             s = tl.where((pos[None, :] < limit[:, None]) & kv_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        m_tile = tl.max(s, axis=1)
+        if LAZY_RESCALE:
+            # move the running max (and rescale acc / l) only when some row's tile max exceeds
+            # it by more than 8 (log2 units): P <= 2^8 in between, the same softmax after the
+            # final division. One CTA-wide decision per tile instead of a 128 x 256 multiply.
+            grow = tl.where(m_tile > m_i, m_tile - tl.maximum(m_i, -1.0e30), 0.0)  # no inf - inf
+            if tl.max(grow, axis=0) > 8.0:
+                m_new = tl.maximum(m_i, m_tile)
+                alpha = tl.math.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            alpha = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+            p = tl.math.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+            l_i = l_i + tl.sum(p, axis=1)
+        else:
+            m_new = tl.maximum(m_i, m_tile)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
         if KV_MODE == 0:
             vt = tl.load(
                 v_ptr + blk[:, None] * stride_v_blk + slot[:, None] * stride_v_slot
                 + kvh * stride_v_head + offs_d[None, :],
                 mask=kv_ok[:, None], other=0.0,
             )
-            acc = acc * alpha[:, None] + _dot(p.to(q.dtype), vt.to(q.dtype), DOT_F32)
+            pv = _dot(p.to(q.dtype), vt.to(q.dtype), DOT_F32)
+            acc = acc + pv if LAZY_RESCALE else acc * alpha[:, None] + pv
         else:
             if PAGE_TILES:
                 vw = tl.load(v_head + (blk * stride_v_blk + slot0 * stride_v_slot) + v_rows)
@@ -294,7 +312,8 @@ def _wide_verify_split_kernel(
                 # keys past hi were read unmasked (same page, finite codes); their scale may be
                 # any float32 (NaN): zero it so that 0 * NaN never reaches the accumulator
                 v_sc = tl.where(kv_ok, v_sc, 0.0)
-            acc = acc * alpha[:, None] + _dot((p * v_sc[None, :]).to(q.dtype), v, DOT_F32)
+            pv = _dot((p * v_sc[None, :]).to(q.dtype), v, DOT_F32)
+            acc = acc + pv if LAZY_RESCALE else acc * alpha[:, None] + pv
         pos = pos_next
     if DIRECT:
         inv = tl.where(l_i > 0.0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
@@ -456,10 +475,13 @@ def wide_verify_attention(
     num_stages: int | None = None,
     max_partial_bytes: int = 64 << 20,
     causal: bool = True,
+    lazy_rescale: bool = False,
 ) -> torch.Tensor:
     """Verify attention over vLLM's paged cache; writes ``out`` [T, Hq, D] and returns it.
     ``causal`` (default): query i of a sequence sees keys p < seq_len - q_len + i + 1; False: every
     query sees all seq_len keys (a DFlash drafter's non-causal block of 1 + k rows).
+    ``lazy_rescale`` (off by default; an A/B option of bench/kernel_verify.py's sweep): rescale the
+    accumulator only when a running max grows by more than 2^8 (docs/wide-verify.md).
 
     q: [T, Hq, D] (bf16/fp16), T = cu_seqlens_q[-1]; every sequence has 1..16 query tokens and
     ``max_query_len`` bounds them. ``num_splits`` None picks from ``max_seq_len`` (or the cache
@@ -537,6 +559,7 @@ def wide_verify_attention(
         HEAD_DIM=head_dim, TILE_N=tile_n, KV_MODE=mode, DIRECT=direct,
         DOT_F32=q.device.type != "cuda",  # CPU tensors only run under TRITON_INTERPRET
         PAGE_TILES=mode != 0 and page % tile_n == 0, CAUSAL=bool(causal),
+        LAZY_RESCALE=bool(lazy_rescale),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:

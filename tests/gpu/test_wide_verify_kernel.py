@@ -1,6 +1,6 @@
 """Wide-verify kernel on CUDA at the real geometry (24 q / 4 kv heads, head_dim 256) vs the
-float64 reference: bf16 / int8 / int4 KV, ragged q_len 1..16, pages 16 and 544, 1 / auto / 7
-splits; the DFlash2 drafter's non-causal block (32 q / 8 kv x 128).
+float64 reference: bf16 / int8 / int4 KV, ragged q_len 1..16, pages 16 and 544, 1 / auto / 7 /
+20 splits, the lazy-rescale option; the DFlash2 drafter's non-causal block (32 q / 8 kv x 128).
 Run on the GPU host: python3 -m pytest -m gpu tests/gpu/test_wide_verify_kernel.py"""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ pytestmark = [
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("page", [16, 544])
-@pytest.mark.parametrize("splits", [1, None, 7, 20])
-def test_kernel_matches_reference_on_gpu(kv_dtype, page, splits):
+@pytest.mark.parametrize("splits,lazy", [(1, False), (None, False), (7, False), (20, False),
+                                         (None, True), (7, True)])
+def test_kernel_matches_reference_on_gpu(kv_dtype, page, splits, lazy):
     from onecard.kernels.reference import make_verify_case
     from onecard.kernels.wide_verify import wide_verify_attention
 
@@ -31,7 +32,8 @@ def test_kernel_matches_reference_on_gpu(kv_dtype, page, splits):
         case.q, case.key_cache, case.value_cache, out, cu_seqlens_q=case.cu_seqlens_q,
         seq_lens=case.seq_lens, block_table=case.block_table, max_query_len=case.max_query_len,
         softmax_scale=case.softmax_scale, kv_mode=kv_dtype, k_scale_cache=case.k_scale_cache,
-        v_scale_cache=case.v_scale_cache, max_seq_len=case.max_seq_len, num_splits=splits)
+        v_scale_cache=case.v_scale_cache, max_seq_len=case.max_seq_len, num_splits=splits,
+        lazy_rescale=lazy)
     torch.cuda.synchronize()
     ref = case.reference()
     assert not torch.isnan(out).any()
