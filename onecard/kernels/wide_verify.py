@@ -86,7 +86,7 @@ def _unpack_words(w, off, KV_MODE: tl.constexpr, N: tl.constexpr, D: tl.constexp
     return tl.reshape(x, (N, D))
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # one compile for any split count: launch_variants()
+@triton.jit(do_not_specialize=["num_splits"])  # one compile for any split count: reduce_launch()
 def _wide_verify_split_kernel(
     q_ptr,
     k_ptr,
@@ -267,7 +267,6 @@ def _wide_verify_split_kernel(
                 acc = acc * alpha[:, None]
                 l_i = l_i * alpha
                 m_i = m_new
-            alpha = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
             p = tl.math.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
             l_i = l_i + tl.sum(p, axis=1)
         else:
@@ -284,7 +283,10 @@ def _wide_verify_split_kernel(
                 mask=kv_ok[:, None], other=0.0,
             )
             pv = _dot(p.to(q.dtype), vt.to(q.dtype), DOT_F32)
-            acc = acc + pv if LAZY_RESCALE else acc * alpha[:, None] + pv
+            if LAZY_RESCALE:
+                acc = acc + pv
+            else:
+                acc = acc * alpha[:, None] + pv
         else:
             if PAGE_TILES:
                 vw = tl.load(v_head + (blk * stride_v_blk + slot0 * stride_v_slot) + v_rows)
@@ -313,7 +315,10 @@ def _wide_verify_split_kernel(
                 # any float32 (NaN): zero it so that 0 * NaN never reaches the accumulator
                 v_sc = tl.where(kv_ok, v_sc, 0.0)
             pv = _dot((p * v_sc[None, :]).to(q.dtype), v, DOT_F32)
-            acc = acc + pv if LAZY_RESCALE else acc * alpha[:, None] + pv
+            if LAZY_RESCALE:
+                acc = acc + pv
+            else:
+                acc = acc * alpha[:, None] + pv
         pos = pos_next
     if DIRECT:
         inv = tl.where(l_i > 0.0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
