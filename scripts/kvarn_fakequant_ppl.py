@@ -254,15 +254,22 @@ def segments(tok_nll: list[float]) -> dict:
     return out
 
 
+def git_show_bytes(rev: str, rel: str) -> bytes:
+    """A repository file at git revision ``rev``, byte-exact (no newline or locale decoding)."""
+    import subprocess
+    r = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{rel}"], capture_output=True)
+    if r.returncode:
+        raise SystemExit(f"error: git show {rev}:{rel} failed: "
+                         f"{r.stderr.decode(errors='replace').strip().splitlines()[-1:]}")
+    return r.stdout
+
+
 def repo_text(rel: str, rev: str | None = None) -> str:
-    """A repository file from the working tree, or at git revision ``rev``."""
+    """A repository file from the working tree, or at git revision ``rev`` (text: UTF-8,
+    universal newlines, as read_text gives the working tree's)."""
     if rev is None:
         return (REPO / rel).read_text(encoding="utf-8")
-    import subprocess
-    r = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{rel}"], capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(f"error: git show {rev}:{rel} failed: {r.stderr.strip().splitlines()[-1:]}")
-    return r.stdout
+    return git_show_bytes(rev, rel).decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
 
 
 def needle_prompt(chars: int = 9000, rev: str | None = None) -> str:
@@ -453,16 +460,6 @@ def range_arg(flag: str, value: str) -> float | str:
 
 SERVED_CONFIG = "kvarn_k4v2_g128+selffp16"  # what label "kvarn" served (the read rule since b2da41d)
 KVQ_JOB = REPO / "gpu" / "jobs" / "32-kv-quality.py"
-
-
-def git_show_bytes(rev: str, rel: str) -> bytes:
-    """A repository file at git revision ``rev``, byte-exact (no newline or locale decoding)."""
-    import subprocess
-    r = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{rel}"], capture_output=True)
-    if r.returncode:
-        raise SystemExit(f"error: git show {rev}:{rel} failed: "
-                         f"{r.stderr.decode(errors='replace').strip().splitlines()[-1:]}")
-    return r.stdout
 
 
 def served_texts(rec: dict) -> tuple[list[tuple[str, str]], dict]:

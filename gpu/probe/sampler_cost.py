@@ -74,18 +74,23 @@ def time_native(rows: int, vocab: int, device: str) -> dict:
             "clone_ms": round(clone, 4)}
 
 
-def time_flashinfer(rows: int, vocab: int) -> dict:
-    """In this process (the child): forward_cuda, first call (JIT) timed apart."""
+def _flashinfer_first_call(rows: int, vocab: int):
+    """forward_cuda once (its first call may JIT-build FlashInfer's sampling module): the sampler,
+    its inputs and the call's seconds."""
+    import torch
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
     sampler = TopKTopPSampler()
     logits, k, p = _inputs(rows, vocab, "cuda")
     t = time.perf_counter()
     sampler.forward_cuda(logits.clone(), {}, k, p)
-    import torch
-
     torch.cuda.synchronize()
-    first = time.perf_counter() - t
+    return sampler, logits, k, p, time.perf_counter() - t
+
+
+def time_flashinfer(rows: int, vocab: int) -> dict:
+    """In this process (the child): forward_cuda, first call (JIT) timed apart."""
+    sampler, logits, k, p, first = _flashinfer_first_call(rows, vocab)
     fi = _bench(lambda: sampler.forward_cuda(logits.clone(), {}, k, p), "cuda")
     clone = _bench(lambda: logits.clone(), "cuda")
     return {"rows": rows, "flashinfer_ms": round(fi - clone, 4), "first_call_s": round(first, 1)}
@@ -94,14 +99,8 @@ def time_flashinfer(rows: int, vocab: int) -> dict:
 def prebuild() -> int:
     """Only FlashInfer's first call (its sampling module's JIT build), untimed beyond a line:
     gpu/run.sh runs this beside the FA2 pre-JIT so that job 74 later times warm kernels."""
-    import torch
-    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
-
-    logits, k, p = _inputs(1, 1024, "cuda")
-    t = time.perf_counter()
-    TopKTopPSampler().forward_cuda(logits, {}, k, p)
-    torch.cuda.synchronize()
-    say(f"FlashInfer sampling pre-build: first call {time.perf_counter() - t:.1f} s")
+    first = _flashinfer_first_call(1, 1024)[-1]
+    say(f"FlashInfer sampling pre-build: first call {first:.1f} s")
     return 0
 
 
