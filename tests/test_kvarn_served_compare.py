@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO
 _spec = importlib.util.spec_from_file_location("kvarn_fakequant_ppl_served",
                                                REPO / "scripts" / "kvarn_fakequant_ppl.py")
 F = importlib.util.module_from_spec(_spec)
