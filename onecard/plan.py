@@ -511,6 +511,13 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
         plan.child_env.update(profiles.TP_CHILD_ENV)  # NVLink multicast off (profiles.TP_CHILD_ENV says why)
     # WIDE_VERIFY's only reader in the server is patch 0070 (triton_attn.py, ONECARD_WIDE_VERIFY)
     plan.child_env["ONECARD_WIDE_VERIFY"] = str(plan.get("WIDE_VERIFY"))
+    # KVARN_WINDOW's reader is the KVarN backend (onecard.kvarn.format.window_from_env); the
+    # preflight sized the stage for the same value
+    if str(plan.get("KV")).startswith("kvarn"):
+        plan.child_env["ONECARD_KVARN_WINDOW"] = str(plan.get("KVARN_WINDOW"))
+    elif plan.values["KVARN_WINDOW"].source != "default":
+        plan.notes.append(f"KVARN_WINDOW={plan.get('KVARN_WINDOW')} has no effect with KV={plan.get('KV')} "
+                          f"(valid with KVarN KV: CTX=huge)")
     # The GDN (FLA) Triton kernels are @triton.autotune'd and retune at every boot: on the H200
     # (2026-12-02) each tiny server's profiling run took 80-91 s even with warm compile caches.
     # With this Triton keeps the winners in its cache dir, so only a machine's first boot pays

@@ -218,20 +218,26 @@ for step in STEPS:
         s = c + m
         kr = R.rotate(K[r][:s].half(), torch.float32).half()
         vr = R.rotate(V[r][:s].half(), torch.float32).half()
-        kq, vq = R.quantized_view(kr, vr, DT)  # the read rule: own tile + sink fp16
+        kq, vq = R.quantized_view(kr, vr, DT)  # the read rule: fp16 window + sink fp16
         ref = R.own_tile_attention_f64(q[cu[r]:cu[r] + m].float(), R.rotate(kr), R.rotate(vr),
-                                       R.rotate(kq), R.rotate(vq), T, D ** -0.5)
+                                       R.rotate(kq), R.rotate(vq), T, D ** -0.5,
+                                       window=builder.planner.window)
         got = out[cu[r]:cu[r] + m].view(m, HQ, D).double()
         errs.append(float(((got - ref).abs() / ref.abs().clamp_min(1)).max()))
 print("JSON" + json.dumps({"errs": errs, "shape": list(shape), "prefill_jobs": prefill_jobs,
-                          "finite": bool(torch.isfinite(out[:n]).all())}))
+                          "finite": bool(torch.isfinite(out[:n]).all()),
+                          "window": builder.planner.window, "slots": builder.planner.num_slots,
+                          "impl_slots": impl.num_slots}))
 """
 
 
-def _run_glue(site, geometry: str, steps: str) -> dict:
+def _run_glue(site, geometry: str, steps: str, window: str | None = None) -> dict:
     vdir = site / "vllm"
     assert kin.main(["--vllm-dir", str(vdir)]) == 0
     env = {**os.environ, "PYTHONPATH": f"{site}:{REPO}", "TRITON_INTERPRET": "1"}
+    env.pop(fmt.WINDOW_ENV, None)
+    if window is not None:
+        env[fmt.WINDOW_ENV] = window
     script = _GLUE.replace("GEOMETRY", geometry).replace("STEPS", steps)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                        cwd=site, timeout=900)
@@ -242,9 +248,11 @@ def _run_glue(site, geometry: str, steps: str) -> dict:
 
 def test_backend_glue_against_reference(site):
     """KvarnMetadataBuilder.build + KvarnAttentionImpl.forward (as vLLM calls them, padded
-    batch, bf16) over three steps: prefill chunk / decode / verify, 2 requests."""
+    batch, bf16) over three steps: prefill chunk / decode / verify, 2 requests, at fp16 window 1
+    chosen through the server's environment (ONECARD_KVARN_WINDOW=1: 3 x 2 + 4 stage slots)."""
     out = _run_glue(site, '"kvarn_k4v2_g64", 64, 2, 4, 64, 128',
-                    "([(0, 150), (0, 40)], [(150, 1), (40, 4)], [(151, 4), (42, 16)])")
+                    "([(0, 150), (0, 40)], [(150, 1), (40, 4)], [(151, 4), (42, 16)])", window="1")
+    assert (out["window"], out["slots"], out["impl_slots"]) == (1, 10, 28)  # impl: no config, 8 seqs
     assert out["shape"] == [8, 2, 2, fmt.get_preset("k4v2_g64").layout(64).block_bytes]
     assert out["prefill_jobs"] == 2  # 150 and 40 queries: the prefill kernel
     assert out["finite"] and max(out["errs"]) < 3e-2, out["errs"]  # bf16 output rounding
@@ -254,10 +262,12 @@ def test_backend_long_prefill_in_chunks_against_reference(site):
     """A 700-token prompt in scheduler chunks of 256 / 256 / 188 through the installed backend
     (the default preset k4v2_g128, pages of 2 tiles, GQA 4 kv x 6 heads), another request
     prefilling and decoding in the same batches, then decode: equals the float64 reference
-    under the read rule (each query's own tile and the sink fp16, older tiles quantized)."""
+    under the read rule (each query's fp16 window -- its own and the previous tile, the
+    default -- and the sink fp16, older tiles quantized)."""
     out = _run_glue(site, '"kvarn_k4v2_g128", 64, 4, 24, 128, 256',
                     "([(0, 256), (0, 40)], [(256, 256), (40, 1)], [(512, 188), (41, 1)],"
                     " [(700, 1), (42, 1)])")
+    assert (out["window"], out["slots"], out["impl_slots"]) == (2, 14, 44)  # impl: no config, 8 seqs
     assert out["prefill_jobs"] == 4  # chunks 256, 40, 256, 188; the decodes stay split-KV
     assert out["finite"] and max(out["errs"]) < 3e-2, out["errs"]
 

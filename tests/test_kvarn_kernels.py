@@ -263,10 +263,11 @@ def test_rejects_bad_arguments(gen):
 # ---------------------------------------------------------------------------------------------
 
 
-def _prefill(case, s, *, sink=True, **kw):
+def _prefill(case, s, *, sink=True, window=1, **kw):
     """kvarn_prefill of sequence s's queries (the last q_len positions): sink and own-tile rows
-    before ctx in an fp16 rows buffer ([0, T) the sink, [T, 2T) the tile holding ctx, ring T),
-    this step's rows as new_k / new_v; everything rotated like the stage."""
+    before ctx in an fp16 rows buffer ([0, T) the sink, [T, 2T) the tile holding ctx, [2T, 3T)
+    the tile before it (window 2), ring T), this step's rows as new_k / new_v; everything
+    rotated like the stage."""
     T = case.preset.tile
     cu = case.cu_seqlens_q.tolist()
     q = case.q[cu[s]:cu[s + 1]]
@@ -274,31 +275,34 @@ def _prefill(case, s, *, sink=True, **kw):
     ctx = L - q.shape[0]
     kr = R.rotate(case.k_true[s], torch.float32).half()
     vr = R.rotate(case.v_true[s], torch.float32).half()
-    rows_k = torch.randn(2 * T, *kr.shape[1:], generator=torch.Generator().manual_seed(1)).half()
+    rows_k = torch.randn(3 * T, *kr.shape[1:], generator=torch.Generator().manual_seed(1)).half()
     rows_v = torch.randn_like(rows_k)
     rows_k[:min(T, L)], rows_v[:min(T, L)] = kr[:T], vr[:T]
     h0 = ctx // T * T
     rows_k[T:T + ctx - h0], rows_v[T:T + ctx - h0] = kr[h0:ctx], vr[h0:ctx]
+    if h0:
+        rows_k[2 * T:], rows_v[2 * T:] = kr[h0 - T:h0], vr[h0 - T:h0]
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     K.kvarn_prefill(
         q, case.cache, rows_k, rows_v, out,
         block_table_row=case.block_table[s].contiguous(), ctx_len=ctx, seq_len=L,
         packed_tiles=int(case.packed_tiles[s]), sink_row=0 if sink else -1,
         tail_row=T, ring=T, new_k=kr[ctx:].contiguous(), new_v=vr[ctx:].contiguous(),
+        window=window, prev_row=2 * T if window == 2 and h0 else -1,
         softmax_scale=case.softmax_scale, preset=case.preset, tiles_per_page=case.tiles_per_page, **kw)
     return out
 
 
-def _prefill_reference(case, s, sink):
-    """The read rule in float64: own tile (and the sink) fp16, older tiles as the cache holds
-    them (dequantized from their blocks)."""
+def _prefill_reference(case, s, sink, window=1):
+    """The read rule in float64: the fp16 window (and the sink) fp16, older tiles as the cache
+    holds them (dequantized from their blocks)."""
     cu = case.cu_seqlens_q.tolist()
     kr = R.rotate(case.k_true[s], torch.float32).half()
     vr = R.rotate(case.v_true[s], torch.float32).half()
     kq, vq = R.gather_kv(case, s, sink=False)
     return R.own_tile_attention_f64(case.q[cu[s]:cu[s + 1]], R.rotate(kr), R.rotate(vr),
                                     R.rotate(kq), R.rotate(vq), case.preset.tile,
-                                    case.softmax_scale, sink=sink)
+                                    case.softmax_scale, sink=sink, window=window)
 
 
 PREFILL_CASES = {
@@ -312,16 +316,17 @@ PREFILL_CASES = {
 
 
 @inproc
+@pytest.mark.parametrize("window", [1, 2])
 @pytest.mark.parametrize("name", list(PREFILL_CASES))
-def test_prefill_matches_dequantized_reference(name, gen):
+def test_prefill_matches_dequantized_reference(name, window, gen):
     preset, runs, (hq, hkv), tpp, win, grp, sink = PREFILL_CASES[name]
     T = fmt.get_preset(preset).tile
     case = R.make_case(q_lens=[a for a, _ in runs], seq_lens=[b for _, b in runs],
                        num_q_heads=hq, num_kv_heads=hkv, head_dim=D, preset=preset,
                        packed_tiles=[b // T for _, b in runs], tiles_per_page=tpp, generator=gen)
     for s in range(len(runs)):
-        out = _prefill(case, s, sink=sink, window_tokens=win, query_group=grp)
-        ref = _prefill_reference(case, s, sink)
+        out = _prefill(case, s, sink=sink, window=window, window_tokens=win, query_group=grp)
+        ref = _prefill_reference(case, s, sink, window)
         assert not torch.isnan(out).any(), f"unwritten rows (seed {gen.initial_seed()})"
         err = (out.double() - ref).abs().max().item()
         assert err <= TOL * max(1.0, ref.abs().max().item()), f"{name}[{s}] err {err:.3g} seed {gen.initial_seed()}"

@@ -33,8 +33,8 @@ T, D, HKV, HQ = 64, 64, 2, 4
 class Sim:
     """Two requests over a paged cache, driven step by step like vLLM's model runner."""
 
-    def __init__(self, gen, tiles_per_page=2, num_slots=10, shared_first_page=False,
-                 prefill_min_q=None, max_tokens_per_launch=1024, **prefill_kw):
+    def __init__(self, gen, tiles_per_page=2, num_slots=12, shared_first_page=False,
+                 prefill_min_q=None, max_tokens_per_launch=1024, window=2, **prefill_kw):
         self.g = gen
         self.prefill_min_q = prefill_min_q
         self.max_tokens_per_launch = max_tokens_per_launch
@@ -51,7 +51,7 @@ class Sim:
         self.bt = torch.stack([perm[:10], perm[10:20]]).to(torch.int32)
         if shared_first_page:
             self.bt[1, 0] = self.bt[0, 0]
-        self.planner = S.StagePlanner(PRESET, num_slots, tiles_per_page)
+        self.planner = S.StagePlanner(PRESET, num_slots, tiles_per_page, window=window)
         self.k = [torch.zeros(0, HKV, D, dtype=torch.float16) for _ in range(2)]
         self.v = [torch.zeros(0, HKV, D, dtype=torch.float16) for _ in range(2)]
         self.ctx = [0, 0]
@@ -103,22 +103,26 @@ class Sim:
 
     def _reference(self, r, s, q):
         """Float64 attention of the last q.shape[0] positions of request r under the read rule
-        (reference.own_tile_attention_f64): own tile fp16, tile 0 fp16 while its slot lives,
-        other tiles quantized."""
+        (reference.own_tile_attention_f64): the fp16 window (own tile, and the previous one at
+        window 2), tile 0 fp16 while its slot lives, other tiles quantized."""
         kr = R.rotate(self.k[r][:s], torch.float32).half()
         vr = R.rotate(self.v[r][:s], torch.float32).half()
         kq, vq = R.quantized_view(kr, vr, PRESET)
         sink = int(self.bt[r, 0]) * self.tpp in self.planner.slot_of
         return R.own_tile_attention_f64(q, R.rotate(kr), R.rotate(vr), R.rotate(kq), R.rotate(vq),
-                                        T, D ** -0.5, sink=sink)
+                                        T, D ** -0.5, sink=sink, window=self.planner.window)
 
 
 TOL = 2e-2  # the reference re-quantizes with its own rounding (rare ties differ by one code)
 
 
+WINDOWS = pytest.mark.parametrize("window", [1, 2])
+
+
+@WINDOWS
 @inproc
-def test_prefill_chunks_decode_and_verify_with_rejections(gen):
-    sim = Sim(gen)
+def test_prefill_chunks_decode_and_verify_with_rejections(gen, window):
+    sim = Sim(gen, window=window)
     errs = [
         sim.step([(0, 0, 100), (1, 0, 40)]),  # prefill chunk (pseudo-sequences), short prefill
         sim.step([(0, 100, 25), (1, 40, 30)]),  # chunks cross tiles (1 crosses tile 0)
@@ -131,15 +135,16 @@ def test_prefill_chunks_decode_and_verify_with_rejections(gen):
     # committed, non-sink tiles released their slots; sinks kept
     live = {b for b in sim.planner.slot_of}
     first = {int(sim.bt[r, 0]) * sim.tpp for r in range(2)}
-    assert first <= live and len(live) <= 2 + 3 * 2
+    assert first <= live and len(live) <= 2 + (2 + window) * 2
 
 
+@WINDOWS
 @inproc
-def test_prefill_jobs_with_decode_and_verify_in_the_batch(gen):
+def test_prefill_jobs_with_decode_and_verify_in_the_batch(gen, window):
     """Prefill chunks through kvarn_prefill (dequantize once per chunk, windows + LSE merge,
     several query groups), mixed with decode / verify pseudo-sequences in one batch (a prefill
     job between them: launches stay contiguous in the batch), against the same reference."""
-    sim = Sim(gen, prefill_min_q=S.MAX_QUERY_LEN + 1, max_tokens_per_launch=8,
+    sim = Sim(gen, prefill_min_q=S.MAX_QUERY_LEN + 1, max_tokens_per_launch=8, window=window,
               window_tokens=128, query_group=40)
     errs = [sim.step([(0, 0, 100), (1, 0, 40)])]  # two prefill jobs (40 < tile, 100 crosses it)
     assert [j.q_len for j in sim.last_plan.prefill] == [100, 40] and sim.last_plan.seq_lens.numel() == 0
@@ -152,9 +157,10 @@ def test_prefill_jobs_with_decode_and_verify_in_the_batch(gen):
     assert max(errs) < TOL, errs
 
 
+@WINDOWS
 @inproc
-def test_prefix_shared_first_page(gen):
-    sim = Sim(gen, tiles_per_page=1, num_slots=5, shared_first_page=True)
+def test_prefix_shared_first_page(gen, window):
+    sim = Sim(gen, tiles_per_page=1, num_slots=3 + 2 * window, shared_first_page=True, window=window)
     assert sim.step([(0, 0, 64 + 10)]) < TOL
     # request 1 hits the first page (tile 0) through the prefix cache: starts at 64
     assert sim.step([(1, 64, 20), (0, 74, 1)]) < TOL
@@ -187,7 +193,11 @@ def test_planner_errors_and_release():
     q.plan([0], [10], [0], tb)
     with pytest.raises(S.StageExhausted, match="evicted"):
         q.plan([10], [11], [0], {(0, 0): 99})  # mid-tile write whose rows were never staged
-    assert S.default_num_slots(2) == 10
+    assert S.default_num_slots(2) == 14 and S.default_num_slots(2, window=1) == 10
+    with pytest.raises(ValueError, match="valid: 1, 2"):
+        S.default_num_slots(2, window=3)
+    with pytest.raises(ValueError, match="valid: 1, 2"):
+        S.StagePlanner(PRESET, 4, window=0)
 
 
 def test_planner_null_page_dummy_runs():
@@ -207,45 +217,84 @@ def test_planner_null_page_dummy_runs():
     assert plan.num_tokens == 3 + 130 + 4 and plan.seq_tok0 == [0, 133] and plan.all_null
 
 
-def test_planner_prefill_jobs():
-    p = S.StagePlanner(PRESET, 10)
+@pytest.mark.parametrize("window", [1, 2])
+def test_planner_prefill_jobs(window):
+    p = S.StagePlanner(PRESET, 12, window=window)
     tb = {(r, t): 10 * r + t for r in range(2) for t in range(8)}
     plan = p.plan([0, 0], [3 * T + 5, 40], [0, 3 * T + 5], tb, prefill_min_q=17)
     a, b = plan.prefill
     assert (a.packed, a.sink_row, a.tail_row) == (3, p.slot_of[0] * T, -1)  # own tiles: new rows
-    assert (b.packed, b.sink_row, b.tail_row) == (0, -1, -1)
-    assert plan.pack_stage_blocks.tolist() == [0, 2] and plan.pack_new_blocks.tolist() == [1]
+    assert (b.packed, b.sink_row, b.tail_row) == (0, -1, -1) and a.prev_row == b.prev_row == -1
+    # staged: tile 0 and the tiles a query after s - 16 reads in fp16 (window 2: tile 1 too,
+    # the previous tile of tile 2); the others are packed from this step's rows
+    if window == 1:
+        assert plan.pack_stage_blocks.tolist() == [0, 2] and plan.pack_new_blocks.tolist() == [1]
+    else:
+        assert plan.pack_stage_blocks.tolist() == [0, 1, 2] and plan.pack_new_blocks.tolist() == []
     assert plan.seq_lens.numel() == 0 and plan.num_tokens == 3 * T + 45
     plan = p.plan([3 * T + 5, 40], [3 * T + 30, 41], [0, 25], tb, prefill_min_q=17)
     assert [j.tok0 for j in plan.prefill] == [0] and plan.seq_tok0 == [25]
     assert plan.prefill[0].packed == 3 and plan.cu_seqlens_q.tolist() == [0, 1]
     assert plan.prefill[0].tail_row == p.slot_of[3] * T  # the first tile's rows before ctx
+    # window 2: the tile before ctx's from its slot
+    assert plan.prefill[0].prev_row == (p.slot_of[2] * T if window == 2 else -1)
     assert plan.packed_tiles.tolist() == [0] and plan.tail_rows.tolist() == [p.slot_of[10] * T]
+    assert plan.prev_rows.tolist() == [-1]
     # a verify block crossing a tile boundary: one pseudo-sequence per tile, each reading its
-    # own tile from its slot (the full one too, packed by this step's write)
-    p = S.StagePlanner(PRESET, 10)
+    # own tile from its slot (the full one too, packed by this step's write); window 2: the
+    # previous tile from its slot too (tile 0's slot is the sink)
+    p = S.StagePlanner(PRESET, 12, window=window)
     p.plan([0], [2 * T - 3], [0], tb, prefill_min_q=17)
     plan = p.plan([2 * T - 3], [2 * T + 4], [0], tb, prefill_min_q=17)
     assert plan.cu_seqlens_q.tolist() == [0, 3, 7] and plan.seq_lens.tolist() == [2 * T, 2 * T + 4]
-    assert plan.packed_tiles.tolist() == [1, 2] and plan.pack_stage_blocks.tolist() == [1]
+    assert plan.pack_stage_blocks.tolist() == [1] and plan.window == window
     assert plan.tail_rows.tolist() == [p.slot_of[1] * T, p.slot_of[2] * T]
-    assert plan.sink_rows.tolist() == [p.slot_of[0] * T] * 2
+    if window == 1:
+        assert plan.packed_tiles.tolist() == [1, 2] and plan.prev_rows.tolist() == [-1, -1]
+        assert plan.sink_rows.tolist() == [p.slot_of[0] * T] * 2
+    else:
+        assert plan.packed_tiles.tolist() == [0, 1]
+        assert plan.prev_rows.tolist() == [p.slot_of[0] * T, p.slot_of[1] * T]
+        assert plan.sink_rows.tolist() == [-1, p.slot_of[0] * T]
+
+
+def test_planner_window2_keeps_and_releases_the_previous_tile():
+    """Window 2: the previous tile's slot lives while a query (up to STAGE_LAST before the
+    context) can read it, then is released; when it is gone (a prefix-cache hit past it) the
+    tile is read packed."""
+    p = S.StagePlanner(PRESET, 12, window=2)
+    tb = {(0, t): 10 + t for t in range(8)}
+    p.plan([0], [2 * T + 3], [0], tb, prefill_min_q=17)
+    assert {11, 12} <= set(p.slot_of)  # tile 1 (previous of 2) and tile 2 (own)
+    plan = p.plan([2 * T + 3], [2 * T + 4], [0], tb)
+    assert plan.packed_tiles.tolist() == [1] and plan.prev_rows.tolist() == [p.slot_of[11] * T]
+    p.plan([2 * T + 4], [3 * T + 16], [0], tb)  # a prefill job into tile 3
+    assert 11 in p.slot_of  # a drafter's context may still be in tile 2 -> reads tile 1
+    p.plan([3 * T + 16], [3 * T + 17], [0], tb)
+    assert 11 not in p.slot_of and 12 in p.slot_of and 10 in p.slot_of
+    # a prefix-cache hit at 4T whose tile 3 (block 13 of another request) has no slot
+    plan = p.plan([4 * T], [4 * T + 20], [0], {**{(0, t): 30 + t for t in range(8)}, (0, 0): 10},
+                  prefill_min_q=17)
+    job, = plan.prefill
+    assert (job.packed, job.prev_row, job.tail_row) == (4, -1, -1)
 
 
 def test_memory_model_stage_reserve():
     from onecard import memory
 
     g = memory.QWEN38_27B
-    # 17 layers x (3*2+4) slots x 128 rows x 4 heads x 256 x K,V x fp16
-    assert memory.kvarn_stage_bytes(g, "kvarn", 2) == 17 * 10 * 128 * 4 * 256 * 4 == 89_128_960
+    # 17 layers x (5*2+4) slots x 128 rows x 4 heads x 256 x K,V x fp16 (fp16 window 2)
+    assert memory.kvarn_stage_bytes(g, "kvarn", 2) == 17 * 14 * 128 * 4 * 256 * 4 == 124_780_544
+    # window 1: 3*2+4 slots
+    assert memory.kvarn_stage_bytes(g, "kvarn", 2, window=1) == 17 * 10 * 128 * 4 * 256 * 4 == 89_128_960
     # the prefill scratch, once per process: fp16 K/V window 16k x 4 x 256 x 2 x 2 B + one
     # 2048-query group's fp16 queries and fp32 state (24 heads x (256 x 2 + 256 x 4 + 8) B)
     win = 16384 * 4 * 256 * 2 * 2
     assert memory.kvarn_prefill_scratch_bytes(g) == win + 2048 * 24 * 1544 == 142_999_552
-    assert memory.kvarn_reserve_bytes(g, "kvarn", 2) == 89_128_960 + 142_999_552
+    assert memory.kvarn_reserve_bytes(g, "kvarn", 2) == 124_780_544 + 142_999_552
 
 
-def _run_schedule(steps, k, v, q, gen, num_slots=10, tiles_per_page=1):
+def _run_schedule(steps, k, v, q, gen, num_slots=14, tiles_per_page=1, window=2):
     """One request through the real planner + write + attention, steps (context c, q_len);
     K/V/q of a position are fixed (a re-written position gets the same rows). Returns the
     output [L, HQ, D] float64, each position from the last step that computed it."""
@@ -257,7 +306,7 @@ def _run_schedule(steps, k, v, q, gen, num_slots=10, tiles_per_page=1):
     stage_k = torch.randn(num_slots * T, HKV, D, generator=gen).half()
     stage_v = torch.randn(num_slots * T, HKV, D, generator=gen).half()
     bt = (torch.randperm(pages - 1, generator=gen) + 1)[None].to(torch.int32)
-    planner = S.StagePlanner(PRESET, num_slots, tiles_per_page)
+    planner = S.StagePlanner(PRESET, num_slots, tiles_per_page, window=window)
     out = torch.full((L, HQ, D), float("nan"), dtype=torch.float64)
     krot = R.rotate(k, torch.float32).half()
     vrot = R.rotate(v, torch.float32).half()
@@ -276,10 +325,11 @@ def _run_schedule(steps, k, v, q, gen, num_slots=10, tiles_per_page=1):
     return out
 
 
+@WINDOWS
 @inproc
-def test_attention_does_not_depend_on_the_step_schedule(gen):
-    """The read rule (reference.own_tile_attention_f64): a query reads its own tile and the
-    sink in fp16, older tiles quantized. So one prefill chunk, odd chunks starting mid-tile,
+def test_attention_does_not_depend_on_the_step_schedule(gen, window):
+    """The read rule (reference.own_tile_attention_f64): a query reads its fp16 window (its
+    own tile; at window 2 the previous one too) and the sink in fp16, older tiles quantized. So one prefill chunk, odd chunks starting mid-tile,
     verify blocks of 7 / 16 crossing tile boundaries (with rejected drafts re-written), and
     one-token decode give the same attention at every position (teacher forcing == generation;
     speculative verify == plain decode)."""
@@ -304,8 +354,8 @@ def test_attention_does_not_depend_on_the_step_schedule(gen):
     vr = R.rotate(v, torch.float32).half()
     kq, vq = R.quantized_view(kr, vr, PRESET)
     want = R.own_tile_attention_f64(q, R.rotate(kr), R.rotate(vr), R.rotate(kq), R.rotate(vq),
-                                    T, D ** -0.5)
-    got = {name: _run_schedule(st, k, v, q, gen) for name, st in schedules.items()}
+                                    T, D ** -0.5, window=window)
+    got = {name: _run_schedule(st, k, v, q, gen, window=window) for name, st in schedules.items()}
     rel = lambda a, b: float(((a - b).abs() / b.abs().clamp_min(1)).max())  # noqa: E731
     errs = {name: rel(o, want) for name, o in got.items()}
     diffs = {name: rel(o, got["decode"]) for name, o in got.items()}

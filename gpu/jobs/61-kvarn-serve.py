@@ -110,7 +110,12 @@ def quality(a) -> int:
     if i8 and i8.get("ppl"):
         line += f"; int8 {i8['ppl']:.4f} ({i8['delta_ppl_pct']:+.3f} %), kvarn vs int8 {100 * (k['ppl'] / i8['ppl'] - 1):+.3f} %"
     print(line)
-    print(f"goal |delta| <= 0.5 % vs bf16: {'MET' if abs(d) <= 0.5 else 'NOT MET'}; first greedy "
+    w1 = arms.get("kvarn-w1")
+    if w1 and w1.get("ppl"):  # the same server at fp16 window 1, booted in the same job
+        print(f"kvarn fp16 window 1 perplexity {w1['ppl']:.4f}: {w1['delta_ppl_pct']:+.3f} % vs bf16; "
+              f"window 2 vs window 1 {100 * (k['ppl'] / w1['ppl'] - 1):+.3f} %")
+    print(f"goal |delta| <= 0.5 % vs bf16 (window {os.environ.get('ONECARD_KVARN_WINDOW') or 2}): "
+          f"{'MET' if abs(d) <= 0.5 else 'NOT MET'}; first greedy "
           f"divergence vs bf16: {k.get('first_divergence_min')}")
     return 0 if abs(d) <= a.max_delta else 1
 

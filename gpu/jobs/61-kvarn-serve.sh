@@ -6,7 +6,9 @@
 #  1. SmolLM2-135M with --kv-cache-dtype kvarn_k4v2_g128 (KVARN backend, eager, 4k, seed 0, the
 #     same flags as job 32 minus --attention-backend): teacher-forced logprobs + 96-token greedy
 #     continuations of job 32's 6 texts (gpu/jobs/32-kv-quality.py measure), one needle (~2.2k
-#     tokens); perplexity delta vs bf16 and int8 from job 32's files of this session
+#     tokens) at the default fp16 window 2 (label kvarn); then the same at window 1 (label
+#     kvarn-w1, ONECARD_KVARN_WINDOW=1; KVARN_W1=0 skips it): the two read rules side by side
+#     in one lease; perplexity delta vs bf16 and int8 from job 32's files of this session
 #     (/var/tmp/out/32-kv-quality; compared after part 2, waiting for job 32 when it runs beside
 #     this one in a `+` group), or a bf16 boot of our own when job 32 did not run (right after
 #     the KVarN server, before part 2: the files are kept if part 2 is cut).
@@ -47,7 +49,7 @@ boot() {  # boot LABEL WAIT_S ARGS...
     --enforce-eager --seed 0 --max-model-len 4096 --max-num-seqs 4 ${SERVE_MEM_ARGS:---gpu-memory-utilization 0.30} "$@"
 }
 if boot kvarn 130 --kv-cache-dtype kvarn_k4v2_g128; then
-  grep -E "KVARN|attention block size|GPU KV cache size" "$JOB_OUT/server-kvarn.log" | head -4 | cut -c1-200 | tee -a "$summary"
+  grep -E "KVARN|fp16 window|attention block size|GPU KV cache size" "$JOB_OUT/server-kvarn.log" | head -5 | cut -c1-200 | tee -a "$summary"
   timeout -k 5 60 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label kvarn \
     --json "$JOB_OUT/kvq-kvarn.json" 2>&1 | tee -a "$summary"
   [ "${PIPESTATUS[0]}" = 0 ] || { say "kvarn: measurement failed"; status=1; }
@@ -55,6 +57,16 @@ if boot kvarn 130 --kv-cache-dtype kvarn_k4v2_g128; then
   stop_server
 else
   status=1
+fi
+if [ "${KVARN_W1:-1}" = 1 ]; then  # window 1 (the read rule before 2026-12-04), same server flags
+  if ONECARD_KVARN_WINDOW=1 boot kvarn-w1 130 --kv-cache-dtype kvarn_k4v2_g128; then
+    grep -E "fp16 window|GPU KV cache size" "$JOB_OUT/server-kvarn-w1.log" | head -2 | cut -c1-200 | tee -a "$summary"
+    timeout -k 5 60 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label kvarn-w1 \
+      --json "$JOB_OUT/kvq-kvarn-w1.json" 2>&1 | tail -2 | tee -a "$summary"
+    stop_server
+  else
+    say "kvarn window 1: boot failed"
+  fi
 fi
 # --- 1b. the bf16 baseline, before the 27B part (2026-12-03: booted after it, it never ran: the
 # huge boot used the time left, and the quality comparison had no pair). Only when job 32 is not

@@ -15,8 +15,10 @@ runs of more than 16 tokens). The forward then: rotates K/V (Walsh-Hadamard), wr
 packs full tiles (Triton), runs the split-KV attention kernel for decode and verify queries, and
 the prefill kernel for each prefill chunk (kernels.kvarn_prefill: the prefix is dequantized once
 per chunk into a bounded fp16 window scratch, then a flash kernel with a log-sum-exp merge over
-windows; then each query's own tile in fp16 from this step's rows). The read rule is the
-same for all paths: a query reads its own tile fp16, the sink fp16, older tiles quantized.
+windows; then each query's fp16 window from this step's rows and the stage). The read rule is
+the same for all paths: a query reads its fp16 window (its own tile, and with the default
+window 2 the previous tile too; ONECARD_KVARN_WINDOW=1|2, the launcher's KVARN_WINDOW) in fp16,
+the sink fp16, older tiles quantized.
 
 Limits (one-line errors): decoder self-attention only; no sliding window, ALiBi, soft cap,
 KV sharing, sinks, or fp8 output quantization. CUDA graphs: never (attention runs eager inside
@@ -158,9 +160,12 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.preset = kvarn_format.get_preset(vllm_config.cache_config.cache_dtype)
         self.tiles_per_page = kv_cache_spec.block_size // self.preset.tile
+        window = kvarn_format.window_from_env()
         self.planner = kvarn_stage.StagePlanner(
-            self.preset, kvarn_stage.default_num_slots(vllm_config.scheduler_config.max_num_seqs),
-            self.tiles_per_page)
+            self.preset, kvarn_stage.default_num_slots(vllm_config.scheduler_config.max_num_seqs, window),
+            self.tiles_per_page, window=window)
+        logger.info_once("KVarN %s: fp16 window %d tile(s) per query, %d stage slots per layer",
+                         self.preset.cache_dtype, window, self.planner.num_slots)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvarnMetadata:
@@ -206,7 +211,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
 
         cfg = get_current_vllm_config_or_none()
         max_seqs = cfg.scheduler_config.max_num_seqs if cfg is not None else 8
-        self.num_slots = kvarn_stage.default_num_slots(max_seqs)
+        self.num_slots = kvarn_stage.default_num_slots(max_seqs, kvarn_format.window_from_env())
 
     def _stage(self, layer, device):
         st = getattr(layer, "_kvarn_stage", None)

@@ -54,6 +54,29 @@ from dataclasses import dataclass
 EPS = 1e-4  # floor of normalizers and scales (fp16-representable, far below real K/V spread)
 FP16 = 2
 
+# The serving read rule's fp16 window (onecard.kvarn.stage): a query reads the last WINDOW tiles
+# up to its own in fp16 (1: its own tile only; 2: its own and the previous one), tile 0 from the
+# fp16 sink, every other tile packed. 2 is the default: on SmolLM2 the 2-bit V error of the
+# previous tile is most of the perplexity loss (docs/kvarn-variants-s11.md, CPU model: +0.75 %
+# -> +0.31 % pooled over two documents). Chosen per server with ONECARD_KVARN_WINDOW (the
+# launcher's KVARN_WINDOW); it changes the stage's slot count, not the paged cache.
+FP16_WINDOWS = (1, 2)
+DEFAULT_WINDOW = 2
+WINDOW_ENV = "ONECARD_KVARN_WINDOW"
+
+
+def window_from_env(environ=None) -> int:
+    """The fp16 window the server runs with: ``ONECARD_KVARN_WINDOW`` (1|2), default 2."""
+    import os
+
+    raw = (os.environ if environ is None else environ).get(WINDOW_ENV, "").strip()
+    if not raw:
+        return DEFAULT_WINDOW
+    if raw not in {str(w) for w in FP16_WINDOWS}:
+        raise ValueError(f"{WINDOW_ENV}={raw!r} is not valid; valid: "
+                         f"{'|'.join(map(str, FP16_WINDOWS))}")
+    return int(raw)
+
 
 @dataclass(frozen=True)
 class Preset:

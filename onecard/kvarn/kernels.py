@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .format import EPS, PREFILL_QUERY_GROUP, PREFILL_WINDOW_TOKENS, Preset, get_preset
+from .format import (EPS, FP16_WINDOWS, PREFILL_QUERY_GROUP, PREFILL_WINDOW_TOKENS, Preset,
+                     get_preset)
 
 MAX_QUERY_LEN = 16
 _LOG2E = 1.4426950408889634
@@ -227,7 +228,7 @@ def _online_update(s, m_i, l_i):
 @triton.jit
 def _kvarn_attn_split_kernel(
     q_ptr, cache_u8_ptr, cache_f16_ptr, stage_k_ptr, stage_v_ptr,
-    block_table_ptr, seq_lens_ptr, cu_q_ptr, packed_ptr, sink_row_ptr, tail_row_ptr,
+    block_table_ptr, seq_lens_ptr, cu_q_ptr, packed_ptr, sink_row_ptr, tail_row_ptr, prev_row_ptr,
     part_o_ptr, part_m_ptr, part_l_ptr,
     qk_scale, num_splits, tiles_per_page, ring,
     stride_q_t: tl.int64, stride_q_h: tl.int64,
@@ -252,6 +253,7 @@ def _kvarn_attn_split_kernel(
     packed = tl.load(packed_ptr + seq)
     sink0 = tl.load(sink_row_ptr + seq).to(tl.int64)  # < 0: tile 0 is read packed
     tail0_row = tl.load(tail_row_ptr + seq).to(tl.int64)
+    prev0 = tl.load(prev_row_ptr + seq).to(tl.int64)  # >= 0: tile `packed` from these rows
     ctx_len = seq_len - q_len
 
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -317,9 +319,12 @@ def _kvarn_attn_split_kernel(
             vd = (vg[None, :] * (vcode * vsc[:, None] + vmn[:, None])).to(tl.float16)
             acc = acc * alpha[:, None] + _dot(p.to(tl.float16), vd, DOT_F32)
 
-    # ---- fp16 rows (program split == num_splits): sink tile (if packed) then the ring tail
+    # ---- fp16 rows (program split == num_splits): sink tile (if packed), then the tail from
+    # packed * TILE: its first tile from rows prev0 + p % ring when prev0 >= 0 (the previous
+    # tile of a two-tile fp16 window), the rest from rows tail0_row + p % ring
     n_sink = tl.where((packed > 0) & (sink0 >= 0), TILE // SUB_N, 0)
     tail0 = packed * TILE
+    own0 = tail0 + tl.where(prev0 >= 0, TILE, 0)
     n_chunks = n_sink + (tl.maximum(seq_len - tail0, 0) + SUB_N - 1) // SUB_N
     n_chunks = tl.where(split == num_splits, n_chunks, 0)
     srow = stage_k_ptr + kvh * stride_s_head
@@ -327,7 +332,8 @@ def _kvarn_attn_split_kernel(
     for i in range(0, n_chunks):
         is_sink = i < n_sink
         pos = tl.where(is_sink, i * SUB_N, tail0 + (i - n_sink) * SUB_N) + offs_n
-        row = tl.where(is_sink, sink0 + pos, tail0_row + pos % ring).to(tl.int64)
+        row = tl.where(is_sink, sink0 + pos,
+                       tl.where(pos < own0, prev0, tail0_row) + pos % ring).to(tl.int64)
         ok = pos < seq_len
         kt = tl.load(srow + row[None, :] * stride_s_row + offs_d[:, None], mask=ok[None, :], other=0.0)
         s = _dot(q, kt, DOT_F32) * qk_scale
@@ -425,6 +431,7 @@ def kvarn_attention_rows(
     packed_tiles: torch.Tensor, sink_rows: torch.Tensor, tail_rows: torch.Tensor, ring: int,
     block_table: torch.Tensor, max_query_len: int, softmax_scale: float,
     preset: str | Preset | None = None, tiles_per_page: int = 1,
+    prev_rows: torch.Tensor | None = None,
     max_packed_tiles: int | None = None, num_splits: int | None = None,
     sub_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     max_partial_bytes: int = 64 << 20,
@@ -433,7 +440,9 @@ def kvarn_attention_rows(
     (rotated). Sequence s reads tiles [first, packed_tiles[s]) from the cache (a packed tile may
     extend past seq_len: the causal mask hides the rest), with first = 1 and tile 0 read from
     rows [sink_rows[s], + tile) when sink_rows[s] >= 0, else first = 0; positions
-    [packed * tile, seq_len) are rows ``tail_rows[s] + p % ring``."""
+    [packed * tile, seq_len) are rows ``tail_rows[s] + p % ring``, except that where
+    ``prev_rows[s] >= 0`` the first of them, tile ``packed``, is rows ``prev_rows[s] + p % ring``
+    (the previous tile of a two-tile fp16 window kept in its own stage slot)."""
     p = get_preset(preset)
     T = p.tile
     if not 1 <= max_query_len <= MAX_QUERY_LEN:
@@ -469,6 +478,8 @@ def kvarn_attention_rows(
     if num_stages is None:
         num_stages = 2
 
+    if prev_rows is None:
+        prev_rows = torch.full_like(tail_rows, -1)
     hn = _hadamard(d, q.device)
     q_rot = (q.float().reshape(-1, d) @ hn).reshape(q.shape)  # q . k == (q Hn) . (k Hn)
     part_o = torch.empty((num_tokens, num_q_heads, parts, d), dtype=torch.float32, device=q.device)
@@ -479,7 +490,7 @@ def kvarn_attention_rows(
     _kvarn_attn_split_kernel[(num_seqs, nkv, parts)](
         q_rot, storage[cache.storage_offset():], c16[cache.storage_offset() // 2:],
         rows_k, rows_v, block_table, seq_lens, cu_seqlens_q, packed_tiles, sink_rows, tail_rows,
-        part_o, part_m, part_l,
+        prev_rows, part_o, part_m, part_l,
         softmax_scale * _LOG2E, num_splits, tiles_per_page, ring,
         q_rot.stride(0), q_rot.stride(1), cache.stride(0), cache.stride(1),
         rows_k.stride(0), rows_k.stride(1), block_table.stride(0),
@@ -589,7 +600,7 @@ def _prefill_block_state(q_ptr, acc_ptr, m_ptr, l_ptr, mb, h, n_q,
 @triton.jit
 def _kvarn_prefill_kernel(
     q_ptr, k_ptr, v_ptr, acc_ptr, m_ptr, l_ptr,
-    n_q, q_pos0, w0, w_len, qk_scale,
+    n_q, q_pos0, w0, w_len, fp_lo, win1, qk_scale,
     stride_q_t: tl.int64, stride_q_h: tl.int64,
     stride_k_row: tl.int64, stride_k_head: tl.int64,
     stride_a_t: tl.int64, stride_a_h: tl.int64,
@@ -599,8 +610,9 @@ def _kvarn_prefill_kernel(
 ):
     # pass 1, program (query block, q head): BLOCK_M queries (positions q_pos0 + i) against the
     # window's keys (positions w0 + j, j < w_len; scratch rows j, quantized tiles and the fp16
-    # sink) of tiles BEFORE each query's own tile (the own tile is pass 2's). The running state
-    # (unnormalized fp32 acc, log2 max m, sum l) is carried across windows in acc/m/l.
+    # sink) of tiles BEFORE each query's fp16 window: tiles >= max(own - win1, fp_lo) are pass
+    # 2's. The running state (unnormalized fp32 acc, log2 max m, sum l) is carried across
+    # windows in acc/m/l.
     mb = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -609,10 +621,11 @@ def _kvarn_prefill_kernel(
     offs_m, m_ok, q, a_off, ml_off, m_i, l_i, acc = _prefill_block_state(
         q_ptr, acc_ptr, m_ptr, l_ptr, mb, h, n_q, stride_q_t, stride_q_h, stride_a_t, stride_a_h,
         NUM_Q_HEADS, HEAD_DIM, BLOCK_M, FIRST)
-    qtile = (q_pos0 + offs_m) // TILE
-    # keys of this window that some row of the block reads quantized: before the last row's tile
+    qlo = tl.maximum((q_pos0 + offs_m) // TILE - win1, fp_lo)  # a row's first fp16 tile
+    # keys of this window that some row of the block reads quantized: before the last row's
+    # first fp16 tile
     last_q = tl.minimum((mb + 1) * BLOCK_M, n_q) - 1
-    hi = tl.minimum(w_len, (q_pos0 + last_q) // TILE * TILE - w0)
+    hi = tl.minimum(w_len, tl.maximum((q_pos0 + last_q) // TILE - win1, fp_lo) * TILE - w0)
     kbase = k_ptr + kvh * stride_k_head
     vbase = v_ptr + kvh * stride_k_head
     for j0 in range(0, hi, BLOCK_N):
@@ -621,7 +634,7 @@ def _kvarn_prefill_kernel(
         kt = tl.load(kbase + cols.to(tl.int64)[None, :] * stride_k_row + offs_d[:, None],
                      mask=c_ok[None, :], other=0.0)
         s = _dot(q, kt, DOT_F32) * qk_scale
-        s = tl.where((((w0 + cols) // TILE)[None, :] < qtile[:, None]) & c_ok[None, :], s,
+        s = tl.where((((w0 + cols) // TILE)[None, :] < qlo[:, None]) & c_ok[None, :], s,
                      float("-inf"))
         p, alpha, m_i, l_i = _online_update(s, m_i, l_i)
         vt = tl.load(vbase + cols.to(tl.int64)[:, None] * stride_k_row + offs_d[None, :],
@@ -635,7 +648,7 @@ def _kvarn_prefill_kernel(
 @triton.jit
 def _kvarn_prefill_own_kernel(
     q_ptr, nk_ptr, nv_ptr, rk_ptr, rv_ptr, acc_ptr, m_ptr, l_ptr,
-    n_q, q_pos0, ctx, rows_lim, tail0, ring, qk_scale,
+    n_q, q_pos0, ctx, rows_lim, tail0, prev0, ring, fp_lo, win1, qk_scale,
     stride_q_t: tl.int64, stride_q_h: tl.int64,
     stride_n_row: tl.int64, stride_n_head: tl.int64,
     stride_r_row: tl.int64, stride_r_head: tl.int64,
@@ -644,10 +657,12 @@ def _kvarn_prefill_own_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
     FIRST: tl.constexpr, HAS_NEW: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    # pass 2, program (query block, q head): each query's OWN tile in fp16, causal: positions
-    # >= ctx from this step's rotated rows nk/nv (row p - ctx; HAS_NEW), positions < rows_lim
-    # (the chunk's first tile begun in an earlier step, or all when not HAS_NEW) from the fp16
-    # rows tail0 + p % ring. Merges into the pass-1 state (unless FIRST) and stores acc / l.
+    # pass 2, program (query block, q head): each query's fp16 window, tiles
+    # [max(own - win1, fp_lo), own], causal: positions >= ctx from this step's rotated rows nk/nv
+    # (row p - ctx; HAS_NEW), positions < rows_lim (before ctx, or all when not HAS_NEW) from
+    # the fp16 rows prev0 + p % ring (tiles before ctx's, the previous tile) or tail0 + p % ring
+    # (ctx's tile begun in an earlier step). Merges into the pass-1 state (unless FIRST) and
+    # stores acc / l.
     mb = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -657,17 +672,20 @@ def _kvarn_prefill_own_kernel(
         q_ptr, acc_ptr, m_ptr, l_ptr, mb, h, n_q, stride_q_t, stride_q_h, stride_a_t, stride_a_h,
         NUM_Q_HEADS, HEAD_DIM, BLOCK_M, FIRST)
     qpos = q_pos0 + offs_m
+    qlo = tl.maximum(qpos // TILE - win1, fp_lo)
     last_q = tl.minimum((mb + 1) * BLOCK_M, n_q) - 1
-    lo = (q_pos0 + mb * BLOCK_M) // TILE * TILE
+    lo = tl.maximum((q_pos0 + mb * BLOCK_M) // TILE - win1, fp_lo) * TILE
     hi = q_pos0 + last_q + 1
     tail_base = tl.maximum(tail0, 0)
+    prev_base = tl.maximum(prev0, 0)
+    prev_end = ctx // TILE * TILE
     for j0 in range(lo, hi, BLOCK_N):
         cols = j0 + offs_n
         c_ok = cols < hi
         from_new = c_ok & (cols >= ctx)
         from_rows = c_ok & (cols < rows_lim)
         nrow = tl.maximum(cols - ctx, 0).to(tl.int64)
-        rrow = (tail_base + cols % ring).to(tl.int64)
+        rrow = (tl.where(cols < prev_end, prev_base, tail_base) + cols % ring).to(tl.int64)
         n_off = nrow * stride_n_row + kvh * stride_n_head
         r_off = rrow * stride_r_row + kvh * stride_r_head
         kt = tl.load(rk_ptr + r_off[None, :] + offs_d[:, None], mask=from_rows[None, :], other=0.0)
@@ -675,7 +693,7 @@ def _kvarn_prefill_own_kernel(
             kt += tl.load(nk_ptr + n_off[None, :] + offs_d[:, None], mask=from_new[None, :], other=0.0)
         s = _dot(q, kt, DOT_F32) * qk_scale
         vis = (c_ok[None, :] & (cols[None, :] <= qpos[:, None])
-               & ((cols // TILE)[None, :] == (qpos // TILE)[:, None]))
+               & ((cols // TILE)[None, :] >= qlo[:, None]))
         s = tl.where(vis, s, float("-inf"))
         p, alpha, m_i, l_i = _online_update(s, m_i, l_i)
         vt = tl.load(rv_ptr + r_off[:, None] + offs_d[None, :], mask=from_rows[:, None], other=0.0)
@@ -692,7 +710,7 @@ def kvarn_prefill(
     packed_tiles: int, sink_row: int, tail_row: int, ring: int, softmax_scale: float,
     new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None,
     preset: str | Preset | None = None, tiles_per_page: int = 1,
-    window_tokens: int = PREFILL_WINDOW_TOKENS, query_group: int = PREFILL_QUERY_GROUP,
+    window: int = 1, prev_row: int = -1, window_tokens: int = PREFILL_WINDOW_TOKENS, query_group: int = PREFILL_QUERY_GROUP,
     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -700,20 +718,23 @@ def kvarn_prefill(
     [n, Hq, D] (model space), n = seq_len - ctx_len, and returns it.
 
     The chunk's queries are positions [ctx_len, seq_len). The read rule (one for all paths,
-    ``reference.own_tile_attention_f64``): a query at position p reads its OWN tile p // tile in
-    fp16 and every earlier tile as the cache holds it: tiles [0, packed_tiles) packed in the
-    blocks of ``block_table_row`` (pages of ``tiles_per_page`` tiles; packed_tiles >= the last
-    query's tile), tile 0 from fp16 rows [sink_row, + tile) when sink_row >= 0. Own-tile fp16
-    rows: positions >= ctx_len from ``new_k`` / ``new_v`` [n, Hkv, D] (this step's rotated rows,
-    row p - ctx_len), earlier ones (the chunk's first tile begun in an earlier step) from rows
-    ``tail_row + p % ring`` of ``rows_*``; without ``new_k`` all own-tile rows come from there.
+    ``reference.own_tile_attention_f64``): a query at position p reads its fp16 WINDOW, the
+    ``window`` tiles ending with its own tile p // tile, in fp16 and every earlier tile as the
+    cache holds it: tiles [0, packed_tiles) packed in the blocks of ``block_table_row`` (pages of
+    ``tiles_per_page`` tiles; packed_tiles >= the last query's tile), tile 0 from fp16 rows
+    [sink_row, + tile) when sink_row >= 0. Window fp16 rows: positions >= ctx_len from ``new_k``
+    / ``new_v`` [n, Hkv, D] (this step's rotated rows, row p - ctx_len); earlier ones from rows
+    of ``rows_*``: ctx_len's tile (begun in an earlier step) at ``tail_row + p % ring``, the
+    tile before it (``window`` 2) at ``prev_row + p % ring``. Without ``prev_row`` (< 0: its
+    slot is gone) the tile before ctx_len's is read packed by every query. Without ``new_k``
+    all window rows come from ``rows_*`` (prev_row, else tail_row, for tiles before ctx_len's).
 
     Pass 1, per group of ``query_group`` queries (one group for chunks up to that size): the
-    tiles before the group's last query's tile are dequantized ONCE, window by window
+    tiles before the group's last query's window are dequantized ONCE, window by window
     (``window_tokens`` keys, a multiple of the tile), into an fp16 scratch; a flash kernel
     (BLOCK_M queries x one q head per program) runs over each window, each row masked to the
-    tiles before its own, carrying an fp32 online-softmax state (the log-sum-exp merge). Pass 2:
-    a flash kernel over each row's own tile from the fp16 rows merges and normalizes. Memory:
+    tiles before its own fp16 window, carrying an fp32 online-softmax state (the log-sum-exp
+    merge). Pass 2: a flash kernel over each row's fp16 window merges and normalizes. Memory:
     ``prefill_scratch_bytes`` (the fresh rows are the caller's)."""
     p = get_preset(preset)
     T = p.tile
@@ -741,6 +762,13 @@ def kvarn_prefill(
                          f"own-tile rows in new_k or at tail_row")
     if window_tokens < T or window_tokens % T:
         raise ValueError(f"window_tokens {window_tokens} is not valid; valid: a multiple of {T}")
+    if window not in FP16_WINDOWS:
+        raise ValueError(f"window {window} is not valid; valid: {', '.join(map(str, FP16_WINDOWS))}")
+    if not has_new and prev_row < 0:
+        prev_row = tail_row  # one ring holds the window (reference.make_case's stage)
+    win1 = window - 1
+    # the chunk's lowest fp16 tile: ctx's own, or the one before it when its rows are staged
+    fp_lo = max(ctx_len // T - (win1 if prev_row >= 0 else 0), 0)
     cuda = q.device.type == "cuda"
     if block_m is None:
         block_m = 64 if cuda else 32
@@ -758,7 +786,8 @@ def kvarn_prefill(
     cache_u8, cache_f16 = storage[cache.storage_offset():], c16[cache.storage_offset() // 2:]
     consts = _layout_consts(layout)
     scale = softmax_scale * _LOG2E
-    n_tiles_max = (seq_len - 1) // T  # tiles any query reads from the cache (before its own)
+    # tiles any query reads from the cache (before its fp16 window)
+    n_tiles_max = max((seq_len - 1) // T - win1, fp_lo)
     w_tiles = max(1, min(window_tokens // T, n_tiles_max))
     sk = torch.empty((w_tiles * T if n_tiles_max else 0, nkv, d), dtype=torch.float16, device=q.device)
     sv = torch.empty_like(sk)
@@ -773,7 +802,7 @@ def kvarn_prefill(
         for r0 in range(0, gn, rows_per):
             r1 = min(gn, r0 + rows_per)
             q_rot[r0:r1] = (q[g0 + r0:g0 + r1].float().reshape(-1, d) @ hn).view(r1 - r0, hq, d)
-        n_tiles = (ctx_len + g0 + gn - 1) // T  # tiles before the group's last query's tile
+        n_tiles = max((ctx_len + g0 + gn - 1) // T - win1, fp_lo)  # before the last query's window
         windows = list(range(0, n_tiles, w_tiles))
         for wi, t0 in enumerate(windows):
             nt = min(n_tiles, t0 + w_tiles) - t0
@@ -787,7 +816,7 @@ def kvarn_prefill(
             )
             _kvarn_prefill_kernel[(triton.cdiv(gn, block_m), hq)](
                 q_rot, sk, sv, acc, m_st, l_st,
-                gn, ctx_len + g0, t0 * T, nt * T, scale,
+                gn, ctx_len + g0, t0 * T, nt * T, fp_lo, win1, scale,
                 q_rot.stride(0), q_rot.stride(1), sk.stride(0), sk.stride(1),
                 acc.stride(0), acc.stride(1),
                 NUM_Q_HEADS=hq, GROUP=hq // nkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -796,8 +825,9 @@ def kvarn_prefill(
             )
         _kvarn_prefill_own_kernel[(triton.cdiv(gn, block_m), hq)](
             q_rot, nk, nv, rows_k, rows_v, acc, m_st, l_st,
-            gn, ctx_len + g0, ctx_len, (ctx_len if has_new else seq_len) if tail_row >= 0 else 0,
-            tail_row, ring, scale,
+            gn, ctx_len + g0, ctx_len,
+            (ctx_len if has_new else seq_len) if tail_row >= 0 or prev_row >= 0 else 0,
+            tail_row, prev_row, ring, fp_lo, win1, scale,
             q_rot.stride(0), q_rot.stride(1), nk.stride(0), nk.stride(1),
             rows_k.stride(0), rows_k.stride(1), acc.stride(0), acc.stride(1),
             NUM_Q_HEADS=hq, GROUP=hq // nkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -11,28 +11,34 @@ that block through the prefix cache, whose contents are identical).
 Per step, for every request (context ``c`` committed tokens, ``s`` after this step's tokens):
 
 * Staged tiles: tile 0 whenever written, the tile holding ``c`` when ``c`` is mid-tile (its
-  earlier rows are only in the stage), and every tile ending after ``s - STAGE_LAST`` (drafts
-  that may be rejected live there; a tile that becomes partial again needs its fp16 rows).
-  New rows of staged tiles go to their slot.
+  earlier rows are only in the stage), and every tile that a query at a position after
+  ``s - STAGE_LAST`` may read in fp16 (drafts that may be rejected live there; a tile that
+  becomes partial again needs its fp16 rows, and with the two-tile window so does the tile
+  before it). New rows of staged tiles go to their slot.
 * Every tile that is full after the write is packed: staged ones from their slot, the others
   (interior tiles of a long prefill chunk) straight from the new rotated rows.
 * Attention follows one read rule for every path (``reference.own_tile_attention_f64``): a
-  query at position p reads its own tile p // tile in fp16, tile 0 from its sink slot (while
-  that lives) and every other earlier tile packed. So the attention at a position does not
-  depend on how tokens were grouped into steps: a prompt scored in one chunk, in odd chunks,
-  by verify blocks or one token at a time sees the same keys (teacher forcing == generation;
-  speculative verify == plain decode).
+  query at position p reads its fp16 window -- the ``window`` tiles ending with its own tile
+  p // tile (format.DEFAULT_WINDOW = 2: its own and the previous one) -- in fp16, tile 0 from
+  its sink slot (while that lives) and every other earlier tile packed. So the attention at a
+  position does not depend on how tokens were grouped into steps: a prompt scored in one
+  chunk, in odd chunks, by verify blocks or one token at a time sees the same keys (teacher
+  forcing == generation; speculative verify == plain decode). The one exception: a previous
+  tile whose slot is gone (a prefix-cache hit on a released tile, an LRU eviction) is read
+  packed, as tile 0 is when its sink is gone.
 * Query runs of more than ``MAX_QUERY_LEN`` (or at least ``prefill_min_q``) queries become
   ``PrefillJob``s for ``kernels.kvarn_prefill``: tiles before each query's own are dequantized
   once per chunk (tile 0 from its sink slot when it has one); own tiles come from this step's
   rotated rows (``apply_attention``'s ``key_rot`` / ``val_rot``) and, for a chunk starting
   mid-tile, the first tile's earlier rows from its slot (``tail_row``). Shorter runs are
   pseudo-sequences of at most 16 queries that never cross a tile: pseudo-sequence queries in
-  tile t read tiles ``[0, t)`` packed and ``[t * tile, end)`` from tile t's slot (a verify
-  block crossing a tile boundary is two pseudo-sequences). A tile is packed as soon as it is
-  full (the write precedes attention); its slot keeps the fp16 rows for queries inside it.
-* Slots of tiles that are committed and not tile 0 (``(t + 1) * tile <= c - STAGE_LAST``: a
-  drafter's build may pass unverified positions as context) are released;
+  tile t read tiles ``[0, t)`` packed and ``[t * tile, end)`` from tile t's slot; with the
+  two-tile window, tiles ``[0, t - 1)`` packed and tile t - 1 from its slot (``prev_rows``)
+  too (a verify block crossing a tile boundary is two pseudo-sequences). A tile is packed as
+  soon as it is full (the write precedes attention); its slot keeps the fp16 rows for queries
+  that read it in fp16.
+* Slots of tiles no query will read in fp16 again and not tile 0 (``(t + window) * tile <= c -
+  STAGE_LAST``: a drafter's build may pass unverified positions as context) are released;
   others age out LRU (sinks first). Running out of slots is an error, never a silent reuse.
 """
 
@@ -42,15 +48,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .format import Preset, get_preset
+from .format import DEFAULT_WINDOW, FP16_WINDOWS, Preset, get_preset
 
 MAX_QUERY_LEN = 16
 STAGE_LAST = 16  # tiles ending after s - STAGE_LAST stay staged (>= k + 1 of any speculation)
 
 
-def default_num_slots(max_num_seqs: int) -> int:
-    """Stage slots per layer: a sink and up to two staged tiles per request, plus spares."""
-    return 3 * max(1, int(max_num_seqs)) + 4
+# Stage slots per request by fp16 window: the sink, the window's tiles, one more for a verify
+# block crossing into the next tile, and (window 2) one for a tile kept for a drafter's
+# unverified context or a rejected draft's rollback.
+SLOTS_PER_SEQ = {1: 3, 2: 5}
+
+
+def default_num_slots(max_num_seqs: int, window: int = DEFAULT_WINDOW) -> int:
+    """Stage slots per layer: SLOTS_PER_SEQ[window] per request, plus 4 spares."""
+    if window not in SLOTS_PER_SEQ:
+        raise ValueError(f"fp16 window {window} is not valid; valid: {', '.join(map(str, SLOTS_PER_SEQ))}")
+    return SLOTS_PER_SEQ[window] * max(1, int(max_num_seqs)) + 4
 
 
 class StageExhausted(RuntimeError):
@@ -69,6 +83,7 @@ class PrefillJob:
     sink_row: int
     tail_row: int  # own-tile rows before ctx (chunk starting mid-tile): tail_row + p % tile
     null: bool = False  # on vLLM's null page (a dummy run): nothing staged, garbage read
+    prev_row: int = -1  # window 2: rows of the tile before ctx's (-1: read packed)
 
     @property
     def q_len(self) -> int:
@@ -92,10 +107,12 @@ class StepPlan:
     packed_tiles: torch.Tensor  # [S'] int32
     sink_rows: torch.Tensor  # [S'] int32 (-1: tile 0 read packed)
     tail_rows: torch.Tensor  # [S'] int32 (-1: no tail)
+    prev_rows: torch.Tensor  # [S'] int32: tile packed_tiles from these rows (-1: none)
     max_query_len: int
     max_packed_tiles: int
     num_tokens: int
     all_null: bool = False  # every request sits on vLLM's null page (a dummy run)
+    window: int = DEFAULT_WINDOW  # the read rule's fp16 tiles per query
     seq_tok0: list = field(default_factory=list)  # [S'] host: first query's token index
     prefill: list = field(default_factory=list)  # [PrefillJob] in batch order
 
@@ -108,7 +125,12 @@ class StepPlan:
 class StagePlanner:
     """Stage-slot bookkeeping (CPU) shared by all KVarN layers of one KV-cache group."""
 
-    def __init__(self, preset: str | Preset | None, num_slots: int, tiles_per_page: int = 1):
+    def __init__(self, preset: str | Preset | None, num_slots: int, tiles_per_page: int = 1,
+                 window: int = DEFAULT_WINDOW):
+        if window not in FP16_WINDOWS:
+            raise ValueError(f"KVarN fp16 window {window} is not valid; valid: "
+                             f"{', '.join(map(str, FP16_WINDOWS))}")
+        self.window = int(window)
         self.preset = get_preset(preset)
         self.tile = self.preset.tile
         self.num_slots = int(num_slots)
@@ -149,7 +171,7 @@ class StagePlanner:
         T = self.tile
         first_w, last_w = ctx // T, (seq - 1) // T
         need = {0, *range(first_w, last_w + 1)}
-        need.update(t for t in (first_w - 1, first_w - 2, first_w - 3) if t >= 1)
+        need.update(t for t in range(first_w - self.window - 2, first_w) if t >= 1)
         return sorted(t for t in need if t * T < max(seq, 1))
 
     def plan(self, ctx_lens: list[int], seq_lens: list[int], q_starts: list[int],
@@ -166,16 +188,26 @@ class StagePlanner:
         self.step += 1
         used: set[int] = set()
         st_src, st_dst, p1r, p1b, p2r, p2b = [], [], [], [], [], []
-        req, cu, sl_, pk, sink, tail, tok0, pre = [], [0], [], [], [], [], [], []
+        req, cu, sl_, pk, sink, tail, prev, tok0, pre = [], [0], [], [], [], [], [], [], []
+        W = self.window
         max_q = 1
         nulls = []
-        # release committed, non-sink tiles first so allocation has room. A drafter's metadata
-        # build passes unverified positions as context (at most STAGE_LAST ahead of what the
-        # target committed), so a tile counts as committed only STAGE_LAST tokens later.
+        # release tiles no query reads in fp16 again (non-sink) first so allocation has room. A
+        # drafter's metadata build passes unverified positions as context (at most STAGE_LAST
+        # ahead of what the target committed), so positions count as committed only STAGE_LAST
+        # tokens later; a query in tile u reads tiles u - W + 1 .. u in fp16.
         for r, (c, s) in enumerate(zip(ctx_lens, seq_lens)):
-            for t in (c // T - 1, c // T - 2, c // T - 3):
-                if t >= 1 and (t + 1) * T <= c - STAGE_LAST and (r, t) in tile_block:
+            for t in range(c // T - W - 2, c // T):
+                if t >= 1 and (t + W) * T <= c - STAGE_LAST and (r, t) in tile_block:
                     self._release(tile_block[(r, t)])
+        # keep every request's earlier window tiles (read in fp16 this step) from being taken by
+        # an allocation of this step (a lookup that finds no slot reads the tile packed)
+        for r, (c, s) in enumerate(zip(ctx_lens, seq_lens)):
+            if s > c:
+                for t in range(max(c // T - W + 1, 1), c // T):
+                    sl = self.slot_of.get(tile_block.get((r, t), -1))
+                    if sl is not None:
+                        used.add(sl)
         for r, (c, s, q0) in enumerate(zip(ctx_lens, seq_lens, q_starts)):
             q_len = s - c
             if q_len <= 0:
@@ -187,7 +219,7 @@ class StagePlanner:
                     break
                 blk = tile_block[(r, t)]
                 lo, hi = max(c, t * T), min(s, (t + 1) * T)
-                staged = t == 0 or (c % T and t == c // T) or (t + 1) * T > s - STAGE_LAST
+                staged = t == 0 or (c % T and t == c // T) or (t + W) * T > s - STAGE_LAST
                 full = hi == (t + 1) * T
                 if staged:
                     sl = self.slot_of.get(blk)
@@ -210,9 +242,10 @@ class StagePlanner:
                     assert lo == t * T
                     p2r.append(q0 + lo - c)
                     p2b.append(blk)
-            # attention. The read rule: a query at position p reads its own tile p // T in fp16
-            # (stage rows / this step's rows), tile 0 from the sink slot when it lives, and the
-            # other earlier tiles packed -- the same for prefill, verify and decode.
+            # attention. The read rule: a query at position p reads the W tiles up to its own
+            # p // T in fp16 (stage rows / this step's rows), tile 0 from the sink slot when it
+            # lives, and the other earlier tiles packed -- the same for prefill, verify and
+            # decode.
             sink_sl = self.slot_of.get(tile_block.get((r, 0), -1)) if s >= T and not null else None
             if sink_sl is not None:
                 used.add(sink_sl)
@@ -220,10 +253,12 @@ class StagePlanner:
             if q_len > MAX_QUERY_LEN or (prefill_min_q is not None and q_len >= prefill_min_q):
                 # own tiles of a chunk: this step's rows, plus the first tile's earlier rows
                 head_sl = self.slot_of.get(tile_block[(r, c // T)]) if c % T and not null else None
+                prev_sl = self._prev_slot(r, c // T, tile_block, used) if not null else None
                 pre.append(PrefillJob(
                     req=r, tok0=q0, ctx=c, seq=s, packed=-(-s // T) if null else s // T,
                     sink_row=sink_sl * T if sink_sl is not None else -1,
-                    tail_row=head_sl * T if head_sl is not None else -1, null=null))
+                    tail_row=head_sl * T if head_sl is not None else -1, null=null,
+                    prev_row=prev_sl * T if prev_sl is not None else -1))
                 continue
             # pseudo-sequences: at most MAX_QUERY_LEN queries, all in one tile t, which they
             # read from its stage slot (staged: it ends after c >= s - STAGE_LAST)
@@ -231,10 +266,12 @@ class StagePlanner:
             while a < s:
                 t = a // T
                 b = min(s, a + MAX_QUERY_LEN, (t + 1) * T)
-                if null:
-                    pk_i, tail_i = -(-b // T), -1
-                else:
+                pk_i, tail_i, prev_i = -(-b // T), -1, -1
+                if not null:
                     pk_i, tail_i = t, self.slot_of[tile_block[(r, t)]] * T
+                    prev_sl = self._prev_slot(r, t, tile_block, used)
+                    if prev_sl is not None:  # tile t - 1 from its slot, not packed
+                        pk_i, prev_i = t - 1, prev_sl * T
                 req.append(r)
                 tok0.append(q0 + a - c)
                 cu.append(cu[-1] + b - a)
@@ -242,6 +279,7 @@ class StagePlanner:
                 pk.append(pk_i)
                 sink.append(sink_sl * T if sink_sl is not None and pk_i >= 1 else -1)
                 tail.append(tail_i)
+                prev.append(prev_i)
                 max_q = max(max_q, b - a)
                 a = b
         i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
@@ -251,9 +289,19 @@ class StagePlanner:
             pack_stage_rows=i32(p1r), pack_stage_blocks=i32(p1b),
             pack_new_rows=i32(p2r), pack_new_blocks=i32(p2b),
             req_index=i64(req), cu_seqlens_q=i32(cu), seq_lens=i32(sl_), packed_tiles=i32(pk),
-            sink_rows=i32(sink), tail_rows=i32(tail), max_query_len=max_q,
+            sink_rows=i32(sink), tail_rows=i32(tail), prev_rows=i32(prev), max_query_len=max_q,
             max_packed_tiles=max(pk, default=0), num_tokens=cu[-1] + sum(j.q_len for j in pre),
-            all_null=bool(nulls) and all(nulls), seq_tok0=tok0, prefill=pre)
+            all_null=bool(nulls) and all(nulls), window=W, seq_tok0=tok0, prefill=pre)
+
+    def _prev_slot(self, r: int, t: int, tile_block: dict, used: set) -> int | None:
+        """Window 2: the live slot of tile t - 1 of request r (kept for this step), else None."""
+        if self.window < 2 or t < 1:
+            return None
+        sl = self.slot_of.get(tile_block.get((r, t - 1), -1))
+        if sl is not None:
+            used.add(sl)
+            self.last_use[sl] = self.step
+        return sl
 
 
 def tile_block_ids(block_table_cpu: torch.Tensor, cols: dict, tiles_per_page: int) -> dict:
@@ -314,6 +362,7 @@ def apply_attention(plan: StepPlan, q: torch.Tensor, out: torch.Tensor, cache: t
             cu_seqlens_q=plan.cu_seqlens_q if whole else plan.cu_seqlens_q[i0:i1 + 1] - cu[i0],
             seq_lens=plan.seq_lens[i0:i1], packed_tiles=plan.packed_tiles[i0:i1],
             sink_rows=plan.sink_rows[i0:i1], tail_rows=plan.tail_rows[i0:i1], ring=T,
+            prev_rows=plan.prev_rows[i0:i1],
             block_table=block_table[i0:i1], max_query_len=plan.max_query_len,
             softmax_scale=softmax_scale, preset=preset, tiles_per_page=tiles_per_page,
             max_packed_tiles=plan.max_packed_tiles)
@@ -323,5 +372,6 @@ def apply_attention(plan: StepPlan, q: torch.Tensor, out: torch.Tensor, cache: t
         prefill(q[t0:t1], cache, stage_k, stage_v, out[t0:t1],
                 block_table_row=req_block_table[job.req], ctx_len=job.ctx, seq_len=job.seq,
                 packed_tiles=job.packed, sink_row=job.sink_row, tail_row=job.tail_row, ring=T,
+                window=plan.window, prev_row=job.prev_row,
                 new_k=key_rot[t0:t1], new_v=val_rot[t0:t1],
                 softmax_scale=softmax_scale, preset=preset, tiles_per_page=tiles_per_page)
