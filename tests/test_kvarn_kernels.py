@@ -288,7 +288,7 @@ def _prefill(case, s, *, sink=True, window=1, **kw):
         block_table_row=case.block_table[s].contiguous(), ctx_len=ctx, seq_len=L,
         packed_tiles=int(case.packed_tiles[s]), sink_row=0 if sink else -1,
         tail_row=T, ring=T, new_k=kr[ctx:].contiguous(), new_v=vr[ctx:].contiguous(),
-        window=window, prev_row=2 * T if window == 2 and h0 else -1,
+        fp16_window=window, prev_row=2 * T if window == 2 and h0 else -1,
         softmax_scale=case.softmax_scale, preset=case.preset, tiles_per_page=case.tiles_per_page, **kw)
     return out
 

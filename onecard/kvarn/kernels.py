@@ -710,7 +710,8 @@ def kvarn_prefill(
     packed_tiles: int, sink_row: int, tail_row: int, ring: int, softmax_scale: float,
     new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None,
     preset: str | Preset | None = None, tiles_per_page: int = 1,
-    window: int = 1, prev_row: int = -1, window_tokens: int = PREFILL_WINDOW_TOKENS, query_group: int = PREFILL_QUERY_GROUP,
+    fp16_window: int = 1, prev_row: int = -1,
+    window_tokens: int = PREFILL_WINDOW_TOKENS, query_group: int = PREFILL_QUERY_GROUP,
     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -719,18 +720,18 @@ def kvarn_prefill(
 
     The chunk's queries are positions [ctx_len, seq_len). The read rule (one for all paths,
     ``reference.own_tile_attention_f64``): a query at position p reads its fp16 WINDOW, the
-    ``window`` tiles ending with its own tile p // tile, in fp16 and every earlier tile as the
+    ``fp16_window`` tiles ending with its own tile p // tile, in fp16 and every earlier tile as the
     cache holds it: tiles [0, packed_tiles) packed in the blocks of ``block_table_row`` (pages of
     ``tiles_per_page`` tiles; packed_tiles >= the last query's tile), tile 0 from fp16 rows
     [sink_row, + tile) when sink_row >= 0. Window fp16 rows: positions >= ctx_len from ``new_k``
     / ``new_v`` [n, Hkv, D] (this step's rotated rows, row p - ctx_len); earlier ones from rows
     of ``rows_*``: ctx_len's tile (begun in an earlier step) at ``tail_row + p % ring``, the
-    tile before it (``window`` 2) at ``prev_row + p % ring``. Without ``prev_row`` (< 0: its
+    tile before it (``fp16_window`` 2) at ``prev_row + p % ring``. Without ``prev_row`` (< 0: its
     slot is gone) the tile before ctx_len's is read packed by every query. Without ``new_k``
     all window rows come from ``rows_*`` (prev_row, else tail_row, for tiles before ctx_len's).
 
     Pass 1, per group of ``query_group`` queries (one group for chunks up to that size): the
-    tiles before the group's last query's window are dequantized ONCE, window by window
+    tiles before the group's last query's fp16 window are dequantized ONCE, window by window
     (``window_tokens`` keys, a multiple of the tile), into an fp16 scratch; a flash kernel
     (BLOCK_M queries x one q head per program) runs over each window, each row masked to the
     tiles before its own fp16 window, carrying an fp32 online-softmax state (the log-sum-exp
@@ -762,11 +763,12 @@ def kvarn_prefill(
                          f"own-tile rows in new_k or at tail_row")
     if window_tokens < T or window_tokens % T:
         raise ValueError(f"window_tokens {window_tokens} is not valid; valid: a multiple of {T}")
-    if window not in FP16_WINDOWS:
-        raise ValueError(f"window {window} is not valid; valid: {', '.join(map(str, FP16_WINDOWS))}")
+    if fp16_window not in FP16_WINDOWS:
+        raise ValueError(f"fp16_window {fp16_window} is not valid; valid: "
+                         f"{', '.join(map(str, FP16_WINDOWS))}")
     if not has_new and prev_row < 0:
-        prev_row = tail_row  # one ring holds the window (reference.make_case's stage)
-    win1 = window - 1
+        prev_row = tail_row  # one ring holds the fp16 window (reference.make_case's stage)
+    win1 = fp16_window - 1
     # the chunk's lowest fp16 tile: ctx's own, or the one before it when its rows are staged
     fp_lo = max(ctx_len // T - (win1 if prev_row >= 0 else 0), 0)
     cuda = q.device.type == "cuda"
@@ -802,7 +804,7 @@ def kvarn_prefill(
         for r0 in range(0, gn, rows_per):
             r1 = min(gn, r0 + rows_per)
             q_rot[r0:r1] = (q[g0 + r0:g0 + r1].float().reshape(-1, d) @ hn).view(r1 - r0, hq, d)
-        n_tiles = max((ctx_len + g0 + gn - 1) // T - win1, fp_lo)  # before the last query's window
+        n_tiles = max((ctx_len + g0 + gn - 1) // T - win1, fp_lo)  # before the last query's fp16 window
         windows = list(range(0, n_tiles, w_tiles))
         for wi, t0 in enumerate(windows):
             nt = min(n_tiles, t0 + w_tiles) - t0

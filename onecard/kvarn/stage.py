@@ -372,6 +372,6 @@ def apply_attention(plan: StepPlan, q: torch.Tensor, out: torch.Tensor, cache: t
         prefill(q[t0:t1], cache, stage_k, stage_v, out[t0:t1],
                 block_table_row=req_block_table[job.req], ctx_len=job.ctx, seq_len=job.seq,
                 packed_tiles=job.packed, sink_row=job.sink_row, tail_row=job.tail_row, ring=T,
-                window=plan.window, prev_row=job.prev_row,
+                fp16_window=plan.window, prev_row=job.prev_row,
                 new_k=key_rot[t0:t1], new_v=val_rot[t0:t1],
                 softmax_scale=softmax_scale, preset=preset, tiles_per_page=tiles_per_page)
