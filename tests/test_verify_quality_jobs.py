@@ -344,3 +344,22 @@ def test_verify_e2e_driver_skips_depths_past_max_len(tmp_path):
         fake.close()
     rows = json.loads(out.read_text())["rows"]
     assert rc == 0 and rows[0]["steps"] == 3 and "max_model_len 131072" in rows[1]["skipped"]
+
+
+def test_job31_arm_extra_env(tmp_path):
+    """An arm's 7th field adds launcher knobs for that arm only (PREFIX_CACHE=0: no prefix
+    caching, no mamba align mode); a name that is not a launcher knob is a one-line error."""
+    env = {**os.environ, "JOB_OUT": str(tmp_path / "out"), "MODELS": str(tmp_path / "models"),
+           "PYTHONPATH": str(REPO), "JOB31_DRY": "1",
+           "ARMS": "off:off:1:-:1 mtp-pc0:mtp:1:-:0:-:PREFIX_CACHE=0,WARMUP=0"}
+    r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
+                       text=True, timeout=180, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    off, pc0 = r.stdout.split("-- plan mtp-pc0")
+    assert "--mamba-cache-mode align" in off and "--enable-prefix-caching" in off
+    assert "--no-enable-prefix-caching" in pc0 and "mamba-cache-mode" not in pc0
+    assert "PREFIX_CACHE=0,WARMUP=0" in pc0.splitlines()[0]
+    env["ARMS"] = "off:off:1:-:1:-:PREFX_CACHE=0"
+    r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
+                       text=True, timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 2 and "'PREFX_CACHE=0' is not valid; valid:" in r.stderr

@@ -55,7 +55,8 @@ MEASURE_S=${MEASURE_S:-60}         # kept for measuring + stopping after a boot
 PROF_STEPS=${PROF_STEPS:-24}        # engine iterations a `prof` arm's trace records
 PROF_ROOT=${PROF_ROOT:-/var/tmp}    # traces go to $PROF_ROOT/prof-LABEL (not under JOB_OUT)
 PROF_TOKENS=${PROF_TOKENS:-40}      # tokens out of the profiled request (4 skipped + PROF_STEPS + slack)
-# the arms, in order: LABEL SPEC WIDE_VERIFY DFLASH_TOKENS(- = none) REQUIRED(1: must run) [prof]
+# the arms, in order: LABEL SPEC WIDE_VERIFY DFLASH_TOKENS(- = none) REQUIRED(1: must run)
+# [prof|-] [KNOB=VALUE,KNOB=VALUE: more launcher env for this arm, e.g. PREFIX_CACHE=0]
 ARMS=${ARMS:-"off:off:1:-:1 mtp-wide1:mtp:1:-:1 d2k7:dflash2:1:7:0 d2k15:dflash2:1:15:0 mtp-wide0:mtp:0:-:0"}
 
 job_header
@@ -68,6 +69,21 @@ arm_env() {
   [ "$1" = dflash2 ] && e="$e DRAFT=$D DFLASH_TOKENS=$3"
   echo "$e"
 }
+# an arm's 7th field, KNOB=VALUE[,KNOB=VALUE]: launcher knobs only (onecard.profiles.KNOBS), one
+# per line out; a bad field is a one-line error
+KNOB_NAMES=""
+extra_env() {
+  local label=$1 field=$2 kv
+  [ -z "$field" ] && return 0
+  [ -n "$KNOB_NAMES" ] || KNOB_NAMES=" $(python3 -c 'from onecard.profiles import KNOBS; print(" ".join(KNOBS))') "
+  for kv in ${field//,/ }; do
+    if [[ ! "$kv" =~ ^[A-Z][A-Z0-9_]*=[^[:space:]]*$ ]] || [[ "$KNOB_NAMES" != *" ${kv%%=*} "* ]]; then
+      echo "31-verify-e2e: arm $label: '$kv' is not valid; valid: KNOB=VALUE[,KNOB=VALUE] with a launcher knob (e.g. PREFIX_CACHE=0)" >&2
+      return 1
+    fi
+    echo "$kv"
+  done
+}
 
 if [ "${JOB31_DRY:-0}" = 1 ]; then
   if [ ! -f "$D/config.json" ]; then
@@ -76,11 +92,12 @@ if [ "${JOB31_DRY:-0}" = 1 ]; then
     python3 -m onecard.dflash.tiny_drafter --geometry 27b --out "$D" --config-only | tee -a "$summary"
   fi
   for arm in $ARMS; do
-    IFS=: read -r label spec wv k _ <<< "$arm"
-    say "-- plan $label: SPEC=$spec WIDE_VERIFY=$wv$([ "$k" != - ] && echo " DFLASH_TOKENS=$k")"
+    IFS=: read -r label spec wv k _ _ extra <<< "$arm"
+    extra_env "$label" "$extra" > /dev/null || exit 2
+    say "-- plan $label: SPEC=$spec WIDE_VERIFY=$wv$([ "$k" != - ] && echo " DFLASH_TOKENS=$k")${extra:+ $extra}"
     # a vLLM without patch 0080's marker (the pristine CPU test vLLM) refuses SPEC=dflash2 at
     # plan time; the dry run plans as if it were installed (patch 0080 writes it on the GPU host)
-    env $(arm_env "$spec" "$wv" "$k") MODEL=tiny python3 - <<'PY' 2>&1 | grep -E '^(argv|child env|WIDE_VERIFY|KV |KV_MEM|SPEC|DFLASH|MAX_LEN|DRAFT|\(dry)' | tee -a "$summary"
+    env $(arm_env "$spec" "$wv" "$k") $(extra_env "$label" "$extra") MODEL=tiny python3 - <<'PY' 2>&1 | grep -E '^(argv|child env|WIDE_VERIFY|KV |KV_MEM|SPEC|DFLASH|MAX_LEN|DRAFT|\(dry)' | tee -a "$summary"
 import importlib.util, pathlib, sys, tempfile, types
 from onecard import profiles
 if not profiles.feature_installed("dflash2"):
@@ -110,9 +127,11 @@ failed=""
 # run_arm LABEL SPEC WIDE_VERIFY DFLASH_TOKENS REQUIRED: boot, measure, stop; rc 0 measured,
 # 1 not valid, 2 skipped (time or drafter)
 run_arm() {
-  local label=$1 spec=$2 wv=$3 k=$4 prof=${5:-} left wait mt specflag="" profargs=() envargs=()
+  local label=$1 spec=$2 wv=$3 k=$4 prof=${5:-} extra=${6:-} left wait mt specflag="" profargs=() envargs=()
   [ "$spec" != off ] && specflag="--spec"
   read -ra envargs <<< "$(arm_env "$spec" "$wv" "$k")"
+  extra_env "$label" "$extra" > /dev/null || { failed="$failed $label(arm)"; return 1; }
+  envargs+=($(extra_env "$label" "$extra"))
   if [ "$prof" = prof ]; then
     rm -rf "$PROF_ROOT/prof-$label"
     envargs+=("EXTRA_ARGS=--profiler-config.profiler=torch --profiler-config.torch_profiler_dir=$PROF_ROOT/prof-$label --profiler-config.torch_profiler_with_stack=false --profiler-config.ignore_frontend=true --profiler-config.delay_iterations=4 --profiler-config.max_iterations=$PROF_STEPS")
@@ -127,7 +146,7 @@ run_arm() {
     skipped="$skipped $label(time)"; return 2
   fi
   wait=$((left - MEASURE_S)); [ "$wait" -gt "$BOOT_WAIT_S" ] && wait=$BOOT_WAIT_S
-  say "[$(elapsed)s] booting $label (SPEC=$spec WIDE_VERIFY=$wv$([ "$k" != - ] && echo " DFLASH_TOKENS=$k"); boot may take ${wait}s)"
+  say "[$(elapsed)s] booting $label (SPEC=$spec WIDE_VERIFY=$wv$([ "$k" != - ] && echo " DFLASH_TOKENS=$k")${extra:+ $extra}; boot may take ${wait}s)"
   if ! boot_server "$label" "$wait" env "${envargs[@]}" python3 -m onecard.launch; then
     say "$label: boot failed or not healthy within ${wait}s"; failed="$failed $label(boot)"; return 1
   fi
@@ -152,8 +171,8 @@ run_arm() {
 }
 
 for arm in $ARMS; do
-  IFS=: read -r label spec wv k required prof <<< "$arm"
-  run_arm "$label" "$spec" "$wv" "$k" "$prof"
+  IFS=: read -r label spec wv k required prof extra <<< "$arm"
+  run_arm "$label" "$spec" "$wv" "$k" "$prof" "$extra"
   rc=$?
   if [ $rc = 1 ] && [ "$label" != mtp-wide0 ]; then status=1; fi
   if [ $rc = 2 ] && [ "$required" = 1 ]; then status=1; fi
