@@ -57,8 +57,8 @@ FP16 = 2
 # The serving read rule's fp16 window (onecard.kvarn.stage): a query reads the last WINDOW tiles
 # up to its own in fp16 (1: its own tile only; 2: its own and the previous one), tile 0 from the
 # fp16 sink, every other tile packed. 2 is the default: on SmolLM2 the 2-bit V error of the
-# previous tile is most of the perplexity loss (docs/kvarn-variants-s11.md, CPU model: +0.75 %
-# -> +0.31 % pooled over two documents). Chosen per server with ONECARD_KVARN_WINDOW (the
+# previous tile is most of the perplexity loss (served on an H200, 2026-12-04: +1.275 % -> +0.435 %
+# vs bf16; kvarn/README.md "fp16 window"). Chosen per server with ONECARD_KVARN_WINDOW (the
 # launcher's KVARN_WINDOW); it changes the stage's slot count, not the paged cache.
 FP16_WINDOWS = (1, 2)
 DEFAULT_WINDOW = 2
