@@ -46,7 +46,10 @@ def selector_walk(
     b, t_len, k = cand_ids.shape
     dev = cand_ids.device
     tokens = torch.empty(b, t_len, dtype=torch.long, device=dev)
-    sampled = temperature is not None and bool((temperature > GREEDY_EPS).any())
+    # No host sync anywhere below (a sync per position stalled the step behind the GPU queue:
+    # docs/dflash2-host-overhead.md). The caller passes ``temperature`` only when some row
+    # samples (vLLM's host-side all_greedy); greedy rows of a sampled batch still take argmax.
+    sampled = temperature is not None
     cprobs = (
         torch.zeros(b, t_len, k, dtype=torch.float32, device=dev) if sampled else None
     )
@@ -54,6 +57,11 @@ def selector_walk(
     rows = torch.arange(b, device=dev)
     unary = unary.float()
     hproj = hproj.float()
+    if sampled:
+        assert temperature is not None and uniforms is not None
+        is_sampled = temperature.to(dev) > GREEDY_EPS
+        temp = temperature.to(device=dev, dtype=torch.float32).clamp_min(GREEDY_EPS)
+        col = torch.arange(k, device=dev)
     for t in range(t_len):
         cand_t = cand_ids[:, t].long()
         succ = successor[cand_t].float()                                   # [B, k, R]
@@ -61,25 +69,29 @@ def selector_walk(
         scores = unary[:, t] + torch.einsum("bkr,br->bk", succ, pred)      # [B, k]
         j = scores.argmax(-1)
         if sampled:
-            assert temperature is not None and uniforms is not None
-            is_sampled = temperature.to(dev) > GREEDY_EPS
-            temp = temperature.to(device=dev, dtype=torch.float32).clamp_min(GREEDY_EPS)
             p = torch.softmax(scores / temp[:, None], -1)
             cdf = torch.cumsum(p.double(), -1)
             u = uniforms[:, t].to(device=dev, dtype=torch.float64)[:, None].contiguous()
             js = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max(k - 1)
-            # step back over zero-probability candidates (rounding at the top of the CDF)
-            for _ in range(k):
-                zero = (p[rows, js] == 0) & (js > 0)
-                if not bool(zero.any()):
-                    break
-                js = torch.where(zero, js - 1, js)
+            js = step_back_to_nonzero(p, js, col)
             j = torch.where(is_sampled, js, j)
             onehot = torch.nn.functional.one_hot(j, k).float()
             cprobs[:, t] = torch.where(is_sampled[:, None], p, onehot)
         prev = cand_t[rows, j]
         tokens[:, t] = prev
     return tokens, cprobs
+
+
+def step_back_to_nonzero(p: torch.Tensor, js: torch.Tensor, col: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """The largest index i <= js[b] with p[b, i] != 0, else 0: a sampled pick that landed on a
+    zero-probability candidate (rounding at the top of the CDF) steps back to the nearest
+    candidate it could have drawn. p [B, k], js [B] -> [B]; no host sync (one masked max, the
+    same result as stepping back one index at a time)."""
+    if col is None:
+        col = torch.arange(p.shape[-1], device=p.device)
+    ok = ((p != 0) | (col == 0)) & (col <= js[:, None])
+    return torch.where(ok, col, -1).amax(-1)
 
 
 def candidate_probs_to_rows(
