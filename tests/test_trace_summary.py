@@ -68,3 +68,31 @@ def test_no_trace_is_a_one_line_error(tmp_path):
                           "--steps", "3"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "valid:" in out.stderr
+
+
+def test_host_side_syncs_launches_and_ops(tmp_path):
+    """The host tables: time blocked in CUDA synchronizations per step (by name; async copies
+    are not syncs), launches per step, torch ops by calls per step; printed by the CLI."""
+    evs = _trace()["traceEvents"]
+    for step in range(2):
+        t0 = step * 10_000
+        evs += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": t0 + 100, "dur": 1500},
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": t0 + 50, "dur": 20},
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": t0 + 10, "dur": 30},
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t0 + 20, "dur": 5},
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t0 + 30, "dur": 5},
+                {"ph": "X", "cat": "cpu_op", "name": "aten::index", "ts": t0 + 40, "dur": 30}]
+    h = T.host_summary(evs, steps=2)
+    assert h["sync_ms_per_step"] == 1.5 and [r["name"] for r in h["syncs"]] == ["cudaEventSynchronize"]
+    assert h["launches_per_step"] == 3.0
+    assert {r["name"]: r["calls_per_step"] for r in h["launches"]} == {"cudaGraphLaunch": 1.0, "cudaLaunchKernel": 2.0}
+    ops = {r["name"]: r for r in h["ops"]}
+    assert ops["aten::index"]["calls_per_step"] == 1.0 and ops["aten::mm"]["calls_per_step"] == 0.5
+    (tmp_path / "worker.pt.trace.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": evs}).encode()))
+    out = subprocess.run([sys.executable, str(REPO / "gpu" / "probe" / "trace_summary.py"), str(tmp_path),
+                          "--steps", "2", "--json", str(tmp_path / "s.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "blocked in CUDA syncs 1.500 ms" in out.stdout and "| cudaEventSynchronize | 1 | 1.500 |" in out.stdout
+    assert json.loads((tmp_path / "s.json").read_text())["host"]["launches_per_step"] == 3.0
+    assert T.render_host(T.host_summary([], 1)) == "host: no CPU events in the trace"

@@ -162,6 +162,7 @@ run_arm() {
     timeout -k 5 120 python3 gpu/probe/trace_summary.py "$PROF_ROOT/prof-$label" --steps "$PROF_STEPS" \
       --json "$JOB_OUT/prof-$label.json" > "$JOB_OUT/prof-$label.txt" 2>&1
     head -12 "$JOB_OUT/prof-$label.txt" | tee -a "$summary"
+    grep -A 5 "^host per step" "$JOB_OUT/prof-$label.txt" | tee -a "$summary"  # the host's waits
   fi
   if [ "$rc" != 0 ]; then
     say "$label: measurement not valid (rc $rc$([ "$rc" = 124 ] && echo ", cut at ${mt}s"))"; failed="$failed $label"; return 1

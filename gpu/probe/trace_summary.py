@@ -15,6 +15,13 @@ sampling / other; name patterns below). ``--json`` writes every figure. A trace 
 JSON (``*.json`` or ``*.json.gz``, torch.profiler's tensorboard handler); every file under the
 directory is read and the busiest one (the worker's) is summarized.
 
+Host side of the same trace (2026-12-04: a DFlash2 k=7 step was 18.4 ms with the GPU busy 14.1 ms,
+so the host made the GPU wait; vLLM's own table, sorted by CUDA time and cut at 100 rows, drops
+the CPU-only rows): per step, the time the host spent blocked in CUDA synchronizations
+(``cudaEventSynchronize``, ``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, blocking
+``cudaMemcpy``) by name, the launches (kernels, CUDA graphs), and the torch ops by calls per step
+with their inclusive milliseconds (``cpu_op`` events; nested ops count in their parents too).
+
   python3 gpu/probe/trace_summary.py DIR --steps 24 [--top 25] [--json out.json]
 """
 from __future__ import annotations
@@ -27,6 +34,10 @@ import sys
 from pathlib import Path
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATS = ("cpu_op", "cuda_runtime", "cuda_driver")
+SYNC_RE = re.compile(r"^(cuda|cu)(Event|Stream|Device|Ctx)Synchronize$|^cudaMemcpy$|^cuMemcpyDtoH")
+LAUNCH_RE = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel(Ex)?|cudaGraphLaunch|cuGraphLaunch|"
+                       r"cudaLaunchKernelExC)$")
 # first match wins; lower-case kernel names
 BUCKETS = (
     ("attention", r"wide_verify|unified_attention|flash|fmha|attn|paged|reshape_and_cache"),
@@ -114,6 +125,31 @@ def summarize(evs: list[dict], steps: int, top: int = 25) -> dict:
     }
 
 
+def host_summary(events: list[dict], steps: int, top: int = 25) -> dict:
+    """Per step: host time blocked in CUDA synchronizations (by name), launches (by name), and
+    the torch ops by calls (inclusive ms). Empty figures when the trace has no host events."""
+    steps = max(1, int(steps))
+    per: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in HOST_CATS or "dur" not in e:
+            continue
+        rec = per.setdefault((str(e["cat"]), str(e.get("name", "?"))), [0.0, 0])
+        rec[0] += float(e["dur"])
+        rec[1] += 1
+
+    def rows(pred):
+        out = [{"name": n, "calls_per_step": round(c / steps, 2), "ms_per_step": round(t / steps / 1e3, 4)}
+               for (cat, n), (t, c) in per.items() if pred(cat, n)]
+        return sorted(out, key=lambda r: (-r["ms_per_step"], r["name"]))
+
+    syncs = rows(lambda cat, n: cat != "cpu_op" and SYNC_RE.search(n) is not None)
+    launches = rows(lambda cat, n: cat != "cpu_op" and LAUNCH_RE.search(n) is not None)
+    ops = sorted(rows(lambda cat, n: cat == "cpu_op"), key=lambda r: (-r["calls_per_step"], r["name"]))
+    return {"sync_ms_per_step": round(sum(r["ms_per_step"] for r in syncs), 4), "syncs": syncs,
+            "launches_per_step": round(sum(r["calls_per_step"] for r in launches), 2),
+            "launches": launches, "ops": ops[:top], "op_names": len(ops)}
+
+
 def pick_trace(root: Path) -> tuple[Path, list[dict]]:
     files = sorted(p for p in root.rglob("*") if p.is_file()
                    and (p.name.endswith(".json") or p.name.endswith(".json.gz")))
@@ -123,14 +159,29 @@ def pick_trace(root: Path) -> tuple[Path, list[dict]]:
     best = None
     for p in files:
         try:
-            evs = gpu_events(load_events(p))
+            events = load_events(p)
         except (OSError, ValueError, EOFError):
             continue
+        evs = gpu_events(events)
         if best is None or len(evs) > len(best[1]):
-            best = (p, evs)
+            best = (p, evs, events)
     if best is None or not best[1]:
         raise ValueError(f"no trace under {root} holds GPU activity (kernel events)")
     return best
+
+
+def render_host(h: dict) -> str:
+    if not h["syncs"] and not h["launches"] and not h["ops"]:
+        return "host: no CPU events in the trace"
+    lines = [f"host per step: blocked in CUDA syncs {h['sync_ms_per_step']:.3f} ms, "
+             f"{h['launches_per_step']:g} launches",
+             "| host sync | calls/step | ms/step |", "|---|---|---|"]
+    lines += [f"| {r['name']} | {r['calls_per_step']:g} | {r['ms_per_step']:.3f} |" for r in h["syncs"]]
+    lines += ["| launch | calls/step | ms/step |", "|---|---|---|"]
+    lines += [f"| {r['name']} | {r['calls_per_step']:g} | {r['ms_per_step']:.3f} |" for r in h["launches"]]
+    lines += ["| torch op (by calls) | calls/step | inclusive ms/step |", "|---|---|---|"]
+    lines += [f"| {r['name'][:80]} | {r['calls_per_step']:g} | {r['ms_per_step']:.3f} |" for r in h["ops"]]
+    return "\n".join(lines)
 
 
 def render(path: Path, s: dict) -> str:
@@ -155,12 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     try:
-        path, evs = pick_trace(a.dir)
+        path, evs, events = pick_trace(a.dir)
         s = summarize(evs, a.steps, a.top)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    s["host"] = host_summary(events, a.steps, a.top)
     print(render(path, s))
+    print(render_host(s["host"]))
     if a.json:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
         from jobutil import write_json
