@@ -93,11 +93,11 @@ if [ "${JOB31_DRY:-0}" = 1 ]; then
   fi
   for arm in $ARMS; do
     IFS=: read -r label spec wv k _ _ extra <<< "$arm"
-    extra_env "$label" "$extra" > /dev/null || exit 2
+    xenv=$(extra_env "$label" "$extra") || exit 2
     say "-- plan $label: SPEC=$spec WIDE_VERIFY=$wv$([ "$k" != - ] && echo " DFLASH_TOKENS=$k")${extra:+ $extra}"
     # a vLLM without patch 0080's marker (the pristine CPU test vLLM) refuses SPEC=dflash2 at
     # plan time; the dry run plans as if it were installed (patch 0080 writes it on the GPU host)
-    env $(arm_env "$spec" "$wv" "$k") $(extra_env "$label" "$extra") MODEL=tiny python3 - <<'PY' 2>&1 | grep -E '^(argv|child env|WIDE_VERIFY|KV |KV_MEM|SPEC|DFLASH|MAX_LEN|DRAFT|\(dry)' | tee -a "$summary"
+    env $(arm_env "$spec" "$wv" "$k") $xenv MODEL=tiny python3 - <<'PY' 2>&1 | grep -E '^(argv|child env|WIDE_VERIFY|KV |KV_MEM|SPEC|DFLASH|MAX_LEN|DRAFT|\(dry)' | tee -a "$summary"
 import importlib.util, pathlib, sys, tempfile, types
 from onecard import profiles
 if not profiles.feature_installed("dflash2"):
@@ -130,8 +130,9 @@ run_arm() {
   local label=$1 spec=$2 wv=$3 k=$4 prof=${5:-} extra=${6:-} left wait mt specflag="" profargs=() envargs=()
   [ "$spec" != off ] && specflag="--spec"
   read -ra envargs <<< "$(arm_env "$spec" "$wv" "$k")"
-  extra_env "$label" "$extra" > /dev/null || { failed="$failed $label(arm)"; return 1; }
-  envargs+=($(extra_env "$label" "$extra"))
+  local xenv
+  xenv=$(extra_env "$label" "$extra") || { failed="$failed $label(arm)"; return 1; }
+  envargs+=($xenv)
   if [ "$prof" = prof ]; then
     rm -rf "$PROF_ROOT/prof-$label"
     envargs+=("EXTRA_ARGS=--profiler-config.profiler=torch --profiler-config.torch_profiler_dir=$PROF_ROOT/prof-$label --profiler-config.torch_profiler_with_stack=false --profiler-config.ignore_frontend=true --profiler-config.delay_iterations=4 --profiler-config.max_iterations=$PROF_STEPS")

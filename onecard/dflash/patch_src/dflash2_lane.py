@@ -58,7 +58,7 @@ def selector_walk(
     unary = unary.float()
     hproj = hproj.float()
     if sampled:
-        assert temperature is not None and uniforms is not None
+        assert uniforms is not None
         is_sampled = temperature.to(dev) > GREEDY_EPS
         temp = temperature.to(device=dev, dtype=torch.float32).clamp_min(GREEDY_EPS)
         col = torch.arange(k, device=dev)
