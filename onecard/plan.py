@@ -511,6 +511,8 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
         plan.child_env.update(profiles.TP_CHILD_ENV)  # NVLink multicast off (profiles.TP_CHILD_ENV says why)
     # WIDE_VERIFY's only reader in the server is patch 0070 (triton_attn.py, ONECARD_WIDE_VERIFY)
     plan.child_env["ONECARD_WIDE_VERIFY"] = str(plan.get("WIDE_VERIFY"))
+    # GDN_SHARED_META's only reader is patch 0082 (gdn_attn.py, ONECARD_GDN_SHARED_META)
+    plan.child_env["ONECARD_GDN_SHARED_META"] = str(plan.get("GDN_SHARED_META"))
     # KVARN_WINDOW's reader is the KVarN backend (onecard.kvarn.format.window_from_env); the
     # preflight sized the stage for the same value
     if str(plan.get("KV")).startswith("kvarn"):

@@ -119,6 +119,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("WIDE_VERIFY", "1", "0|1", "1: spec-decode verify batches on TRITON_ATTN (int8/int4 KV) run the split-KV "
          "wide-verify kernel (patch 0070, docs/wide-verify.md); 0: stock kernel. Passed to the server as "
          "ONECARD_WIDE_VERIFY", BOOL),
+    Knob("GDN_SHARED_META", "1", "0|1", "1: one GDN attention-metadata build per step serves every GDN KV cache "
+         "group (patch 0082; 10 groups beside a DFlash2 drafter, 3 otherwise); 0: stock, a build per group. "
+         "Passed to the server as ONECARD_GDN_SHARED_META", BOOL),
     Knob("KVARN_WINDOW", "2", "1|2", "KVarN KV (CTX=huge): tiles each query reads in fp16 up to its own (2: its own "
          "and the previous one, +1 fp16 tile per sequence, kvarn/README.md; 1: its own only). Passed to the server "
          "as ONECARD_KVARN_WINDOW", ("1", "2")),

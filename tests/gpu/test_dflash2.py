@@ -4,7 +4,8 @@ Three servers on one GPU, booted at once through the launcher's plan (``onecard.
 with MODEL=tiny, so DRAFT is the tiny DFlash2 drafter beside the tiny model), prefix caching on
 (+ --mamba-cache-mode align), vLLM's default CUDA graphs, GDN_PREFILL=triton, text only:
 
-  off    SPEC=off
+  off    SPEC=off, GDN_SHARED_META=0 (vLLM's own GDN metadata build per KV cache group; the
+         DFlash2 servers use patch 0082's one shared build)
   d2k7   SPEC=dflash2 DFLASH_TOKENS=7   (drafter rows only; greedy drafting: point-mass q)
   d2k15  SPEC=dflash2 DFLASH_TOKENS=15  (7 drafter rows + 8 lookup positions; sampled drafting:
          speculative_config.draft_sample_method="probabilistic", the walk's q rows + one-hot
@@ -61,8 +62,11 @@ from gpu_suite_lib import (TOP_K, attention_block_in_log, judge,  # noqa: E402  
                            predicted_hit_tokens)                     # suite's rules)
 
 HOST = "127.0.0.1"
+# the reference runs vLLM's own GDN metadata path (a build per KV cache group): the DFlash2
+# servers use patch 0082's shared build (the tiny model's 6 GDN layers sit in 3 groups), so
+# d2k7 / d2k15 == off also proves 0082 exact
 SERVERS = {
-    "off": {"SPEC": "off"},
+    "off": {"SPEC": "off", "GDN_SHARED_META": "0"},
     "d2k7": {"SPEC": "dflash2", "DFLASH_TOKENS": "7"},
     "d2k15": {"SPEC": "dflash2", "DFLASH_TOKENS": "15"},
 }
