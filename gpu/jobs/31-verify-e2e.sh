@@ -38,6 +38,8 @@
 # Exit 0 when every arm that ran measured all its depths validly (an arm skipped for time or for a
 # missing drafter does not fail the job; off and mtp-wide1 must run); the mtp goal (verify step
 # <= 1.3x plain step) is printed as MET/MISSED, it does not set the exit.
+# SAME_TEXT="a=b c=d" prints, per depth, whether those arms' greedy texts are equal (a knob that
+# must leave the target's logits alone, e.g. `d2k7=d2k7-m0` with GDN_SHARED_META=0 in d2k7-m0).
 # Dry run without a GPU: JOB31_DRY=1 prints every arm's launcher plan (MODEL=tiny) and exits 0.
 set -u
 cd "$(dirname "$0")/../.."
@@ -233,6 +235,16 @@ for d in depths:
     for k in cols:
         if d in arms.get(k, {}):
             print(f"  depth {d} {k}: {first_diff(arms[k][d].get('text'), off)}")
+# SAME_TEXT="a=b c=d": arms whose greedy text must be equal (the same speculation, a knob that must
+# not change the target's logits, e.g. GDN_SHARED_META=0); a repeat pair (the same arm twice) shows
+# whether two boots of one configuration agree at all
+pairs = [p.split("=", 1) for p in os.environ.get("SAME_TEXT", "").split() if "=" in p]
+for a, b in pairs:
+    for d in depths:
+        ta = arms.get(a, {}).get(d, {}).get("text")
+        tb = arms.get(b, {}).get(d, {}).get("text")
+        verdict = "-" if ta is None or tb is None else ("SAME" if ta == tb else "DIFFER: " + first_diff(ta, tb))
+        print(f"same text {a} = {b}, depth {d}: {verdict}")
 PY
 say "arms measured:${ran:- none}"
 [ -n "$skipped" ] && say "arms skipped:$skipped (not measured: see the lines above; a warm machine fits all four)"
