@@ -1,4 +1,6 @@
 """The client counts tokens from usage, never from streamed chunks; the /metrics parser."""
+from pathlib import Path
+
 import pytest
 
 from fake_openai_server import FakeServer
@@ -111,3 +113,27 @@ def test_parse_text_written_by_prometheus_client():
     empty = metrics.parse("")
     d = metrics.counter_deltas(empty, snap)
     assert d["preemptions"] == 2 and d["spec_accepted_per_pos"] == [7.0, 3.0]
+
+
+def test_chunk_times_only_when_asked(server):
+    c = Client(server.url, "fake")
+    r = c.stream("a b c", 12, keep_times=True)
+    assert r.ok and len(r.chunk_times) == r.chunks and r.chunk_times == sorted(r.chunk_times)
+    assert r.chunk_times[0] == r.t_first and r.chunk_times[-1] == r.t_last
+    plain = c.stream("a b c", 12)
+    assert plain.chunk_times == [] and "chunk_times" not in plain.summary()
+
+
+def test_job31_gap_stats_see_a_stall():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "job31", Path(__file__).resolve().parents[1] / "gpu" / "jobs" / "31-verify-e2e.py")
+    job31 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job31)
+    times = [0.0]
+    for i in range(47):
+        times.append(times[-1] + (0.150 if i == 20 else 0.010))
+    g = job31.gap_stats(times)
+    assert abs(g["client_gap_ms_p50"] - 10) < 1e-6 and abs(g["client_gap_ms_max"] - 150) < 1e-6
+    assert g["client_stalls"] == 1
+    assert job31.gap_stats([1.0])["client_gap_ms_p50"] is None

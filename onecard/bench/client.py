@@ -36,6 +36,8 @@ class RequestResult:
     finish_reason: str | None = None
     text: str = ""
     token_count_source: str = TOKEN_SOURCE
+    # arrival time of every content chunk (perf_counter), only when stream(keep_times=True)
+    chunk_times: list[float] = field(default_factory=list)
 
     @property
     def ttft(self) -> float | None:
@@ -69,6 +71,8 @@ class RequestResult:
         d = asdict(self)
         if not keep_text:
             d.pop("text")
+        if not d["chunk_times"]:
+            d.pop("chunk_times")
         d.update(ttft=self.ttft, e2e=self.e2e, decode_s=self.decode_s,
                  decode_tps=self.decode_tps, e2e_tps=self.e2e_tps)
         return d
@@ -151,7 +155,7 @@ class Client:
 
     # -- streaming --------------------------------------------------------------------------
     def stream(self, prompt: str, max_tokens: int, sampling: dict | None = None,
-               keep_text: bool = True) -> RequestResult:
+               keep_text: bool = True, keep_times: bool = False) -> RequestResult:
         import httpx
         res = RequestResult()
         path = "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
@@ -187,6 +191,8 @@ class Client:
                         if res.t_first is None:
                             res.t_first = now
                         res.t_last = now
+                        if keep_times:
+                            res.chunk_times.append(now)
                         if keep_text:
                             res.text += piece
                     for ch in obj.get("choices") or []:
