@@ -137,3 +137,19 @@ def test_job31_gap_stats_see_a_stall():
     assert abs(g["client_gap_ms_p50"] - 10) < 1e-6 and abs(g["client_gap_ms_max"] - 150) < 1e-6
     assert g["client_stalls"] == 1
     assert job31.gap_stats([1.0])["client_gap_ms_p50"] is None
+
+
+def test_job31_median_repeat():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "job31", Path(__file__).resolve().parents[1] / "gpu" / "jobs" / "31-verify-e2e.py")
+    job31 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job31)
+    reps = [{"server_ms_per_step": v, "client_ms_per_step": v, "text": "t", "problems": []}
+            for v in (17.0, 14.0, 15.0)]
+    row = job31.median_repeat(reps)
+    assert row["server_ms_per_step"] == 15.0 and row["server_ms_per_step_repeats"] == [17.0, 14.0, 15.0]
+    assert row["repeat_texts_equal"] and row["problems"] == []
+    reps[1]["text"] = "u"
+    row = job31.median_repeat(reps)
+    assert not row["repeat_texts_equal"] and "differ" in row["problems"][-1]

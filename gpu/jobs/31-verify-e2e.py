@@ -57,6 +57,22 @@ def gap_stats(times: list[float]) -> dict:
             "client_stalls": sum(1 for g in gaps if g > 3 * p50)}
 
 
+def median_repeat(reps: list[dict]) -> dict:
+    """The repeat with the median server ms/step (the lower middle one for an even count), with
+    every repeat's figure, and whether the repeats' greedy texts agree (a problem if not)."""
+    ok = [r for r in reps if r.get("server_ms_per_step") is not None and not r["problems"]]
+    pick = sorted(ok, key=lambda r: r["server_ms_per_step"])[(len(ok) - 1) // 2] if ok else reps[0]
+    row = dict(pick)
+    row["server_ms_per_step_repeats"] = [r.get("server_ms_per_step") for r in reps]
+    row["client_ms_per_step_repeats"] = [r.get("client_ms_per_step") for r in reps]
+    texts = {r.get("text") for r in reps}
+    row["repeat_texts_equal"] = len(texts) == 1
+    row["problems"] = [p for r in reps for p in r["problems"]]
+    if len(texts) > 1:
+        row["problems"].append("greedy texts differ between repeats of one prompt")
+    return row
+
+
 def step_row(before: metrics.Snapshot, after: metrics.Snapshot, res, out_tokens: int,
              spec: bool) -> dict:
     d = {k: after.get(v) - before.get(v) for k, v in metrics.COUNTERS.items()}
@@ -121,6 +137,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out-tokens", type=int, default=48)
     ap.add_argument("--warmup-tokens", type=int, default=1024)
     ap.add_argument("--json", required=True, type=Path)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="requests per depth (the 2nd on hits the prefix cache); the row kept is "
+                         "the one with the median server ms/step, every repeat's figure is listed")
     ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     ap.add_argument("--profile-depth", type=int, default=0,
                     help="after the depths, one profiled request of this many prompt tokens")
@@ -130,6 +149,9 @@ def main(argv: list[str]) -> int:
         depths = [int(x) for x in a.depths.split(",") if x]
     except ValueError:
         print(f"--depths {a.depths!r} is not valid; valid: comma-separated token counts, e.g. 8192,32768", file=sys.stderr)
+        return 2
+    if a.repeats < 1:
+        print(f"--repeats {a.repeats} is not valid; valid: 1 or more", file=sys.stderr)
         return 2
     if not depths or min(depths) < 16 or a.out_tokens < 3:
         print("--depths must be >= 16 tokens each and --out-tokens >= 3; valid: e.g. --depths 8192 --out-tokens 48",
@@ -153,18 +175,22 @@ def main(argv: list[str]) -> int:
                          "problems": []})
             print(f"{a.label:<14} depth {n:>6}: skipped (> max_model_len {max_len})", flush=True)
             continue
-        before = metrics.scrape(a.url)
-        res = c.stream(ids[:n], a.out_tokens, sampling, keep_text=True, keep_times=True)
-        time.sleep(0.3)  # let the engine publish the request's final stats
-        after = metrics.scrape(a.url)
-        row = {"label": a.label, "depth": n, **step_row(before, after, res, a.out_tokens, a.spec)}
+        reps = []
+        for _ in range(a.repeats):
+            before = metrics.scrape(a.url)
+            res = c.stream(ids[:n], a.out_tokens, sampling, keep_text=True, keep_times=True)
+            time.sleep(0.3)  # let the engine publish the request's final stats
+            after = metrics.scrape(a.url)
+            reps.append(step_row(before, after, res, a.out_tokens, a.spec))
+        row = {"label": a.label, "depth": n, **median_repeat(reps)}
         rows.append(row)
         f = lambda x, nd=2: "-" if x is None else f"{x:.{nd}f}"  # noqa: E731
         print(f"{a.label:<14} depth {n:>6}: server {f(row['server_ms_per_step'])} ms/step, client "
               f"{f(row['client_ms_per_step'])} ms/step, {row['steps']} steps, tokens/step "
               f"{f(row['tokens_per_step'])}, ttft {f(row['ttft_s'])} s, gap p50 "
               f"{f(row['client_gap_ms_p50'])} / max {f(row['client_gap_ms_max'])} ms, "
-              f"{row['client_stalls']} gaps > 3x p50"
+              f"{row['client_stalls']} gaps > 3x p50; repeats "
+              f"{', '.join(f(x) for x in row['server_ms_per_step_repeats'])} ms/step"
               + (f"  PROBLEMS: {'; '.join(row['problems'])}" if row["problems"] else ""), flush=True)
     profile = None
     if a.profile_depth:

@@ -38,6 +38,9 @@
 # Exit 0 when every arm that ran measured all its depths validly (an arm skipped for time or for a
 # missing drafter does not fail the job; off and mtp-wide1 must run); the mtp goal (verify step
 # <= 1.3x plain step) is printed as MET/MISSED, it does not set the exit.
+# REPEATS (3) requests per depth, the 2nd on hitting the prefix cache: the row kept is the median
+# one by server ms/step, every repeat's figure is printed (session 13: one boot's MTP mean moved
+# 1.6 ms against another's; a repeat tells a stall inside one request from the boot's own cost).
 # SAME_TEXT="a=b c=d" prints, per depth, whether those arms' greedy texts are equal (a knob that
 # must leave the target's logits alone, e.g. `d2k7=d2k7-m0` with GDN_SHARED_META=0 in d2k7-m0).
 # Dry run without a GPU: JOB31_DRY=1 prints every arm's launcher plan (MODEL=tiny) and exits 0.
@@ -157,7 +160,7 @@ run_arm() {
     "$JOB_OUT/server-$label.log" | tail -4 | tee -a "$summary"
   mt=$((JOB_BUDGET_S - $(elapsed) - 15)); [ "$mt" -gt 150 ] && mt=150; [ "$mt" -lt 20 ] && mt=20
   timeout -k 5 "$mt" python3 gpu/jobs/31-verify-e2e.py --url "$URL" --model geom --label "$label" $specflag \
-    --depths "$DEPTHS" --out-tokens "$OUT_TOK" --json "$JOB_OUT/$label.json" "${profargs[@]}" 2>&1 | tee -a "$summary"
+    --depths "$DEPTHS" --out-tokens "$OUT_TOK" --repeats "${REPEATS:-3}" --json "$JOB_OUT/$label.json" "${profargs[@]}" 2>&1 | tee -a "$summary"
   local rc=${PIPESTATUS[0]}
   stop_server
   if [ "$prof" = prof ]; then
