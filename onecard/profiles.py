@@ -92,7 +92,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("SSM_DTYPE", "auto", "auto|bfloat16|float32",
          "GDN recurrent-state dtype (auto: the checkpoint's mamba_ssm_dtype, float32 for Qwen3.5; "
          "the public 3090 pools fit bfloat16)", ("auto", "bfloat16", "float32")),
-    Knob("PREFIX_CACHE", "1", "0|1", "prefix caching (+ --mamba-cache-mode align)", BOOL),
+    Knob("PREFIX_CACHE", "1", "0|1", "prefix caching (+ --mamba-cache-mode align); with SPEC=mtp|dflash2 align mode "
+         "waits on the previous step each step: 0 made a DFlash2 k=7 step at 8k 17 % faster on the H200 "
+         "(docs/dflash2.md), at the cost of every prefix-cache hit", BOOL),
     Knob("MAX_SEQS", "", "1..256", "max concurrent sequences; default per profile"),
     Knob("KV_MEM", "", "bytes, or with K/M/G suffix, or 'auto'", "KV pool pin (--kv-cache-memory-bytes); 'auto' uses GPU_UTIL"),
     Knob("GPU_UTIL", "0.92", "0.10..0.99", "gpu_memory_utilization when KV_MEM=auto; with a KV_MEM pin, only the free-memory bar vLLM checks at boot"),
