@@ -3,7 +3,9 @@
 # Build the test models (tiny Qwen3.5 hybrid, SmolLM2 from GGUF) under $MODELS, print the time
 # and size of each, then run the serving suite (pytest -m gpu tests/gpu/test_serve_suite.py:
 # five servers at once through `python3 -m onecard.launch` (ONECARD_GPU_WARM_FIRST=off: off first),
-# 128-residue greedy exactness SPEC=mtp vs SPEC=off for bf16 / int8 KV) against the patched vLLM.
+# 128-residue greedy exactness SPEC=mtp vs SPEC=off for bf16 / int8 KV) against the patched vLLM;
+# the SPEC=off references run vLLM's own GDN metadata path (GDN_SHARED_META=0), the MTP servers
+# patch 0082's shared build (tests/gpu/conftest.py CONFIGS).
 # Job 11 runs the same file's float32 strict sweeps (SUITE_K=fp32; four more servers).
 # tests/gpu/test_wide_verify_kernel.py, the rest of `pytest -m gpu tests/gpu`, runs in job 30.
 # Budget: 8 minutes wall on a warm machine (builds ~30 s, suite <= 420 s, cleanup).

@@ -63,6 +63,7 @@ class Config:
     spec: str = "off"          # launcher SPEC profile (tiny)
     dtype: str = "bfloat16"    # activation dtype: bfloat16 | float32 (strict mode)
     extra: tuple = field(default=())
+    knobs: tuple = field(default=())  # more launcher knobs, (NAME, VALUE) pairs
 
     @property
     def kv(self) -> str:
@@ -71,10 +72,14 @@ class Config:
         return CTX_PROFILES[self.ctx].kv
 
 
+# The SPEC=off references of the bf16 and int8 sweeps run vLLM's own GDN metadata path (a build
+# per KV cache group, GDN_SHARED_META=0); their MTP servers run patch 0082's one shared build, so
+# the 128-residue sweep proves 0082 exact under verify too.
+STOCK_GDN_META = (("GDN_SHARED_META", "0"),)
 CONFIGS: dict[str, Config] = {c.name: c for c in [
-    Config("off", "tiny", "fast", "off"),
+    Config("off", "tiny", "fast", "off", knobs=STOCK_GDN_META),
     Config("mtp", "tiny", "fast", "mtp"),
-    Config("int8", "tiny", "long", "off"),
+    Config("int8", "tiny", "long", "off", knobs=STOCK_GDN_META),
     Config("int8-mtp", "tiny", "long", "mtp"),
     Config("fp32", "tiny", "fast", "off", "float32"),
     Config("fp32-mtp", "tiny", "fast", "mtp", "float32"),
@@ -115,7 +120,7 @@ def tiny_knobs(cfg: Config, model: Path, port: int) -> dict[str, str]:
         extra += ["--dtype", "float32"]
     if EAGER:
         extra += ["--enforce-eager"]
-    return {**TINY_KNOBS, "MODEL": str(model), "PORT": str(port), "CTX": cfg.ctx,
+    return {**TINY_KNOBS, **dict(cfg.knobs), "MODEL": str(model), "PORT": str(port), "CTX": cfg.ctx,
             "SPEC": cfg.spec, "EXTRA_ARGS": shlex.join([*extra, *cfg.extra])}
 
 
