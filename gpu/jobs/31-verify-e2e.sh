@@ -64,6 +64,9 @@ PROF_TOKENS=${PROF_TOKENS:-40}      # tokens out of the profiled request (4 skip
 # [prof|-] [KNOB=VALUE,KNOB=VALUE: more launcher env for this arm, e.g. PREFIX_CACHE=0]
 ARMS=${ARMS:-"off:off:1:-:1 mtp-wide1:mtp:1:-:1 d2k7:dflash2:1:7:0 d2k15:dflash2:1:15:0 mtp-wide0:mtp:0:-:0"}
 
+# per-step host timing in every server's engine core (gpu/lib/stackdump/onecard_host_timing.py:
+# waits, the critical path to the target's launch, metadata builds, the drafter; no GPU syncs)
+export ONECARD_HOST_TIMING=${ONECARD_HOST_TIMING:-1} ONECARD_HOST_TIMING_EVERY=${ONECARD_HOST_TIMING_EVERY:-40}
 job_header
 PORT=$(free_port)
 URL="http://127.0.0.1:$PORT"
@@ -163,6 +166,8 @@ run_arm() {
     --depths "$DEPTHS" --out-tokens "$OUT_TOK" --repeats "${REPEATS:-3}" --json "$JOB_OUT/$label.json" "${profargs[@]}" 2>&1 | tee -a "$summary"
   local rc=${PIPESTATUS[0]}
   stop_server
+  # the engine core's per-step host timing (ONECARD_HOST_TIMING, on by default here)
+  grep -h "\[onecard host timing\] steps" "$JOB_OUT/server-$label.log" | tail -3 | sed "s/^.*\[onecard/$label: [onecard/" | tee -a "$summary"
   if [ "$prof" = prof ]; then
     cp "$PROF_ROOT/prof-$label"/profiler_out_*.txt "$JOB_OUT/prof-$label-vllm.txt" 2>/dev/null
     timeout -k 5 120 python3 gpu/probe/trace_summary.py "$PROF_ROOT/prof-$label" --steps "$PROF_STEPS" \

@@ -7,6 +7,7 @@ says where it is instead of only that it happened.
 Python imports one ``sitecustomize``: after registering, this one runs the next
 ``sitecustomize.py`` found on sys.path (e.g. tests/gpu/fp32_shim's or the distribution's), so
 nothing that relied on it is lost. ONECARD_STACK_SIGNAL=0 turns the handler off.
+ONECARD_HOST_TIMING=1 also installs onecard_host_timing (per-step host timing of vLLM's runner).
 """
 import os
 import sys
@@ -44,5 +45,18 @@ def _chain() -> None:
                   file=sys.stderr, flush=True)
 
 
+def _host_timing() -> None:
+    """ONECARD_HOST_TIMING=1: per-step host timing of vLLM's runner (onecard_host_timing.py)."""
+    if os.environ.get("ONECARD_HOST_TIMING", "0") != "1":
+        return
+    try:
+        import onecard_host_timing
+
+        onecard_host_timing.install()
+    except Exception as e:  # noqa: BLE001 - a probe must never stop a job
+        print(f"onecard-stackdump: host timing not installed: {e!r}", file=sys.stderr, flush=True)
+
+
 _register()
+_host_timing()
 _chain()
