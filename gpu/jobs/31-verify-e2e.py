@@ -138,7 +138,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--warmup-tokens", type=int, default=1024)
     ap.add_argument("--json", required=True, type=Path)
     ap.add_argument("--repeats", type=int, default=3,
-                    help="requests per depth (the 2nd on hits the prefix cache); the row kept is "
+                    help="requests per depth (from the 2nd on they hit the prefix cache); the row kept is "
                          "the one with the median server ms/step, every repeat's figure is listed")
     ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     ap.add_argument("--profile-depth", type=int, default=0,

@@ -38,7 +38,7 @@
 # Exit 0 when every arm that ran measured all its depths validly (an arm skipped for time or for a
 # missing drafter does not fail the job; off and mtp-wide1 must run); the mtp goal (verify step
 # <= 1.3x plain step) is printed as MET/MISSED, it does not set the exit.
-# REPEATS (3) requests per depth, the 2nd on hitting the prefix cache: the row kept is the median
+# REPEATS (3) requests per depth (from the 2nd on they hit the prefix cache): the row kept is the median
 # one by server ms/step, every repeat's figure is printed (session 13: one boot's MTP mean moved
 # 1.6 ms against another's; a repeat tells a stall inside one request from the boot's own cost).
 # SAME_TEXT="a=b c=d" prints, per depth, whether those arms' greedy texts are equal (a knob that
