@@ -210,6 +210,17 @@ KV_DTYPES: dict[str, KVDtype] = {
 }
 
 
+def kv_cache_dtype_arg(kv: str) -> str | None:
+    """The --kv-cache-dtype value of a plan's KV ("kvarn" is the default preset's dtype, a
+    "kvarn_<preset>" is passed as it is once the preset is known); None for the model's dtype."""
+    if kv == "kvarn" or kv.startswith("kvarn_"):
+        from onecard.kvarn import format as kvarn_format
+
+        return "kvarn_" + kvarn_format.get_preset(kv if kv != "kvarn" else None).name
+    d = KV_DTYPES.get(kv)
+    return None if d is None or d.name == "auto" else d.name
+
+
 def attn_bytes_per_token(geom: ModelGeometry, kv: str) -> int:
     """Bytes one token occupies in ONE attention layer."""
     if kv == "kvarn" or kv.startswith("kvarn_"):

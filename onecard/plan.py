@@ -190,6 +190,13 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
         plan.set("KV", ctx.kv, "profile", f"CTX={ctx.name}")
     if plan.values["KV"].source != "profile" and ctx.name == "huge":
         raise PlanError("KV cannot be overridden with CTX=huge (KVarN); valid: KV with CTX=fast|long")
+    if "KVARN_PRESET" in plan.values:
+        preset = str(plan.get("KVARN_PRESET"))
+        if plan.get("KV") == "kvarn" and preset != profiles.KNOBS["KVARN_PRESET"].default:
+            plan.set("KV", f"kvarn_{preset}", plan.values["KVARN_PRESET"].source, f"KVARN_PRESET={preset}")
+        elif plan.get("KV") != "kvarn" and plan.values["KVARN_PRESET"].source != "default":
+            plan.notes.append(f"KVARN_PRESET={preset} has no effect with KV={plan.get('KV')} "
+                              f"(valid with KVarN KV: CTX=huge)")
 
     # k
     if spec.name == "off":
@@ -442,7 +449,7 @@ def card_memory(environ: Mapping[str, str], probe: bool = True) -> tuple[int | N
 
 def build_argv(plan: ServePlan, python: str = sys.executable, model_path: str | None = None) -> list[str]:
     v = plan.get
-    kv = memory.KV_DTYPES.get(v("KV"))
+    kv_arg = memory.kv_cache_dtype_arg(str(v("KV")))
     argv = [python, *SERVE_PREFIX, model_path or str(v("MODEL")),
             "--served-model-name", v("SERVED_NAME"),
             "--host", v("HOST"), "--port", str(v("PORT")),
@@ -459,8 +466,8 @@ def build_argv(plan: ServePlan, python: str = sys.executable, model_path: str | 
     tp = int(plan.values["TP"].value) if "TP" in plan.values else 1
     if tp > 1 and _tp_in_extra(list(v("EXTRA_ARGS"))) is None:
         argv += ["--tensor-parallel-size", str(tp)]
-    if kv is not None and kv.name != "auto":
-        argv += ["--kv-cache-dtype", kv.name]
+    if kv_arg is not None:
+        argv += ["--kv-cache-dtype", kv_arg]
     ctx = profiles.CTX_PROFILES[v("CTX")]
     if ctx.attention_backend and v("KV") == ctx.kv:
         argv += ["--attention-backend", ctx.attention_backend]

@@ -56,3 +56,17 @@ def test_decode_skips_arms_without_time(tmp_path, monkeypatch, capsys):
                        "deadline": time.time() + 60, "depths": "8192"})()
     assert mod.decode(a) == 1
     assert "kvarn: skipped" in capsys.readouterr().out
+
+
+def test_job61_quality_reports_the_k4v4_arm(tmp_path, capsys):
+    import json
+    spec = importlib.util.spec_from_file_location("job61q", REPO / "gpu" / "jobs" / "61-kvarn-serve.py")
+    job61 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job61)
+    (tmp_path / "compare.json").write_text(json.dumps({"arms": {
+        "kvarn": {"ppl": 52.28, "base_ppl": 52.05, "delta_ppl_pct": 0.435, "first_divergence_min": 10},
+        "kvarn-v4": {"ppl": 52.1, "delta_ppl_pct": 0.09}}}))
+    import types
+    rc = job61.quality(types.SimpleNamespace(dir=str(tmp_path), max_delta=25))
+    out = capsys.readouterr().out
+    assert rc == 0 and "kvarn k4v4_g128 perplexity 52.1000: +0.090 % vs bf16 (goal <= 0.5 %: MET)" in out

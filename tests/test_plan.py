@@ -276,3 +276,20 @@ def test_explicit_gpu_util_is_passed_beside_a_kv_pin_as_the_boot_free_memory_bar
     argv = make_plan({"CTX": "fast", "GPU_UTIL": "0.2"}, tmp_path).argv
     assert "--kv-cache-memory-bytes" in argv
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.2"
+
+
+def test_kvarn_preset(root, features):
+    default = mk({"CTX": "huge"}, root)
+    a = default.argv
+    assert a[a.index("--kv-cache-dtype") + 1] == "kvarn_k4v2_g128" and default.get("KV") == "kvarn"
+    v4 = mk({"CTX": "huge", "KVARN_PRESET": "k4v4_g128"}, root)
+    a = v4.argv
+    assert a[a.index("--kv-cache-dtype") + 1] == "kvarn_k4v4_g128" and v4.get("KV") == "kvarn_k4v4_g128"
+    # 4-bit V: more bytes per token, so a smaller predicted pool at the same pin
+    assert v4.prediction["pool_tokens"] < default.prediction["pool_tokens"]
+    with pytest.raises(P.PlanError, match="k4v2_g128|k4v4_g128") as e:
+        mk({"CTX": "huge", "KVARN_PRESET": "k8v8"}, root)
+    assert "\n" not in str(e.value)
+    long = mk({"CTX": "long", "KVARN_PRESET": "k4v4_g128"}, root)
+    assert any("KVARN_PRESET=k4v4_g128 has no effect" in n for n in long.notes)
+    assert "kvarn" not in " ".join(long.argv)

@@ -8,7 +8,9 @@
 #     continuations of job 32's 6 texts (gpu/jobs/32-kv-quality.py measure), one needle (~2.2k
 #     tokens) at the default fp16 window 2 (label kvarn); then the same at window 1 (label
 #     kvarn-w1, ONECARD_KVARN_WINDOW=1; KVARN_W1=0 skips it): the two read rules side by side
-#     in one lease; perplexity delta vs bf16 and int8 from job 32's files of this session
+#     in one lease; then the k4v4_g128 preset at window 2 (label kvarn-v4, the launcher's
+#     KVARN_PRESET=k4v4_g128; KVARN_V4=0 skips it; CPU model 2026-12-04: +0.1 % per document);
+#     perplexity delta vs bf16 and int8 from job 32's files of this session
 #     (/var/tmp/out/32-kv-quality; compared after part 2, waiting for job 32 when it runs beside
 #     this one in a `+` group), or a bf16 boot of our own when job 32 did not run (right after
 #     the KVarN server, before part 2: the files are kept if part 2 is cut).
@@ -66,6 +68,16 @@ if [ "${KVARN_W1:-1}" = 1 ]; then  # window 1 (the read rule before 2026-12-04),
     stop_server
   else
     say "kvarn window 1: boot failed"
+  fi
+fi
+if [ "${KVARN_V4:-1}" = 1 ]; then  # the k4v4_g128 preset (launcher KVARN_PRESET=k4v4_g128), window 2
+  if boot kvarn-v4 130 --kv-cache-dtype kvarn_k4v4_g128; then
+    grep -E "KVARN|fp16 window|GPU KV cache size" "$JOB_OUT/server-kvarn-v4.log" | head -3 | cut -c1-200 | tee -a "$summary"
+    timeout -k 5 60 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label kvarn-v4 \
+      --json "$JOB_OUT/kvq-kvarn-v4.json" 2>&1 | tail -2 | tee -a "$summary"
+    stop_server
+  else
+    say "kvarn k4v4_g128: boot failed"; status=1
   fi
 fi
 # --- 1b. the bf16 baseline, before the 27B part (2026-12-03: booted after it, it never ran: the
