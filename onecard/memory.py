@@ -210,23 +210,31 @@ KV_DTYPES: dict[str, KVDtype] = {
 }
 
 
+def kvarn_preset(kv: str):
+    """The KVarN preset (onecard.kvarn.format.Preset) of a plan's KV: "kvarn" is the default
+    preset, "kvarn_<preset>" names one; None for every other KV."""
+    if kv != "kvarn" and not kv.startswith("kvarn_"):
+        return None
+    from onecard.kvarn import format as kvarn_format
+
+    return kvarn_format.get_preset(kv if kv != "kvarn" else None)
+
+
 def kv_cache_dtype_arg(kv: str) -> str | None:
     """The --kv-cache-dtype value of a plan's KV ("kvarn" is the default preset's dtype, a
     "kvarn_<preset>" is passed as it is once the preset is known); None for the model's dtype."""
-    if kv == "kvarn" or kv.startswith("kvarn_"):
-        from onecard.kvarn import format as kvarn_format
-
-        return "kvarn_" + kvarn_format.get_preset(kv if kv != "kvarn" else None).name
+    if (p := kvarn_preset(kv)) is not None:
+        return "kvarn_" + p.name
     d = KV_DTYPES.get(kv)
     return None if d is None or d.name == "auto" else d.name
 
 
 def attn_bytes_per_token(geom: ModelGeometry, kv: str) -> int:
     """Bytes one token occupies in ONE attention layer."""
-    if kv == "kvarn" or kv.startswith("kvarn_"):
+    if (p := kvarn_preset(kv)) is not None:
         from onecard.kvarn import format as kvarn_format
 
-        return kvarn_format.bytes_per_token_layer(geom.num_kv_heads, geom.head_dim, kv if kv != "kvarn" else None)
+        return kvarn_format.bytes_per_token_layer(geom.num_kv_heads, geom.head_dim, p)
     if kv not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv!r}; valid: {', '.join(KV_DTYPES)}")
     return KV_DTYPES[kv].bytes_per_token_layer(geom.num_kv_heads, geom.head_dim)
@@ -276,12 +284,10 @@ def attention_block_size(geom: ModelGeometry, kv: str, num_spec: int = 0, ssm_st
     """Tokens per attention block after vLLM raises it so one page holds a GDN state."""
     per_tok = attn_bytes_per_token(geom, kv)
     align = KERNEL_BLOCK_ALIGN
-    if kv == "kvarn" or kv.startswith("kvarn_"):
-        from onecard.kvarn import format as kvarn_format
-
+    if (p := kvarn_preset(kv)) is not None:
         # a page = whole tiles; the KVARN backend asks vLLM for multiples of 128 (its largest
         # tile) for every preset (kvarn/vllm/kvarn_attn.py PAGE_ALIGN)
-        align = max(128, kvarn_format.get_preset(kv if kv != "kvarn" else None).tile)
+        align = max(128, p.tile)
     return align * cdiv(gdn_state_bytes(geom, num_spec, ssm_state_bytes), align * per_tok)
 
 

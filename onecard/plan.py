@@ -190,13 +190,12 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
         plan.set("KV", ctx.kv, "profile", f"CTX={ctx.name}")
     if plan.values["KV"].source != "profile" and ctx.name == "huge":
         raise PlanError("KV cannot be overridden with CTX=huge (KVarN); valid: KV with CTX=fast|long")
-    if "KVARN_PRESET" in plan.values:
-        preset = str(plan.get("KVARN_PRESET"))
-        if plan.get("KV") == "kvarn" and preset != profiles.KNOBS["KVARN_PRESET"].default:
+    preset = str(plan.get("KVARN_PRESET"))
+    if plan.get("KV") == "kvarn":
+        if preset != profiles.KNOBS["KVARN_PRESET"].default:
             plan.set("KV", f"kvarn_{preset}", plan.values["KVARN_PRESET"].source, f"KVARN_PRESET={preset}")
-        elif plan.get("KV") != "kvarn" and plan.values["KVARN_PRESET"].source != "default":
-            plan.notes.append(f"KVARN_PRESET={preset} has no effect with KV={plan.get('KV')} "
-                              f"(valid with KVarN KV: CTX=huge)")
+    else:
+        _note_kvarn_only(plan, "KVARN_PRESET")
 
     # k
     if spec.name == "off":
@@ -524,9 +523,8 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     # preflight sized the stage for the same value
     if str(plan.get("KV")).startswith("kvarn"):
         plan.child_env["ONECARD_KVARN_WINDOW"] = str(plan.get("KVARN_WINDOW"))
-    elif plan.values["KVARN_WINDOW"].source != "default":
-        plan.notes.append(f"KVARN_WINDOW={plan.get('KVARN_WINDOW')} has no effect with KV={plan.get('KV')} "
-                          f"(valid with KVarN KV: CTX=huge)")
+    else:
+        _note_kvarn_only(plan, "KVARN_WINDOW")
     # The GDN (FLA) Triton kernels are @triton.autotune'd and retune at every boot: on the H200
     # (2026-12-02) each tiny server's profiling run took 80-91 s even with warm compile caches.
     # With this Triton keeps the winners in its cache dir, so only a machine's first boot pays
@@ -563,6 +561,13 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
         if note:
             plan.notes.append(note)
     return plan
+
+
+def _note_kvarn_only(plan: ServePlan, knob: str) -> None:
+    """A KVarN-only knob set explicitly with another KV: a note, not an error."""
+    if plan.values[knob].source != "default":
+        plan.notes.append(f"{knob}={plan.get(knob)} has no effect with KV={plan.get('KV')} "
+                          f"(valid with KVarN KV: CTX=huge)")
 
 
 def kvarn_install_problem(vllm_dir=None) -> str | None:

@@ -204,7 +204,7 @@ def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: mem
         return None, f"target weights {wsrc}", {}
     kv = str(plan.get("KV"))
     stage = 0
-    if kv == "kvarn" or kv.startswith("kvarn_"):
+    if memory.kvarn_preset(kv) is not None:
         stage = memory.kvarn_reserve_bytes(geom, kv, int(plan.get("MAX_SEQS")), attn_layers,
                                            int(plan.get("KVARN_WINDOW")) if "KVARN_WINDOW" in plan.values else None)
     card, _ = _card(plan)
