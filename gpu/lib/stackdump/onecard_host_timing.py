@@ -56,7 +56,6 @@ class Recorder:
         self.cur: dict | None = None
         self.last_start: float | None = None
         self.last_wait_end: float | None = None
-        self.step_start = 0.0
         self.forward_seen = False
 
     def add(self, field: str, ms: float) -> None:
@@ -67,7 +66,6 @@ class Recorder:
         self.finish_step()
         self.cur = {} if self.last_start is None else {"step": 1000 * (now - self.last_start)}
         self.last_start = now
-        self.step_start = now
         self.last_wait_end = None
         self.forward_seen = False
 
@@ -77,7 +75,7 @@ class Recorder:
     def forward_starts(self, now: float) -> None:
         if self.cur is not None and not self.forward_seen:
             self.forward_seen = True
-            self.cur["crit"] = 1000 * (now - (self.last_wait_end or self.step_start))
+            self.cur["crit"] = 1000 * (now - (self.last_wait_end or self.last_start))
 
     def finish_step(self) -> None:
         if self.cur is None:
