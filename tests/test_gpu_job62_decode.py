@@ -70,3 +70,33 @@ def test_job61_quality_reports_the_k4v4_arm(tmp_path, capsys):
     rc = job61.quality(types.SimpleNamespace(dir=str(tmp_path), max_delta=25))
     out = capsys.readouterr().out
     assert rc == 0 and "kvarn k4v4_g128 perplexity 52.1000: +0.090 % vs bf16 (goal <= 0.5 %: MET)" in out
+
+
+def test_prompt_sized_with_the_served_tokenizer(monkeypatch):
+    """The word count comes from the server's /tokenize, not a words-per-token guess: a tokenizer
+    that makes 1.54 tokens per word (session 14's 27B geometry) still gets prompts within 1 %."""
+    import httpx
+
+    mod = _load()
+    calls = []
+
+    class Resp:
+        def __init__(self, n):
+            self.n = n
+
+        def raise_for_status(self):
+            return None
+
+        def json(self):
+            return {"count": self.n}
+
+    def post(url, json=None, timeout=None):
+        calls.append(url)
+        return Resp(int(len(json["prompt"].split()) * 1.54) + 3)
+
+    monkeypatch.setattr(httpx, "post", post)
+    words = ["w"] * 200_000
+    for target in (8192, 32768, 120000):
+        n = mod._words_for_tokens("http://h:1", "m", words, target)
+        assert abs(int(n * 1.54) + 3 - target) <= target // 100
+    assert all(u == "http://h:1/tokenize" for u in calls) and len(calls) <= 12

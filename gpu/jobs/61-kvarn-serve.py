@@ -192,16 +192,34 @@ def _serve(env_over: dict, log_path: Path, deadline: float, measure) -> dict:
     return rec
 
 
+def _words_for_tokens(url: str, model: str, words: list, target: int) -> int:
+    """How many haystack words make `target` prompt tokens with the served tokenizer (vLLM's
+    /tokenize), within 1 %: the words-per-token guess of 0.75 made session 14's "8k" prompt
+    12,641 tokens on the 27B geometry's tokenizer, and its "120k" one too long for CTX=long."""
+    import httpx
+
+    n = min(len(words), int(target * 0.75))
+    for _ in range(4):
+        r = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": " ".join(words[:n])}, timeout=120)
+        r.raise_for_status()
+        count = int(r.json()["count"])
+        if abs(count - target) <= target // 100:
+            break
+        n = min(len(words), max(1, int(n * target / count)))
+    return n
+
+
 def _decode(url: str, model: str, prompt_tokens: int) -> dict:
     from onecard.bench.client import Client
 
     hay = (REPO / "bench" / "prompts" / "haystack.txt").read_text()
-    words = (hay + " ") * (prompt_tokens * 6 // len(hay) + 2)
+    words = ((hay + " ") * (prompt_tokens * 6 // len(hay) + 2)).split()
+    n = _words_for_tokens(url, model, words, prompt_tokens)
     c = Client(url, model, timeout=300)
     res = []
     for i in range(2):  # the first run after a boot reads low: keep the second
         # a fresh prefix each time (no prefix-cache hit): the run index leads the prompt
-        r = c.stream(f"Run {i}. " + " ".join(words.split()[: int(prompt_tokens * 0.75)]), 128,
+        r = c.stream(f"Run {i}. " + " ".join(words[:n]), 128,
                      {"temperature": 0.0, "ignore_eos": True}, keep_text=False)
         res.append(r)
     c.close()

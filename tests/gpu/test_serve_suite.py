@@ -103,14 +103,20 @@ def prefix_cache_hits(server) -> float | None:
 
 @pytest.mark.uses("off")
 def test_off_greedy_is_deterministic(servers):
+    # The first pass computes every prompt cold; the later ones hit the prefix cache, a
+    # different bf16 computation, so they may flip a near-tie of the first pass's logits (job
+    # 10, session 14: prompt 1 at position 36, the 1-ulp tie SPEC=mtp also meets there). Asking
+    # for logprobs must not change the tokens beyond that either.
     s = servers.get("off")
-    first, second = greedy(s), greedy(s)
-    third = greedy(s, logprobs=True)      # asking for logprobs must not change the tokens
-    servers.cache["off"] = third
+    first = greedy(s, logprobs=True)
+    second, third = greedy(s), greedy(s, logprobs=True)
+    servers.cache["off"] = first
     servers.record["off_greedy"] = ids(first)
-    for i, (a, b, c) in enumerate(zip(ids(first), ids(second), ids(third))):
-        assert a == b, f"prompt {i}: greedy differs between two passes: {a} vs {b}"
-        assert a == c, f"prompt {i}: greedy with logprobs differs: {a} vs {c}"
+    for name, other in (("second pass (cached prefix)", second), ("pass with logprobs", third)):
+        verdicts = judge_all(ids(first), ids(other), tops(first), "bfloat16")
+        lines, bad = summarize(f"SPEC=off {name} vs first pass, bf16", verdicts)
+        say("\n".join(lines))
+        assert not bad, f"SPEC=off {name} differs beyond bf16 near-ties:\n" + "\n".join(lines)
     # Random weights, but scaled so greedy output is varied, not one token repeated.
     assert all(len(set(x)) > 4 for x in ids(first)), ids(first)
 
