@@ -27,6 +27,8 @@ def test_decode_table_and_ratio(tmp_path, monkeypatch, capsys):
     def fake_launch(env, log, deadline, need_health):
         launched.append(env["CTX"])
         assert env["SPEC"] == "off" and "--enforce-eager" not in env["EXTRA_ARGS"]
+        Path(log).write_text("".join(f"x [onecard host timing] steps {i}-{i + 39} (median ms): step 28.0\n"
+                                     for i in (1, 41, 81, 121)))
         return ({"healthy": True, "pool_tokens": 1000, "prediction": {"pool_tokens": 1000},
                  "values": {"SERVED_NAME": {"value": "m"}}, "boot_s": 1.0}, None, "http://x")
 
@@ -44,6 +46,9 @@ def test_decode_table_and_ratio(tmp_path, monkeypatch, capsys):
     rec = json.loads((tmp_path / "o" / "decode.json").read_text())
     assert rec["depths"] == [8192, 32768] and rec["kvarn"]["decode"]["8192"]["decode_tps"] == 20.0
     assert "provenance" in rec
+    # the probe's last three windows per arm, in the summary and the JSON
+    assert "kvarn: [onecard host timing] steps 121-160 (median ms): step 28.0" in out
+    assert rec["int8"]["host_timing"][0].startswith("steps 41-80") and len(rec["kvarn"]["host_timing"]) == 3
 
 
 def test_decode_skips_arms_without_time(tmp_path, monkeypatch, capsys):

@@ -324,6 +324,15 @@ def decode(a) -> int:
         recs[arm] = rec
         print(f"{arm}: pool {rec.get('pool_tokens')} (predicted {(rec.get('prediction') or {}).get('pool_tokens')}), "
               f"boot {rec.get('boot_s')} s" + (f" ERROR {rec['error']}" if rec.get("error") else ""), flush=True)
+        log = out / f"server-decode-{arm}.log"
+        # the engine core's per-step host timing (ONECARD_HOST_TIMING=1, set by 62-kvarn-decode.sh):
+        # the last windows are the deepest prompt's decode; where KVarN's flat ~28 ms/token goes
+        probe = [ln.split("[onecard host timing]", 1)[1].strip() for ln in
+                 (log.read_text(errors="replace").splitlines() if log.exists() else [])
+                 if "[onecard host timing] steps" in ln]
+        for ln in probe[-3:]:
+            print(f"{arm}: [onecard host timing] {ln}", flush=True)
+        rec["host_timing"] = probe[-3:]
         write_json(out / "decode.json", recs)
     print("| depth | KVarN tok/s | int8 tok/s | KVarN / int8 |")
     print("|---|---|---|---|")

@@ -19,6 +19,9 @@ SRC=$(python3 -c 'import importlib.util as u; print(list(u.find_spec("vllm").sub
 timeout 60 python3 "$H" setup --src "${SRC:-/var/tmp/site/vllm}" --site /var/tmp/site-kvarn 2>&1 | tee -a "$summary"
 if [ "${PIPESTATUS[0]}" != 0 ]; then say "FAIL: kvarn install into /var/tmp/site-kvarn"; exit 1; fi
 export PYTHONPATH="$(pwd):/var/tmp/site-kvarn:${PYTHONPATH:-/var/tmp/site}"
+# per-step host timing in both servers' engine cores (gpu/lib/stackdump/onecard_host_timing.py);
+# the driver copies each arm's last window medians into the summary
+export ONECARD_HOST_TIMING=${ONECARD_HOST_TIMING:-1} ONECARD_HOST_TIMING_EVERY=${ONECARD_HOST_TIMING_EVERY:-40}
 T0=$(date +%s)
 timeout -k 10 570 python3 "$H" decode --out "$JOB_OUT" --models "$MODELS" --deadline $(( T0 + 560 )) \
   --depths "${DEPTHS:-8192,32768,120000}" 2>&1 | tee -a "$summary"
