@@ -129,8 +129,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          "as ONECARD_KVARN_WINDOW", ("1", "2")),
     Knob("KVARN_PRESET", "k4v2_g128", "k4v2_g128|k4v4_g128|k4v2_g64", "KVarN KV (CTX=huge) bit widths and "
          "group: k4v2_g128 (default; 4-bit K, 2-bit V, the largest pool) or k4v4_g128 (4-bit V: SmolLM2 ppl "
-         "+0.1 % vs +0.5-0.6 % per document on the CPU model, ~20 % fewer pool tokens; docs/results/"
-         "2026-12-04-s13/cpu-variants); the server gets --kv-cache-dtype kvarn_<preset>",
+         "-0.015 % vs bf16 served on a GPU, k4v2_g128 +0.55 % in the same run; ~20 % fewer pool tokens; "
+         "docs/measurements.md, 2026-12-04 session 14); the server gets --kv-cache-dtype kvarn_<preset>",
          ("k4v2_g128", "k4v4_g128", "k4v2_g64")),
     Knob("WARMUP", "1", "0|1", "1: once the server answers /health the launcher's detached helper sends a few "
          "greedy and sampled requests, so the first real request does not compile vLLM's Triton kernels "
