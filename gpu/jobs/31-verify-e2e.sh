@@ -128,6 +128,17 @@ if [ ! -f "$M/config.json" ]; then
   exit 0
 fi
 
+# A second run on a warm machine writes into the same JOB_OUT: move the earlier run's arm files
+# aside (kept, packed with the rest) so the table and its ratios only use arms of this run
+# (session 14: a lone d2k7 run took its 'vs off' ratio from the previous run's off.json).
+shopt -s nullglob
+earlier=("$JOB_OUT"/*.json "$JOB_OUT"/server-*.log "$JOB_OUT"/prof-* "$JOB_OUT"/table.tx[t])
+shopt -u nullglob
+if [ ${#earlier[@]} -gt 0 ]; then
+  prev="$JOB_OUT/earlier-$(date -u +%H%M%S)"
+  mkdir -p "$prev" && mv "${earlier[@]}" "$prev/" && say "moved ${#earlier[@]} file(s) of an earlier run to $prev"
+fi
+
 status=0
 ran=""
 skipped=""
