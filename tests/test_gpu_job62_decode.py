@@ -64,10 +64,7 @@ def test_decode_skips_arms_without_time(tmp_path, monkeypatch, capsys):
 
 
 def test_job61_quality_reports_the_k4v4_arm(tmp_path, capsys):
-    import json
-    spec = importlib.util.spec_from_file_location("job61q", REPO / "gpu" / "jobs" / "61-kvarn-serve.py")
-    job61 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job61)
+    job61 = _load()
     (tmp_path / "compare.json").write_text(json.dumps({"arms": {
         "kvarn": {"ppl": 52.28, "base_ppl": 52.05, "delta_ppl_pct": 0.435, "first_divergence_min": 10},
         "kvarn-v4": {"ppl": 52.1, "delta_ppl_pct": 0.09}}}))
