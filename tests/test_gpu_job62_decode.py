@@ -1,5 +1,6 @@
-"""Job 62's driver (61-kvarn-serve.py decode) without a GPU: both arms' boots and requests are
-faked; what is checked is the arm order, the per-depth rows, the ratio table and the JSON."""
+"""Job 62's driver (61-kvarn-serve.py decode) without a GPU: the arms' boots and requests are
+faked; what is checked is the arm order and environment, the per-depth rows, the ratio table,
+the text comparison and the JSON."""
 import importlib.util
 import json
 import sys
@@ -25,26 +26,33 @@ def test_decode_table_and_ratio(tmp_path, monkeypatch, capsys):
     launched = []
 
     def fake_launch(env, log, deadline, need_health):
-        launched.append(env["CTX"])
+        launched.append((env["CTX"], env["ONECARD_KVARN_GRAPHS"]))
         assert env["SPEC"] == "off" and "--enforce-eager" not in env["EXTRA_ARGS"]
         Path(log).write_text("".join(f"x [onecard host timing] steps {i}-{i + 39} (median ms): step 28.0\n"
-                                     for i in (1, 41, 81, 121)))
+                                     for i in (1, 41, 81, 121))
+                             + "WARNING x CUDAGraphMode.FULL_AND_PIECEWISE ...; setting cudagraph_mode=PIECEWISE\n")
         return ({"healthy": True, "pool_tokens": 1000, "prediction": {"pool_tokens": 1000},
                  "values": {"SERVED_NAME": {"value": "m"}}, "boot_s": 1.0}, None, "http://x")
 
-    speed = {"huge": 20.0, "long": 25.0}
+    speed = {("huge", "1"): 40.0, ("huge", "0"): 20.0, ("long", "1"): 25.0}
     monkeypatch.setattr(mod, "_launch", fake_launch)
     monkeypatch.setattr(mod, "_decode", lambda url, model, d: {
         "ok": True, "error": None, "prompt_tokens": d, "completion_tokens": 128, "ttft_s": 0.5,
-        "decode_tps": speed[launched[-1]], "first_run_decode_tps": 1.0})
+        "decode_tps": speed[launched[-1]], "first_run_decode_tps": 1.0,
+        "text_sha256": "same" if launched[-1][0] == "huge" else "other"})
     a = type("A", (), {"out": str(tmp_path / "o"), "models": str(tmp_path / "models"),
-                       "deadline": time.time() + 1000, "depths": "8192,32768"})()
+                       "deadline": time.time() + 1000, "depths": "8192,32768",
+                       "arms": mod.DECODE_ARMS})()
     assert mod.decode(a) == 0
-    assert launched == ["huge", "long"]
+    assert launched == [("huge", "1"), ("huge", "0"), ("long", "1")]
     out = capsys.readouterr().out
-    assert "| 8192 | 20.0 | 25.0 | 0.800 |" in out and "| 32768 | 20.0 | 25.0 | 0.800 |" in out
+    assert "| depth | kvarn tok/s | kvarn-pw tok/s | int8 tok/s | kvarn / int8 | kvarn-pw / int8 | " \
+           "kvarn / kvarn-pw | kvarn text == kvarn-pw |" in out
+    assert "| 8192 | 40.0 | 20.0 | 25.0 | 1.600 | 0.800 | 2.000 | SAME |" in out
+    assert "| 32768 | 40.0 | 20.0 | 25.0 | 1.600 | 0.800 | 2.000 | SAME |" in out
+    assert "kvarn-pw: WARNING x CUDAGraphMode.FULL_AND_PIECEWISE" in out
     rec = json.loads((tmp_path / "o" / "decode.json").read_text())
-    assert rec["depths"] == [8192, 32768] and rec["kvarn"]["decode"]["8192"]["decode_tps"] == 20.0
+    assert rec["depths"] == [8192, 32768] and rec["kvarn"]["decode"]["8192"]["decode_tps"] == 40.0
     assert "provenance" in rec
     # the probe's last three windows per arm, in the summary and the JSON
     assert "kvarn: [onecard host timing] steps 121-160 (median ms): step 28.0" in out
@@ -58,9 +66,21 @@ def test_decode_skips_arms_without_time(tmp_path, monkeypatch, capsys):
     (tmp_path / "m" / "qwen38-27b-geom" / "config.json").write_text("{}")
     monkeypatch.setattr(mod, "_launch", lambda *a: (_ for _ in ()).throw(AssertionError("no boot")))
     a = type("A", (), {"out": str(tmp_path / "o"), "models": str(tmp_path / "m"),
-                       "deadline": time.time() + 60, "depths": "8192"})()
+                       "deadline": time.time() + 60, "depths": "8192", "arms": "kvarn:huge:1,int8:long:1"})()
     assert mod.decode(a) == 1
     assert "kvarn: skipped" in capsys.readouterr().out
+
+
+def test_decode_arms_are_validated():
+    mod = _load()
+    assert mod.parse_arms("a:huge:1, b:long:0") == [("a", "huge", "1"), ("b", "long", "0")]
+    for bad in ("a:huge", "a:tiny:1", "a:huge:2", "a:huge:1,a:long:1", ""):
+        try:
+            mod.parse_arms(bad)
+        except ValueError as e:
+            assert "valid" in str(e) or "distinct" in str(e)
+        else:
+            raise AssertionError(bad)
 
 
 def test_job61_quality_reports_the_k4v4_arm(tmp_path, capsys):

@@ -184,7 +184,8 @@ from onecard.kvarn import reference as R
 torch.manual_seed(0)
 DT, D, H, HQ, T, BS = GEOMETRY
 cfg = types.SimpleNamespace(cache_config=types.SimpleNamespace(cache_dtype=DT),
-                            scheduler_config=types.SimpleNamespace(max_num_seqs=2))
+                            scheduler_config=types.SimpleNamespace(max_num_seqs=2),
+                            compilation_config=types.SimpleNamespace(max_cudagraph_capture_size=PAD))
 builder = KvarnMetadataBuilder(types.SimpleNamespace(block_size=BS), ["l0"], cfg, torch.device("cpu"))
 impl = KvarnAttentionImpl(HQ, D, D ** -0.5, H, kv_cache_dtype=DT)
 shape = KvarnAttentionBackend.get_kv_cache_shape(8, BS, H, D, "auto")  # preset from the impl
@@ -192,6 +193,7 @@ kv_cache = torch.randint(0, 256, shape, dtype=torch.uint8)
 layer = torch.nn.Module()
 bt = torch.tensor([[3, 5, 2, 0], [6, 1, 7, 0]], dtype=torch.int32)
 prefill_jobs = 0
+decode_steps, ptrs = 0, set()
 K = [torch.zeros(0, H, D) for _ in range(2)]
 V = [torch.zeros(0, H, D) for _ in range(2)]
 errs = []
@@ -206,13 +208,22 @@ for step in STEPS:
         K[r] = torch.cat([K[r][:c], k[cu[-1]:cu[-1] + m].float()])
         V[r] = torch.cat([V[r][:c], v[cu[-1]:cu[-1] + m].float()])
         cu.append(cu[-1] + m)
-    cam = types.SimpleNamespace(num_reqs=2, seq_lens=torch.tensor([c + m for c, m in step]),
-                                query_start_loc_cpu=torch.tensor(cu), block_table_tensor=bt,
-                                num_actual_tokens=n)
+    seq_lens, qsl, btab, nact = [c + m for c, m in step], list(cu), bt, n
+    if PAD and ql == [1, 1]:  # a FULL-graph decode batch as vLLM pads it: empty requests, tokens
+        seq_lens += [0] * (PAD - 2)
+        qsl += [n] * (PAD - 2)
+        btab = torch.cat([bt, torch.zeros(PAD - 2, bt.shape[1], dtype=bt.dtype)])
+        nact = PAD
+    cam = types.SimpleNamespace(num_reqs=len(seq_lens), seq_lens=torch.tensor(seq_lens),
+                                query_start_loc_cpu=torch.tensor(qsl), block_table_tensor=btab,
+                                num_actual_tokens=nact)
     md = builder.build(0, cam)
     prefill_jobs += len(md.plan.prefill)
-    out = torch.full((n + 3, HQ * D), float("nan"), dtype=torch.bfloat16)  # padded like vLLM
-    pad = lambda x: torch.cat([x.reshape(n, -1), torch.zeros(3, x[0].numel(), dtype=x.dtype)])
+    if md.decode is not None:
+        decode_steps += 1
+        ptrs.add(md.decode.seq_lens.data_ptr())
+    out = torch.full((nact + 3, HQ * D), float("nan"), dtype=torch.bfloat16)  # padded like vLLM
+    pad = lambda x: torch.cat([x.reshape(n, -1), torch.randn(nact - n + 3, x[0].numel()).to(x.dtype)])
     impl.forward(layer, pad(q), pad(k), pad(v), kv_cache, md, output=out)
     for r, (c, m) in enumerate(step):
         s = c + m
@@ -227,18 +238,24 @@ for step in STEPS:
 print("JSON" + json.dumps({"errs": errs, "shape": list(shape), "prefill_jobs": prefill_jobs,
                           "finite": bool(torch.isfinite(out[:n]).all()),
                           "window": builder.planner.window, "slots": builder.planner.num_slots,
-                          "impl_slots": impl.num_slots}))
+                          "impl_slots": impl.num_slots, "decode_steps": decode_steps,
+                          "buffers": len(ptrs),
+                          "cg": KvarnMetadataBuilder.get_cudagraph_support(cfg, None).name}))
 """
 
 
-def _run_glue(site, geometry: str, steps: str, window: str | None = None) -> dict:
+def _run_glue(site, geometry: str, steps: str, window: str | None = None, pad: int = 0,
+              graphs: str | None = None) -> dict:
     vdir = site / "vllm"
     assert kin.main(["--vllm-dir", str(vdir)]) == 0
     env = {**os.environ, "PYTHONPATH": f"{site}:{REPO}", "TRITON_INTERPRET": "1"}
     env.pop(fmt.WINDOW_ENV, None)
+    env.pop("ONECARD_KVARN_GRAPHS", None)
     if window is not None:
         env[fmt.WINDOW_ENV] = window
-    script = _GLUE.replace("GEOMETRY", geometry).replace("STEPS", steps)
+    if graphs is not None:
+        env["ONECARD_KVARN_GRAPHS"] = graphs
+    script = _GLUE.replace("GEOMETRY", geometry).replace("STEPS", steps).replace("PAD", str(pad))
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                        cwd=site, timeout=900)
     line = [l for l in r.stdout.splitlines() if l.startswith("JSON")]
@@ -252,7 +269,7 @@ def test_backend_glue_against_reference(site):
     chosen through the server's environment (ONECARD_KVARN_WINDOW=1: 3 x 2 + 4 stage slots)."""
     out = _run_glue(site, '"kvarn_k4v2_g64", 64, 2, 4, 64, 128',
                     "([(0, 150), (0, 40)], [(150, 1), (40, 4)], [(151, 4), (42, 16)])", window="1")
-    assert (out["window"], out["slots"], out["impl_slots"]) == (1, 10, 28)  # impl: no config, 8 seqs
+    assert (out["window"], out["slots"], out["impl_slots"]) == (1, 9, 28)  # impl: no config, 8 seqs
     assert out["shape"] == [8, 2, 2, fmt.get_preset("k4v2_g64").layout(64).block_bytes]
     assert out["prefill_jobs"] == 2  # 150 and 40 queries: the prefill kernel
     assert out["finite"] and max(out["errs"]) < 3e-2, out["errs"]  # bf16 output rounding
@@ -267,8 +284,31 @@ def test_backend_long_prefill_in_chunks_against_reference(site):
     out = _run_glue(site, '"kvarn_k4v2_g128", 64, 4, 24, 128, 256',
                     "([(0, 256), (0, 40)], [(256, 256), (40, 1)], [(512, 188), (41, 1)],"
                     " [(700, 1), (42, 1)])")
-    assert (out["window"], out["slots"], out["impl_slots"]) == (2, 14, 44)  # impl: no config, 8 seqs
+    assert (out["window"], out["slots"], out["impl_slots"]) == (2, 13, 44)  # impl: no config, 8 seqs
     assert out["prefill_jobs"] == 4  # chunks 256, 40, 256, 188; the decodes stay split-KV
+    assert out["finite"] and max(out["errs"]) < 3e-2, out["errs"]
+
+
+def test_backend_decode_rows_across_tile_boundaries_padded_like_a_full_graph(site):
+    """Single-token decode batches take the CUDA-graph-safe decode rows (fixed-size persistent
+    buffers, one pseudo-sequence per token): padded as vLLM pads a FULL-graph batch (two empty
+    requests and two tokens past the last request), across the steps where tile 0 of one
+    request and tile 1 of the other fill and get packed (the pack job padded with block -1)
+    at fp16 window 1, so the next queries read the tile that the decode path packed: equals the
+    float64 reference under the read rule."""
+    out = _run_glue(site, '"kvarn_k4v2_g64", 64, 2, 4, 64, 128',
+                    "([(0, 126), (0, 62)], [(126, 1), (62, 1)], [(127, 1), (63, 1)],"
+                    " [(128, 1), (64, 1)], [(129, 1), (65, 1)])", pad=4, window="1")
+    assert out["decode_steps"] == 4 and out["buffers"] == 1  # one persistent buffer, every step
+    assert out["cg"] == "UNIFORM_SINGLE_TOKEN_DECODE"
+    assert out["finite"] and max(out["errs"]) < 3e-2, out["errs"]
+
+
+def test_backend_graphs_off_is_never(site):
+    """ONECARD_KVARN_GRAPHS=0: the builder reports no CUDA-graph support (vLLM runs piecewise)."""
+    out = _run_glue(site, '"kvarn_k4v2_g64", 64, 2, 4, 64, 128', "([(0, 3), (0, 2)], [(3, 1), (2, 1)])",
+                    graphs="0")
+    assert out["cg"] == "NEVER" and out["decode_steps"] == 1
     assert out["finite"] and max(out["errs"]) < 3e-2, out["errs"]
 
 

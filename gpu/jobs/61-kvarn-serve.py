@@ -220,13 +220,16 @@ def _decode(url: str, model: str, prompt_tokens: int) -> dict:
     for i in range(2):  # the first run after a boot reads low: keep the second
         # a fresh prefix each time (no prefix-cache hit): the run index leads the prompt
         r = c.stream(f"Run {i}. " + " ".join(words[:n]), 128,
-                     {"temperature": 0.0, "ignore_eos": True}, keep_text=False)
+                     {"temperature": 0.0, "ignore_eos": True}, keep_text=True)
         res.append(r)
     c.close()
     r = res[-1]
+    import hashlib
+
     return {"ok": r.ok, "error": r.error, "prompt_tokens": r.prompt_tokens,
             "completion_tokens": r.completion_tokens, "ttft_s": r.ttft, "decode_tps": r.decode_tps,
-            "first_run_decode_tps": res[0].decode_tps}
+            "first_run_decode_tps": res[0].decode_tps, "prompt_words": n,
+            "text_sha256": hashlib.sha256(r.text.encode()).hexdigest()[:16], "text_head": r.text[:80]}
 
 
 def _geometry_run(a, json_name: str):
@@ -295,17 +298,38 @@ def huge(a) -> int:
     return status
 
 
+DECODE_ARMS = "kvarn:huge:1,kvarn-pw:huge:0,int8:long:1"
+
+
+def parse_arms(text: str) -> list[tuple[str, str, str]]:
+    """'label:ctx:graphs,...' (graphs: ONECARD_KVARN_GRAPHS, 1 or 0) -> [(label, ctx, graphs)]."""
+    arms = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        parts = item.split(":")
+        if len(parts) != 3 or parts[1] not in ("huge", "long", "fast") or parts[2] not in ("0", "1") \
+                or not parts[0]:
+            raise ValueError(f"decode arm {item!r} is not valid; valid: label:huge|long|fast:0|1")
+        arms.append((parts[0], parts[1], parts[2]))
+    if len({a[0] for a in arms}) != len(arms) or not arms:
+        raise ValueError(f"decode arms {text!r}: labels must be distinct and at least one given")
+    return arms
+
+
 def decode(a) -> int:
     """Timing (run alone): C1 plain decode (SPEC=off, CUDA graphs) on the 27B geometry, KVarN
-    (CTX=huge) against int8 per-token-head (CTX=long), at each depth; the ratio per depth."""
+    (CTX=huge; full decode graphs, and with ONECARD_KVARN_GRAPHS=0 piecewise only) against int8
+    per-token-head (CTX=long), at each depth; the ratios per depth."""
     out, geom = _geometry_run(a, "decode.json")
     if geom is None:
         return 1
     depths = [int(x) for x in a.depths.split(",") if x.strip()]
+    arms = parse_arms(a.arms)
     common = {"MODEL": str(geom), "GDN_PREFILL": "triton", "HOST": "127.0.0.1", "TOOLS": "0",
               "SPEC": "off", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "EXTRA_ARGS": "--seed 0"}
-    recs: dict = {"depths": depths}
-    for arm, ctx in (("kvarn", "huge"), ("int8", "long")):
+    recs: dict = {"depths": depths, "arms": [list(x) for x in arms]}
+    for arm, ctx, graphs in arms:
         if a.deadline - time.time() < 150:
             print(f"{arm}: skipped ({a.deadline - time.time():.0f} s left, a 27B boot needs ~150 s)")
             continue
@@ -320,7 +344,8 @@ def decode(a) -> int:
                       f"decode {r.get('decode_tps') or 0:.1f} tok/s (first run {r.get('first_run_decode_tps') or 0:.1f})"
                       + (f" ERROR {r['error']}" if r.get("error") else ""), flush=True)
 
-        rec = _serve({**common, "CTX": ctx}, out / f"server-decode-{arm}.log", a.deadline - 20, measure)
+        rec = _serve({**common, "CTX": ctx, "ONECARD_KVARN_GRAPHS": graphs},
+                     out / f"server-decode-{arm}.log", a.deadline - 20, measure)
         recs[arm] = rec
         print(f"{arm}: pool {rec.get('pool_tokens')} (predicted {(rec.get('prediction') or {}).get('pool_tokens')}), "
               f"boot {rec.get('boot_s')} s" + (f" ERROR {rec['error']}" if rec.get("error") else ""), flush=True)
@@ -333,16 +358,39 @@ def decode(a) -> int:
         for ln in probe[-3:]:
             print(f"{arm}: [onecard host timing] {ln}", flush=True)
         rec["host_timing"] = probe[-3:]
+        # how vLLM resolved CUDA graphs for this arm (its warnings and capture lines)
+        graph_lines = [ln.strip()[-220:] for ln in
+                       (log.read_text(errors="replace").splitlines() if log.exists() else [])
+                       if "cudagraph_mode" in ln or "Capturing CUDA graph" in ln
+                       or "decode CUDA graphs" in ln or "Graph capturing finished" in ln]
+        rec["graph_log"] = graph_lines[-6:]
+        for ln in graph_lines[-4:]:
+            print(f"{arm}: {ln}", flush=True)
         write_json(out / "decode.json", recs)
-    print("| depth | KVarN tok/s | int8 tok/s | KVarN / int8 |")
-    print("|---|---|---|---|")
+    labels = [x[0] for x in arms]
+
+    def tps(label, d):
+        return (((recs.get(label) or {}).get("decode") or {}).get(str(d)) or {}).get("decode_tps")
+
+    def sha(label, d):
+        return (((recs.get(label) or {}).get("decode") or {}).get(str(d)) or {}).get("text_sha256")
+
+    ratios = [(x, y) for x, y in (("kvarn", "int8"), ("kvarn-pw", "int8"), ("kvarn", "kvarn-pw"))
+              if x in labels and y in labels]
+    print("| depth | " + " | ".join(f"{x} tok/s" for x in labels) + "".join(f" | {x} / {y}" for x, y in ratios)
+          + (" | kvarn text == kvarn-pw |" if {"kvarn", "kvarn-pw"} <= set(labels) else " |"))
+    print("|---" * (1 + len(labels) + len(ratios) + ({"kvarn", "kvarn-pw"} <= set(labels))) + "|")
     ok = True
     for d in depths:
-        k = ((recs.get("kvarn") or {}).get("decode") or {}).get(str(d)) or {}
-        i = ((recs.get("int8") or {}).get("decode") or {}).get(str(d)) or {}
-        kt, it = k.get("decode_tps"), i.get("decode_tps")
-        ok &= bool(kt and it)
-        print(f"| {d} | {kt or 0:.1f} | {it or 0:.1f} | {(kt / it) if kt and it else float('nan'):.3f} |")
+        vals = [tps(x, d) for x in labels]
+        ok &= all(vals)
+        cells = [f"{v or 0:.1f}" for v in vals]
+        for x, y in ratios:
+            vx, vy = tps(x, d), tps(y, d)
+            cells.append(f"{vx / vy:.3f}" if vx and vy else "-")
+        if {"kvarn", "kvarn-pw"} <= set(labels):
+            cells.append("SAME" if sha("kvarn", d) and sha("kvarn", d) == sha("kvarn-pw", d) else "DIFFERENT")
+        print(f"| {d} | " + " | ".join(cells) + " |")
     from onecard.bench import provenance
 
     recs["provenance"] = provenance.build(
@@ -376,6 +424,8 @@ def main(argv: list[str]) -> int:
     d.add_argument("--out", required=True)
     d.add_argument("--models", default=os.environ.get("MODELS", "/var/tmp/models"))
     d.add_argument("--deadline", type=float, required=True)
+    d.add_argument("--arms", default=os.environ.get("ARMS62", DECODE_ARMS),
+                   help="label:huge|long|fast:graphs(0|1),... (env ARMS62)")
     d.add_argument("--depths", default="8192,32768,120000",
                    help="prompt tokens per row (CTX=long's MAX_LEN 124,928 bounds the int8 arm)")
     a = ap.parse_args(argv)

@@ -20,13 +20,23 @@ the same for all paths: a query reads its fp16 window (its own tile, and with th
 window 2 the previous tile too; ONECARD_KVARN_WINDOW=1|2, the launcher's KVARN_WINDOW) in fp16,
 the sink fp16, older tiles quantized.
 
+CUDA graphs: uniform single-token decode batches (UNIFORM_SINGLE_TOKEN_DECODE; vLLM then
+captures the whole decode step, GDN layers included, with FULL_AND_PIECEWISE). For such a batch
+the builder lays the plan out in fixed-size persistent device buffers (stage.decode_rows: one
+pseudo-sequence per token, padding rows empty, pack jobs padded with block -1, unstaged rows to
+a trash stage row -- the planner keeps the stage's last slot for it), so the captured kernels
+replay with the next step's plan. Other batches (prefill, verify, mixed) run eagerly inside
+piecewise graphs. ONECARD_KVARN_GRAPHS=0 turns the full graphs off (support NEVER: piecewise
+only, the behaviour before 2026-12-04). The builder still reads seq_lens and the block table on
+the host (two syncs per step).
+
 Limits (one-line errors): decoder self-attention only; no sliding window, ALiBi, soft cap,
-KV sharing, sinks, or fp8 output quantization. CUDA graphs: never (attention runs eager inside
-piecewise graphs); the builder reads seq_lens and the block table on the host (two syncs).
+KV sharing, sinks, or fp8 output quantization.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -57,6 +67,14 @@ PAGE_ALIGN = 128  # block sizes are multiples of the largest tile
 # format.prefill_scratch_bytes (~137 MiB at 24 q / 4 kv heads of 256, counted in onecard.memory).
 MAX_TOKENS_PER_LAUNCH = 1024
 _ACTIVE: dict[str, str] = {}  # "cache_dtype": the kvarn dtype of this process
+GRAPHS_ENV = "ONECARD_KVARN_GRAPHS"  # 1 (default): full CUDA graphs for decode; 0: piecewise only
+
+
+def graphs_enabled() -> bool:
+    val = os.environ.get(GRAPHS_ENV, "1").strip()
+    if val not in ("0", "1"):
+        raise ValueError(f"{GRAPHS_ENV}={val!r} is not valid; valid: 0, 1")
+    return val == "1"
 
 
 def is_kvarn(cache_dtype: str | None) -> bool:
@@ -144,28 +162,64 @@ class KvarnAttentionBackend(AttentionBackend):
 
 
 @dataclass
+class KvarnDecodeRows:
+    """A decode step's plan in persistent device buffers (views of the builder's, fixed
+    addresses: what a captured CUDA graph reads). Fields as stage.DECODE_FIELDS, [num_tokens]
+    (cu_seqlens_q [num_tokens + 1]); stage_dst int64 [num_tokens]."""
+
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    packed_tiles: torch.Tensor
+    sink_rows: torch.Tensor
+    tail_rows: torch.Tensor
+    prev_rows: torch.Tensor
+    pack_rows: torch.Tensor
+    pack_blocks: torch.Tensor
+    stage_dst: torch.Tensor
+
+
+@dataclass
 class KvarnMetadata(AttentionMetadata):
-    plan: kvarn_stage.StepPlan  # on the device
-    block_table: torch.Tensor  # [pseudo-sequences, pages]
+    plan: kvarn_stage.StepPlan  # on the device (on the host for a decode-rows step)
+    block_table: torch.Tensor  # [pseudo-sequences, pages] ([requests, pages] for decode rows)
     num_actual_tokens: int
     tiles_per_page: int
     cu_cpu: list  # the plan's cu_seqlens_q on the host (launch grouping)
     req_block_table: torch.Tensor | None = None  # [requests, pages] (prefill jobs' rows)
+    decode: KvarnDecodeRows | None = None  # set: the CUDA-graph-safe decode path
 
 
 class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        return cls._cudagraph_support if graphs_enabled() else AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.preset = kvarn_format.get_preset(vllm_config.cache_config.cache_dtype)
         self.tiles_per_page = kv_cache_spec.block_size // self.preset.tile
         window = kvarn_format.window_from_env()
-        self.planner = kvarn_stage.StagePlanner(
-            self.preset, kvarn_stage.default_num_slots(vllm_config.scheduler_config.max_num_seqs, window),
-            self.tiles_per_page, window=window)
-        logger.info_once("KVarN %s: fp16 window %d tile(s) per query, %d stage slots per layer",
-                         self.preset.cache_dtype, window, self.planner.num_slots)
+        max_seqs = vllm_config.scheduler_config.max_num_seqs
+        stage_slots = kvarn_stage.default_num_slots(max_seqs, window)
+        # the stage's last slot is the trash row of decode rows (never planned)
+        self.planner = kvarn_stage.StagePlanner(self.preset, stage_slots - 1, self.tiles_per_page,
+                                                window=window)
+        self.trash_row = (stage_slots - 1) * self.preset.tile
+        comp = getattr(vllm_config, "compilation_config", None)
+        # decode rows only without speculation (a verify batch is never single-token uniform, so
+        # vLLM runs it piecewise anyway; a drafter's builds stay on the general path)
+        spec = getattr(vllm_config, "speculative_config", None) is not None
+        self.decode_capacity = 0 if spec else max(
+            int(max_seqs), int(getattr(comp, "max_cudagraph_capture_size", 0) or 0))
+        self._rows_i32 = torch.zeros((len(kvarn_stage.DECODE_FIELDS), self.decode_capacity + 1),
+                                     dtype=torch.int32, device=device)
+        self._rows_dst = torch.zeros(self.decode_capacity, dtype=torch.int64, device=device)
+        logger.info_once("KVarN %s: fp16 window %d tile(s) per query, %d stage slots per layer "
+                         "(one is the decode trash row); decode CUDA graphs %s",
+                         self.preset.cache_dtype, window, stage_slots,
+                         "on" if graphs_enabled() else f"off ({GRAPHS_ENV}=0)")
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvarnMetadata:
@@ -173,6 +227,12 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         n = cam.num_reqs
         seq = cam.seq_lens[:n].to("cpu").tolist()  # exact lengths (async spec-decode safe)
         qsl = cam.query_start_loc_cpu[: n + 1].tolist()
+        q_lens = [qsl[i + 1] - qsl[i] for i in range(n)]
+        # A uniform decode batch (vLLM pads a FULL-graph batch with requests of no query and
+        # seq_len 0 and with tokens past the last request): the fixed-size decode rows.
+        if 0 < cam.num_actual_tokens <= self.decode_capacity and max(q_lens, default=0) == 1 \
+                and all(q_lens[r] == 0 or (qsl[r] == r and seq[r] >= 1) for r in range(n)):
+            return self._build_decode(cam, n, seq, q_lens)
         ctx = [s - (qsl[i + 1] - qsl[i]) for i, s in enumerate(seq)]
         bt_cpu = cam.block_table_tensor[:n].to("cpu")
         cols = {r: self.planner.tile_cols(ctx[r], seq[r]) for r in range(n)}
@@ -184,6 +244,29 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         return KvarnMetadata(plan=dev_plan, block_table=bt, num_actual_tokens=cam.num_actual_tokens,
                              tiles_per_page=self.tiles_per_page, cu_cpu=plan.cu_seqlens_q.tolist(),
                              req_block_table=cam.block_table_tensor[:n])
+
+    def _build_decode(self, cam: CommonAttentionMetadata, n: int, seq: list, q_lens: list
+                      ) -> KvarnMetadata:
+        act = [r for r in range(n) if q_lens[r] == 1]  # request r's token is token r
+        ctx = [seq[r] - 1 for r in act]
+        sq = [seq[r] for r in act]
+        bt_cpu = cam.block_table_tensor[:n].to("cpu")[act]
+        cols = {i: self.planner.tile_cols(ctx[i], sq[i]) for i in range(len(act))}
+        tb = kvarn_stage.tile_block_ids(bt_cpu, cols, self.tiles_per_page)
+        plan = self.planner.plan(ctx, sq, act, tb, null_page_blocks=self.tiles_per_page,
+                                 prefill_min_q=kvarn_stage.MAX_QUERY_LEN + 1)
+        nt = cam.num_actual_tokens
+        i32, dst = kvarn_stage.decode_rows(plan, nt, self.decode_capacity, self.trash_row)
+        # one copy each, stream-ordered after the previous step's kernels that read the buffers
+        self._rows_i32.copy_(i32, non_blocking=True)
+        self._rows_dst.copy_(dst, non_blocking=True)
+        f = {name: self._rows_i32[i] for i, name in enumerate(kvarn_stage.DECODE_FIELDS)}
+        rows = KvarnDecodeRows(
+            cu_seqlens_q=f["cu_seqlens_q"][: nt + 1],
+            **{name: f[name][:nt] for name in kvarn_stage.DECODE_FIELDS if name != "cu_seqlens_q"},
+            stage_dst=self._rows_dst[:nt])
+        return KvarnMetadata(plan=plan, block_table=cam.block_table_tensor, num_actual_tokens=nt,
+                             tiles_per_page=self.tiles_per_page, cu_cpu=[], decode=rows)
 
 
 class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
@@ -231,6 +314,9 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         stage_k, stage_v = self._stage(layer, query.device)  # allocated in the profile run
         if attn_metadata is None:
             return output
+        if attn_metadata.decode is not None:
+            return self._forward_decode(query, key, value, kv_cache, attn_metadata, output,
+                                        stage_k, stage_v)
         n = attn_metadata.num_actual_tokens
         plan = attn_metadata.plan
         if n == 0 or plan.num_tokens == 0:
@@ -243,11 +329,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                                f"valid: query_start_loc_cpu[-1] == num_actual_tokens")
         h, d = self.num_kv_heads, self.head_size
         tpp = attn_metadata.tiles_per_page
-        if kv_cache.shape[1] != tpp or kv_cache.stride(0) != tpp * kv_cache.stride(1):
-            raise NotImplementedError(f"KVarN cache layout {tuple(kv_cache.shape)} strides "
-                                      f"{kv_cache.stride()} is not valid; valid: contiguous pages "
-                                      f"of {tpp} tiles")
-        cache = kv_cache.flatten(0, 1)
+        cache = self._cache_view(kv_cache, tpp)
         hn = kvarn_kernels._hadamard(d, query.device)
         k_rot = (key[:n].reshape(-1, d).float() @ hn).to(torch.float16).view(n, h, d)
         v_rot = (value[:n].reshape(-1, d).float() @ hn).to(torch.float16).view(n, h, d)
@@ -261,4 +343,36 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
             preset=self.preset, tiles_per_page=tpp, attention_rows=kvarn_kernels.kvarn_attention_rows,
             prefill=kvarn_kernels.kvarn_prefill, max_tokens_per_launch=MAX_TOKENS_PER_LAUNCH,
             cu_cpu=attn_metadata.cu_cpu, key_rot=k_rot, val_rot=v_rot)
+        return output
+
+    @staticmethod
+    def _cache_view(kv_cache: torch.Tensor, tpp: int) -> torch.Tensor:
+        if kv_cache.shape[1] != tpp or kv_cache.stride(0) != tpp * kv_cache.stride(1):
+            raise NotImplementedError(f"KVarN cache layout {tuple(kv_cache.shape)} strides "
+                                      f"{kv_cache.stride()} is not valid; valid: contiguous pages "
+                                      f"of {tpp} tiles")
+        return kv_cache.flatten(0, 1)
+
+    def _forward_decode(self, query, key, value, kv_cache, md: KvarnMetadata, output,
+                        stage_k, stage_v):
+        """The decode-rows path: fixed launches over ``num_actual_tokens`` rows whose contents
+        live in the builder's persistent buffers (replayable by a captured CUDA graph)."""
+        rows = md.decode
+        n = md.num_actual_tokens
+        h, d = self.num_kv_heads, self.head_size
+        cache = self._cache_view(kv_cache, md.tiles_per_page)
+        hn = kvarn_kernels._hadamard(d, query.device)
+        k_rot = (key[:n].reshape(-1, d).float() @ hn).to(torch.float16).view(n, h, d)
+        v_rot = (value[:n].reshape(-1, d).float() @ hn).to(torch.float16).view(n, h, d)
+        stage_k.index_copy_(0, rows.stage_dst, k_rot)  # unstaged rows go to the trash row
+        stage_v.index_copy_(0, rows.stage_dst, v_rot)
+        kvarn_kernels.kvarn_pack_rows(stage_k, stage_v, cache, src_rows=rows.pack_rows,
+                                      blocks=rows.pack_blocks, preset=self.preset)
+        kvarn_kernels.kvarn_attention_rows(
+            query[:n].view(n, self.num_heads, d), cache, stage_k, stage_v,
+            output[:n].view(n, self.num_heads, d), cu_seqlens_q=rows.cu_seqlens_q,
+            seq_lens=rows.seq_lens, packed_tiles=rows.packed_tiles, sink_rows=rows.sink_rows,
+            tail_rows=rows.tail_rows, ring=self.preset.tile, prev_rows=rows.prev_rows,
+            block_table=md.block_table, max_query_len=1, softmax_scale=self.scale,
+            preset=self.preset, tiles_per_page=md.tiles_per_page)
         return output

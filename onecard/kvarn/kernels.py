@@ -49,6 +49,12 @@ def _hadamard(d: int, device) -> torch.Tensor:
     return _H[key]
 
 
+def _byte_storage(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's whole storage as a flat uint8 tensor (no host-to-device copy: safe while a
+    CUDA graph is being captured)."""
+    return torch.empty(0, dtype=torch.uint8, device=cache.device).set_(cache.untyped_storage())
+
+
 @triton.jit
 def _dot(a, b, DOT_F32: tl.constexpr):
     # Triton's CPU interpreter mis-multiplies 16-bit operands; CPU tensors set DOT_F32.
@@ -76,11 +82,14 @@ def _kvarn_pack_kernel(
 ):
     # stage_* are fp16 rows [R, Hkv, D]: job j packs rows [src_row[j], src_row[j] + TILE) into
     # block block[j]; when sink_row[j] >= 0 the rows are also copied to [sink_row[j], + TILE).
+    # A job with block < 0 is padding (a CUDA-graph decode plan of fixed size): it does nothing.
     job = tl.program_id(0)
     kvh = tl.program_id(1)
+    blk = tl.load(block_ptr + job).to(tl.int64)
+    if blk < 0:
+        return
     row0 = tl.load(src_row_ptr + job).to(tl.int64)
     sink0 = tl.load(sink_row_ptr + job).to(tl.int64)
-    blk = tl.load(block_ptr + job).to(tl.int64)
     offs_t = tl.arange(0, TILE)
     offs_d = tl.arange(0, HEAD_DIM)
     src = (row0 + offs_t)[:, None] * stride_s_row + kvh * stride_s_head + offs_d[None, :]
@@ -182,7 +191,8 @@ def kvarn_pack_rows(rows_k: torch.Tensor, rows_v: torch.Tensor, cache: torch.Ten
                     preset: str | Preset | None = None) -> None:
     """Pack full tiles from fp16 rotated rows ``rows_*`` [R, Hkv, D]: job j reads rows
     [src_rows[j], src_rows[j] + tile) and writes block ``blocks[j]`` of ``cache``; where
-    ``sink_rows[j] >= 0`` the same rows are copied to [sink_rows[j], + tile) (the fp16 sink)."""
+    ``sink_rows[j] >= 0`` the same rows are copied to [sink_rows[j], + tile) (the fp16 sink).
+    A job with ``blocks[j] < 0`` is skipped (padding of a fixed-size CUDA-graph plan)."""
     p = get_preset(preset)
     if rows_k.dim() != 3 or rows_v.shape != rows_k.shape or rows_k.dtype != torch.float16 \
             or rows_v.dtype != torch.float16 or rows_k.stride() != rows_v.stride() \
@@ -197,7 +207,7 @@ def kvarn_pack_rows(rows_k: torch.Tensor, rows_v: torch.Tensor, cache: torch.Ten
         return
     if sink_rows is None:
         sink_rows = torch.full_like(src_rows, -1)
-    storage = torch.tensor([], dtype=torch.uint8, device=cache.device).set_(cache.untyped_storage())
+    storage = _byte_storage(cache)
     c16 = storage.view(torch.float16)
     # byte offsets relative to the storage start
     _kvarn_pack_kernel[(n, nkv)](
@@ -485,7 +495,7 @@ def kvarn_attention_rows(
     part_o = torch.empty((num_tokens, num_q_heads, parts, d), dtype=torch.float32, device=q.device)
     part_m = torch.empty((num_tokens, num_q_heads, parts), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
-    storage = torch.tensor([], dtype=torch.uint8, device=cache.device).set_(cache.untyped_storage())
+    storage = _byte_storage(cache)
     c16 = storage.view(torch.float16)
     _kvarn_attn_split_kernel[(num_seqs, nkv, parts)](
         q_rot, storage[cache.storage_offset():], c16[cache.storage_offset() // 2:],
@@ -783,7 +793,7 @@ def kvarn_prefill(
     query_group = max(1, int(query_group))
     hn = _hadamard(d, q.device)
     rows_per = max(1, 4096 // hq)  # rotate / un-rotate in slices (bounded fp32 temporaries)
-    storage = torch.tensor([], dtype=torch.uint8, device=cache.device).set_(cache.untyped_storage())
+    storage = _byte_storage(cache)
     c16 = storage.view(torch.float16)
     cache_u8, cache_f16 = storage[cache.storage_offset():], c16[cache.storage_offset() // 2:]
     consts = _layout_consts(layout)

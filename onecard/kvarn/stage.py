@@ -304,6 +304,47 @@ class StagePlanner:
         return sl
 
 
+# Rows of the fixed-size decode plan (``decode_rows``): int32 fields, in this order.
+DECODE_FIELDS = ("cu_seqlens_q", "seq_lens", "packed_tiles", "sink_rows", "tail_rows", "prev_rows",
+                 "pack_rows", "pack_blocks")
+
+
+def decode_rows(plan: StepPlan, num_tokens: int, rows: int, trash_row: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's plan (every query alone, one pseudo-sequence per token) laid out in
+    fixed-size host arrays, so that a CUDA graph captured for ``num_tokens`` tokens replays it:
+    pseudo-sequence j is token j (it reads block-table row j), tokens without one (graph
+    padding, null-page dummies) get an empty sequence (seq_len 0, one query that sees nothing),
+    and rows past ``num_tokens`` stay empty too. Returns (int32 [len(DECODE_FIELDS), rows + 1],
+    int64 [rows]: the stage row each token's rotated K/V goes to, ``trash_row`` where nothing
+    is staged). Pack jobs fill the first entries of pack_rows / pack_blocks; the rest have block
+    -1 (skipped by the pack kernel). Raises ValueError for a plan that is not a decode step."""
+    if plan.prefill or plan.pack_new_rows.numel() or num_tokens > rows \
+            or plan.cu_seqlens_q.numel() - 1 != len(plan.seq_tok0) \
+            or any(int(b) - int(a) != 1 for a, b in zip(plan.cu_seqlens_q[:-1], plan.cu_seqlens_q[1:])):
+        raise ValueError(f"KVarN decode rows need a plan of single-query pseudo-sequences within "
+                         f"{rows} rows; valid: a uniform decode batch (one token per request)")
+    f = {name: i for i, name in enumerate(DECODE_FIELDS)}
+    i32 = torch.zeros((len(DECODE_FIELDS), rows + 1), dtype=torch.int32)
+    i32[f["cu_seqlens_q"]] = torch.arange(rows + 1, dtype=torch.int32)
+    for name in ("sink_rows", "tail_rows", "prev_rows", "pack_blocks"):
+        i32[f[name]] = -1
+    tok = torch.tensor(plan.seq_tok0, dtype=torch.int64)
+    if tok.numel():
+        if int(tok.max()) >= num_tokens or tok.unique().numel() != tok.numel():
+            raise ValueError(f"KVarN decode rows: token indices {plan.seq_tok0} are not valid; "
+                             f"valid: distinct, below {num_tokens}")
+        for name in ("seq_lens", "packed_tiles", "sink_rows", "tail_rows", "prev_rows"):
+            i32[f[name], tok] = getattr(plan, name).to(torch.int32)
+    n_pack = plan.pack_stage_rows.numel()
+    i32[f["pack_rows"], :n_pack] = plan.pack_stage_rows.to(torch.int32)
+    i32[f["pack_blocks"], :n_pack] = plan.pack_stage_blocks.to(torch.int32)
+    dst = torch.full((rows,), int(trash_row), dtype=torch.int64)
+    if plan.stage_src.numel():
+        dst[plan.stage_src] = plan.stage_dst
+    return i32, dst
+
+
 def tile_block_ids(block_table_cpu: torch.Tensor, cols: dict, tiles_per_page: int) -> dict:
     """Block ids of tiles from a host copy of the block table: ``cols`` maps request row ->
     tiles. A page of ``tiles_per_page`` tiles is that many consecutive cache blocks."""
