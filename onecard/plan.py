@@ -135,6 +135,24 @@ def parse_int(text: str, name: str, lo: int, hi: int) -> int:
     return v
 
 
+def parse_prefill_launch(text: str) -> str:
+    """PREFILL_LAUNCH: 'stock' or BLOCK_M:TILE:WARPS:STAGES (the rules of patch 0083's
+    onecard_parse_prefill_launch, checked here before the boot)."""
+    text = text.strip()
+    if text == "stock":
+        return text
+    valid = ("valid: stock, or BLOCK_M:TILE:WARPS:STAGES with BLOCK_M and TILE powers of two in "
+             "16..256, WARPS 2|4|8|16, STAGES 1..5 (e.g. 64:64:8:2)")
+    try:
+        bm, tile, warps, stages = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise PlanError(f"PREFILL_LAUNCH={text!r} is not valid; {valid}") from None
+    pow2 = lambda x: 16 <= x <= 256 and x & (x - 1) == 0  # noqa: E731
+    if not (pow2(bm) and pow2(tile) and warps in (2, 4, 8, 16) and 1 <= stages <= 5):
+        raise PlanError(f"PREFILL_LAUNCH={text!r} is not valid; {valid}")
+    return text
+
+
 def parse_choice(text: str, knob: profiles.Knob) -> str:
     if text not in knob.choices:
         shown = "|".join(c if c else "''" for c in knob.choices)
@@ -171,6 +189,8 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
             plan.set(name, v.strip(), src)
             if k.choices:
                 parse_choice(v.strip(), k)
+            elif name == "PREFILL_LAUNCH":
+                parse_prefill_launch(v)
     unknown = sorted(n for n in dot if n not in profiles.KNOBS and n.isupper() and not n.startswith(("HF_", "VLLM_", "CUDA_")))
     if unknown:
         plan.notes.append(f".env sets {', '.join(unknown)}, which is not a launcher knob (valid: {', '.join(profiles.KNOBS)})")
@@ -519,12 +539,17 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     plan.child_env["ONECARD_WIDE_VERIFY"] = str(plan.get("WIDE_VERIFY"))
     # GDN_SHARED_META's only reader is patch 0082 (gdn_attn.py, ONECARD_GDN_SHARED_META)
     plan.child_env["ONECARD_GDN_SHARED_META"] = str(plan.get("GDN_SHARED_META"))
+    # PREFILL_LAUNCH's only reader is patch 0083 (triton_unified_attention.py), checked in resolve
+    plan.child_env["ONECARD_PREFILL_LAUNCH"] = str(plan.get("PREFILL_LAUNCH"))
     # KVARN_WINDOW's reader is the KVarN backend (onecard.kvarn.format.window_from_env); the
     # preflight sized the stage for the same value
     if str(plan.get("KV")).startswith("kvarn"):
         plan.child_env["ONECARD_KVARN_WINDOW"] = str(plan.get("KVARN_WINDOW"))
+        # KVARN_GRAPHS's reader is the KVarN backend's builder (get_cudagraph_support)
+        plan.child_env["ONECARD_KVARN_GRAPHS"] = str(plan.get("KVARN_GRAPHS"))
     else:
         _note_kvarn_only(plan, "KVARN_WINDOW")
+        _note_kvarn_only(plan, "KVARN_GRAPHS")
     # The GDN (FLA) Triton kernels are @triton.autotune'd and retune at every boot: on the H200
     # (2026-12-02) each tiny server's profiling run took 80-91 s even with warm compile caches.
     # With this Triton keeps the winners in its cache dir, so only a machine's first boot pays

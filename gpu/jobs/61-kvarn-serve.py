@@ -301,17 +301,20 @@ def huge(a) -> int:
 DECODE_ARMS = "kvarn:huge:1,kvarn-pw:huge:0,int8:long:1"
 
 
-def parse_arms(text: str) -> list[tuple[str, str, str]]:
-    """'label:ctx:graphs,...' (graphs: ONECARD_KVARN_GRAPHS, 1 or 0) -> [(label, ctx, graphs)]."""
+def parse_arms(text: str) -> list[tuple[str, str, str, str]]:
+    """'label:ctx:graphs[:BLOCK_M:TILE:WARPS:STAGES],...' (graphs: KVARN_GRAPHS, 1 or 0; the
+    optional four numbers: the launcher's PREFILL_LAUNCH, patch 0083) ->
+    [(label, ctx, graphs, prefill_launch)] ('stock' when not given)."""
     arms = []
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
         parts = item.split(":")
-        if len(parts) != 3 or parts[1] not in ("huge", "long", "fast") or parts[2] not in ("0", "1") \
-                or not parts[0]:
-            raise ValueError(f"decode arm {item!r} is not valid; valid: label:huge|long|fast:0|1")
-        arms.append((parts[0], parts[1], parts[2]))
+        if len(parts) not in (3, 7) or parts[1] not in ("huge", "long", "fast") or parts[2] not in ("0", "1") \
+                or not parts[0] or not all(p.isdigit() for p in parts[3:]):
+            raise ValueError(f"decode arm {item!r} is not valid; valid: "
+                             f"label:huge|long|fast:0|1[:BLOCK_M:TILE:WARPS:STAGES]")
+        arms.append((parts[0], parts[1], parts[2], ":".join(parts[3:]) or "stock"))
     if len({a[0] for a in arms}) != len(arms) or not arms:
         raise ValueError(f"decode arms {text!r}: labels must be distinct and at least one given")
     return arms
@@ -329,7 +332,7 @@ def decode(a) -> int:
     common = {"MODEL": str(geom), "GDN_PREFILL": "triton", "HOST": "127.0.0.1", "TOOLS": "0",
               "SPEC": "off", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "EXTRA_ARGS": "--seed 0"}
     recs: dict = {"depths": depths, "arms": [list(x) for x in arms]}
-    for arm, ctx, graphs in arms:
+    for arm, ctx, graphs, launch in arms:
         if a.deadline - time.time() < 150:
             print(f"{arm}: skipped ({a.deadline - time.time():.0f} s left, a 27B boot needs ~150 s)")
             continue
@@ -344,7 +347,7 @@ def decode(a) -> int:
                       f"decode {r.get('decode_tps') or 0:.1f} tok/s (first run {r.get('first_run_decode_tps') or 0:.1f})"
                       + (f" ERROR {r['error']}" if r.get("error") else ""), flush=True)
 
-        rec = _serve({**common, "CTX": ctx, "ONECARD_KVARN_GRAPHS": graphs},
+        rec = _serve({**common, "CTX": ctx, "KVARN_GRAPHS": graphs, "PREFILL_LAUNCH": launch},
                      out / f"server-decode-{arm}.log", a.deadline - 20, measure)
         recs[arm] = rec
         print(f"{arm}: pool {rec.get('pool_tokens')} (predicted {(rec.get('prediction') or {}).get('pool_tokens')}), "
@@ -391,6 +394,15 @@ def decode(a) -> int:
         if {"kvarn", "kvarn-pw"} <= set(labels):
             cells.append("SAME" if sha("kvarn", d) and sha("kvarn", d) == sha("kvarn-pw", d) else "DIFFERENT")
         print(f"| {d} | " + " | ".join(cells) + " |")
+
+    def ttft(label, d):
+        return (((recs.get(label) or {}).get("decode") or {}).get(str(d)) or {}).get("ttft_s")
+
+    print("TTFT (s), the same requests (the second run of each depth):")
+    print("| depth | " + " | ".join(f"{x} TTFT s" for x in labels) + " |")
+    print("|---" * (1 + len(labels)) + "|")
+    for d in depths:
+        print(f"| {d} | " + " | ".join(f"{ttft(x, d):.2f}" if ttft(x, d) else "-" for x in labels) + " |")
     from onecard.bench import provenance
 
     recs["provenance"] = provenance.build(
@@ -425,7 +437,7 @@ def main(argv: list[str]) -> int:
     d.add_argument("--models", default=os.environ.get("MODELS", "/var/tmp/models"))
     d.add_argument("--deadline", type=float, required=True)
     d.add_argument("--arms", default=os.environ.get("ARMS62", DECODE_ARMS),
-                   help="label:huge|long|fast:graphs(0|1),... (env ARMS62)")
+                   help="label:huge|long|fast:graphs(0|1)[:BLOCK_M:TILE:WARPS:STAGES],... (env ARMS62)")
     d.add_argument("--depths", default="8192,32768,120000",
                    help="prompt tokens per row (CTX=long's MAX_LEN 124,928 bounds the int8 arm)")
     a = ap.parse_args(argv)

@@ -1,0 +1,78 @@
+"""PREFILL_LAUNCH and KVARN_GRAPHS: launcher knobs that reach the server only as environment
+variables (ONECARD_PREFILL_LAUNCH, read by patch 0083; ONECARD_KVARN_GRAPHS, read by the KVarN
+backend); bad values are refused before the boot with one line naming what is valid."""
+import importlib.util
+import types
+
+import pytest
+
+from onecard import plan as P
+from onecard import profiles
+
+
+def mk(env, root):
+    return P.make_plan(env, root, python="python3")
+
+
+@pytest.fixture
+def kvarn_installed(tmp_path, monkeypatch):
+    d = tmp_path / "fakevllm"
+    d.mkdir()
+    from onecard.kvarn.installer import marker_text
+
+    for name, marker in profiles.FEATURE_MARKERS.items():
+        (d / marker).write_text(marker_text() if name == "kvarn" else "1")
+    fake = types.SimpleNamespace(submodule_search_locations=[str(d)])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: fake)
+
+
+def test_prefill_launch_default_stock_and_env_only(tmp_path):
+    stock = mk({"CTX": "long", "SPEC": "off"}, tmp_path)
+    assert stock.child_env["ONECARD_PREFILL_LAUNCH"] == "stock"
+    tuned = mk({"CTX": "long", "SPEC": "off", "PREFILL_LAUNCH": " 64:64:8:2 "}, tmp_path)
+    assert tuned.child_env["ONECARD_PREFILL_LAUNCH"] == "64:64:8:2" and tuned.argv == stock.argv
+
+
+@pytest.mark.parametrize("bad", ["64:64:8", "48:64:8:2", "64:512:8:2", "64:64:3:2", "64:64:8:0", "fast", "auto"])
+def test_prefill_launch_bad_value_one_line(tmp_path, bad):
+    with pytest.raises(P.PlanError) as exc:
+        mk({"PREFILL_LAUNCH": bad}, tmp_path)
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith("PREFILL_LAUNCH=") and "valid: stock, or BLOCK_M:TILE" in msg
+
+
+def test_launcher_and_patch_parsers_agree():
+    """The launcher's check and patch 0083's parser (read from the patch file) accept and refuse
+    the same values."""
+    from pathlib import Path
+
+    text = (Path(P.__file__).resolve().parent.parent / "patches" / "0083-prefill-launch.patch").read_text()
+    body = text[text.index("+def onecard_parse_prefill_launch"):text.index("+ONECARD_PREFILL_LAUNCH =")]
+    src = "\n".join(ln[1:] for ln in body.splitlines())
+    ns: dict = {}
+    exec(src, ns)  # noqa: S102 - the patch's own function, from this repository
+    for v in ("stock", "16:16:2:1", "64:64:8:2", "256:256:16:5", "128:32:4:3", "64:64:8", "32:48:4:2",
+              "512:64:8:2", "64:64:1:2", "64:64:8:6", "x", "8:64:8:2"):
+        try:
+            ours = P.parse_prefill_launch(v) == v
+        except P.PlanError:
+            ours = False
+        try:
+            ns["onecard_parse_prefill_launch"](v)
+            theirs = True
+        except ValueError:
+            theirs = False
+        assert ours == theirs, v
+
+
+def test_kvarn_graphs_passed_with_huge_only(tmp_path, kvarn_installed):
+    huge = mk({"CTX": "huge", "SPEC": "off"}, tmp_path)
+    assert huge.child_env["ONECARD_KVARN_GRAPHS"] == "1"
+    off = mk({"CTX": "huge", "SPEC": "off", "KVARN_GRAPHS": "0"}, tmp_path)
+    assert off.child_env["ONECARD_KVARN_GRAPHS"] == "0" and off.argv == huge.argv
+    long_ = mk({"CTX": "long", "SPEC": "off", "KVARN_GRAPHS": "0"}, tmp_path)
+    assert "ONECARD_KVARN_GRAPHS" not in long_.child_env
+    assert any("KVARN_GRAPHS=0 has no effect" in n for n in long_.notes)
+    with pytest.raises(P.PlanError) as exc:
+        mk({"CTX": "huge", "KVARN_GRAPHS": "yes"}, tmp_path)
+    assert "\n" not in str(exc.value) and "0|1" in str(exc.value)

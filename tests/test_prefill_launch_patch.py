@@ -1,0 +1,158 @@
+"""Patch 0083 (ONECARD_PREFILL_LAUNCH): vLLM's unified_attention prefill launch with another
+BLOCK_M / KV tile / warps / stages computes the same attention. CPU, TRITON_INTERPRET=1 (a child
+process: Triton must be imported with the interpreter on): a mixed batch (a 70-token prefill
+chunk over a 60-token paged prefix, a decode, a 66-token chunk from position 0), 12 query / 2 KV
+heads (6 per KV head, as the 27B), fp16 queries, int8 per-token-head and unquantized caches in
+pages of 48 tokens, against the float64 reference over the dequantized cache; the fallback when a
+launch does not fit the GPU; the parser's one-line errors."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from onecard import patching
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def series_view(vllm_dir, tmp_path_factory):
+    return patching.overlay(vllm_dir, tmp_path_factory.mktemp("prefill-launch"))
+
+
+_CODE = r'''
+import triton.backends as _tb
+for _name, _b in _tb.backends.items():
+    if _b.driver is not None:
+        _b.driver.is_active = staticmethod(lambda n=_name: n == "nvidia")
+import torch
+import vllm.v1.attention.ops.triton_unified_attention as U
+from vllm.v1.kv_cache_interface import KVQuantMode
+
+g = torch.Generator().manual_seed(5)
+nq, nkv, hs, bs, nb = 12, 2, 32, 48, 12
+ctx, q_lens = [60, 29, 0], [70, 1, 66]
+seq = [c + q for c, q in zip(ctx, q_lens)]
+perm = torch.randperm(nb - 1, generator=g) + 1
+bt = torch.zeros(3, 4, dtype=torch.int32)
+i = 0
+for s, L in enumerate(seq):
+    n = -(-L // bs)
+    bt[s, :n] = perm[i:i + n].to(torch.int32)
+    i += n
+kf = torch.randn(nb, bs, nkv, hs, generator=g) * 1.5 + 0.3
+vf = torch.randn(nb, bs, nkv, hs, generator=g)
+ks = kf.abs().amax(-1) / 127
+vs = vf.abs().amax(-1) / 127
+k8 = (kf / ks[..., None]).round().clamp(-127, 127).to(torch.int8)
+v8 = (vf / vs[..., None]).round().clamp(-127, 127).to(torch.int8)
+q = (torch.randn(sum(q_lens), nq, hs, generator=g) * 1.2).half()
+cu = torch.tensor([0, 70, 71, 137], dtype=torch.int32)
+sl = torch.tensor(seq, dtype=torch.int32)
+
+
+def reference(kd, vd):
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for s in range(3):
+        pos = torch.arange(seq[s])
+        kk = kd[bt[s, pos // bs].long(), pos % bs].double()   # [L, nkv, hs]
+        vv = vd[bt[s, pos // bs].long(), pos % bs].double()
+        for j in range(q_lens[s]):
+            t = int(cu[s]) + j
+            p = ctx[s] + j
+            for h in range(nq):
+                sc = (kk[: p + 1, h // (nq // nkv)] @ q[t, h].double()) * hs ** -0.5
+                w = torch.softmax(sc, 0)
+                out[t, h] = w @ vv[: p + 1, h // (nq // nkv)]
+    return out
+
+
+def run(mode):
+    out = torch.full_like(q, float("nan"))
+    kw = {}
+    if mode == "int8":
+        kc, vc = k8, v8
+        kw = dict(kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD, k_scale_cache=ks, v_scale_cache=vs)
+    else:
+        kc, vc = kf.half(), vf.half()
+    U.unified_attention(q=q, k=kc, v=vc, out=out, cu_seqlens_q=cu, max_seqlen_q=70, seqused_k=sl,
+                        max_seqlen_k=max(seq), softmax_scale=hs ** -0.5, causal=True,
+                        window_size=(-1, -1), block_table=bt, softcap=0, q_descale=None,
+                        k_descale=None, v_descale=None, **kw)
+    return out
+
+
+refs = {"int8": reference(k8.float() * ks[..., None], v8.float() * vs[..., None]),
+        "fp16": reference(kf.half().float(), vf.half().float())}
+for launch in ("stock", "32:32:4:2", "64:16:8:1", "16:64:4:3"):
+    U.ONECARD_PREFILL_LAUNCH = U.onecard_parse_prefill_launch(launch)
+    for mode in ("int8", "fp16"):
+        out = run(mode)
+        err = float((out.double() - refs[mode]).abs().max() / refs[mode].abs().max())
+        print("LAUNCH", launch, mode, "ERR", err, flush=True)
+        assert torch.isfinite(out).all() and err < 5e-3, (launch, mode, err)
+
+# a launch that does not fit: OutOfResources at its first call -> dropped, vLLM's launch runs
+real = U.kernel_unified_attention
+seen = []
+
+
+class OutOfResources(Exception):
+    pass
+
+
+class Fake:
+    def __getitem__(self, grid):
+        def call(**kw):
+            seen.append(kw["BLOCK_M"])
+            if kw["BLOCK_M"] == 64:
+                raise OutOfResources("shared memory, Required: 200000, Hardware limit: 101376")
+            return real[grid](**kw)
+        return call
+
+
+U.kernel_unified_attention = Fake()
+U.ONECARD_PREFILL_LAUNCH = U.onecard_parse_prefill_launch("64:64:8:2")
+out = run("int8")
+err = float((out.double() - refs["int8"]).abs().max() / refs["int8"].abs().max())
+assert err < 5e-3 and seen == [64, 16], (seen, err)
+out = run("int8")  # remembered: straight to vLLM's launch
+assert seen == [64, 16, 16], seen
+assert len(U._ONECARD_LAUNCH_FAILED) == 1
+print("FALLBACK OK", flush=True)
+
+for bad in ("64:64:8", "48:64:8:2", "64:64:3:2", "64:64:8:9", "fast"):
+    try:
+        U.onecard_parse_prefill_launch(bad)
+    except ValueError as e:
+        assert "valid:" in str(e) and "\n" not in str(e), e
+    else:
+        raise AssertionError(bad)
+assert U.onecard_parse_prefill_launch(None) is None and U.onecard_parse_prefill_launch(" stock ") is None
+print("OK")
+'''
+
+
+def test_prefill_launch_matches_reference_and_falls_back(series_view):
+    env = {**os.environ, "PYTHONPATH": f"{series_view}{os.pathsep}{REPO}", "TRITON_INTERPRET": "1"}
+    env.pop("ONECARD_PREFILL_LAUNCH", None)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_CODE)], env=env, capture_output=True,
+                          text=True, timeout=900, cwd=str(series_view))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len([ln for ln in lines if ln.startswith("LAUNCH ")]) == 8, proc.stdout[-3000:]
+    assert "FALLBACK OK" in lines and lines[-1] == "OK"
+
+
+def test_bad_env_value_fails_at_import(series_view):
+    env = {**os.environ, "PYTHONPATH": f"{series_view}{os.pathsep}{REPO}", "ONECARD_PREFILL_LAUNCH": "64:64"}
+    proc = subprocess.run([sys.executable, "-c", "import vllm.v1.attention.ops.triton_unified_attention"],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=str(series_view))
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: ONECARD_PREFILL_LAUNCH='64:64' is not valid; valid:"), last
