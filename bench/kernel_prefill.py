@@ -33,8 +33,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-DEFAULT_LAUNCHES = ("stock,32:32:4:2,32:64:8:2,32:128:8:2,64:32:8:2,64:64:8:2,64:64:4:2,64:64:8:3,"
-                    "128:32:8:2,128:64:8:2,128:64:8:1")
+# sm86 (RTX 3090) fit by scripts/prefill_launch_smem.py (2026-12-04): both dtypes fit with 32:32:4:2,
+# 32:64:8:2, 64:32:8:2, 64:32:4:2, 64:64:8:1, 128:32:8:1; int8 only with 64:64:8:2, 128:32:8:2
+DEFAULT_LAUNCHES = ("stock,32:32:4:2,32:64:8:2,64:32:8:2,64:32:4:2,64:64:8:1,128:32:8:1,64:64:8:2,"
+                    "128:32:8:2,32:128:8:2,128:64:8:2")
 NQ, NKV, HS, PAGE, CHUNK = 24, 4, 256, 1552, 8192
 SM86_SMEM = 101_376
 

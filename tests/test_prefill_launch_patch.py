@@ -156,3 +156,22 @@ def test_bad_env_value_fails_at_import(series_view):
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ValueError: ONECARD_PREFILL_LAUNCH='64:64' is not valid; valid:"), last
+
+
+def test_smem_script_compiles_for_sm86(series_view):
+    """scripts/prefill_launch_smem.py compiles launches for a 3090 (sm86) without a GPU and
+    reports their shared memory; 128:64:8:2 on bf16 cannot fit (> 101,376 bytes)."""
+    env = {**os.environ, "PYTHONPATH": f"{series_view}{os.pathsep}{REPO}"}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "prefill_launch_smem.py"), "86",
+                           "stock,128:64:8:2"], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=str(series_view))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("sm86 ")]
+    assert len(lines) == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert all("shared" in ln for ln in lines)
+    assert "DOES NOT FIT" in next(ln for ln in lines if "bf16" in ln and "128:64:8:2" in ln)
+    assert "fits" in next(ln for ln in lines if "int8" in ln and "stock" in ln)
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "prefill_launch_smem.py"), "x"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "valid launches" in bad.stderr
