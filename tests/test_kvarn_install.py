@@ -185,7 +185,9 @@ torch.manual_seed(0)
 DT, D, H, HQ, T, BS = GEOMETRY
 cfg = types.SimpleNamespace(cache_config=types.SimpleNamespace(cache_dtype=DT),
                             scheduler_config=types.SimpleNamespace(max_num_seqs=2),
-                            compilation_config=types.SimpleNamespace(max_cudagraph_capture_size=PAD))
+                            compilation_config=types.SimpleNamespace(max_cudagraph_capture_size=PAD),
+                            speculative_config=types.SimpleNamespace(num_speculative_tokens=SPECK) if SPECK else None)
+QU = 1 + SPECK
 builder = KvarnMetadataBuilder(types.SimpleNamespace(block_size=BS), ["l0"], cfg, torch.device("cpu"))
 impl = KvarnAttentionImpl(HQ, D, D ** -0.5, H, kv_cache_dtype=DT)
 shape = KvarnAttentionBackend.get_kv_cache_shape(8, BS, H, D, "auto")  # preset from the impl
@@ -209,10 +211,11 @@ for step in STEPS:
         V[r] = torch.cat([V[r][:c], v[cu[-1]:cu[-1] + m].float()])
         cu.append(cu[-1] + m)
     seq_lens, qsl, btab, nact = [c + m for c, m in step], list(cu), bt, n
-    if PAD and ql == [1, 1]:  # a FULL-graph decode batch as vLLM pads it: empty requests, tokens
-        seq_lens += [0] * (PAD - 2)
-        qsl += [n] * (PAD - 2)
-        btab = torch.cat([bt, torch.zeros(PAD - 2, bt.shape[1], dtype=bt.dtype)])
+    if PAD and ql == [QU, QU]:  # a FULL-graph uniform batch as vLLM pads it: empty requests, tokens
+        padr = PAD // QU
+        seq_lens += [0] * (padr - 2)
+        qsl += [n] * (padr - 2)
+        btab = torch.cat([bt, torch.zeros(padr - 2, bt.shape[1], dtype=bt.dtype)])
         nact = PAD
     cam = types.SimpleNamespace(num_reqs=len(seq_lens), seq_lens=torch.tensor(seq_lens),
                                 query_start_loc_cpu=torch.tensor(qsl), block_table_tensor=btab,
@@ -245,7 +248,7 @@ print("JSON" + json.dumps({"errs": errs, "shape": list(shape), "prefill_jobs": p
 
 
 def _run_glue(site, geometry: str, steps: str, window: str | None = None, pad: int = 0,
-              graphs: str | None = None) -> dict:
+              graphs: str | None = None, spec_k: int = 0) -> dict:
     vdir = site / "vllm"
     assert kin.main(["--vllm-dir", str(vdir)]) == 0
     env = {**os.environ, "PYTHONPATH": f"{site}:{REPO}", "TRITON_INTERPRET": "1"}
@@ -255,7 +258,8 @@ def _run_glue(site, geometry: str, steps: str, window: str | None = None, pad: i
         env[fmt.WINDOW_ENV] = window
     if graphs is not None:
         env["ONECARD_KVARN_GRAPHS"] = graphs
-    script = _GLUE.replace("GEOMETRY", geometry).replace("STEPS", steps).replace("PAD", str(pad))
+    script = (_GLUE.replace("GEOMETRY", geometry).replace("STEPS", steps).replace("PAD", str(pad))
+              .replace("SPECK", str(spec_k)))
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                        cwd=site, timeout=900)
     line = [l for l in r.stdout.splitlines() if l.startswith("JSON")]
@@ -302,6 +306,23 @@ def test_backend_decode_rows_across_tile_boundaries_padded_like_a_full_graph(sit
     assert out["decode_steps"] == 4 and out["buffers"] == 1  # one persistent buffer, every step
     assert out["cg"] == "UNIFORM_SINGLE_TOKEN_DECODE"
     assert out["finite"] and max(out["errs"]) < 3e-2, out["errs"]
+
+
+def test_backend_verify_rows_with_rejections_padded_like_a_full_graph(site):
+    """With speculation (k = 3) the uniform verify batches (4 queries per request) take the
+    CUDA-graph-safe rows too: two pseudo-sequence rows per request, padded as vLLM pads a FULL
+    batch (two empty requests), blocks that cross a tile boundary (126..129 and 190..193), then
+    rejected drafts (the next block starts after the first accepted token) across the packed
+    tile, with packed tiles read through each request's own block-table row: equals the float64
+    reference under the read rule at fp16 window 1 and 2."""
+    steps = ("([(0, 126), (0, 190)], [(126, 4), (190, 4)], [(127, 4), (191, 4)], [(130, 4), (194, 4)],"
+             " [(131, 4), (198, 4)])")
+    for window in ("1", "2"):
+        out = _run_glue(site, '"kvarn_k4v2_g64", 64, 2, 4, 64, 128', steps, pad=16, window=window,
+                        spec_k=3)
+        assert out["decode_steps"] == 4 and out["buffers"] == 1
+        assert out["cg"] == "UNIFORM_BATCH"
+        assert out["finite"] and max(out["errs"]) < 3e-2, (window, out["errs"])
 
 
 def test_backend_graphs_off_is_never(site):

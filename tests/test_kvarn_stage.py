@@ -365,10 +365,12 @@ def test_attention_does_not_depend_on_the_step_schedule(gen, window):
     assert max(diffs.values()) < TOL, diffs
 
 
-def test_decode_rows_layout_and_refusals():
-    """stage.decode_rows: a decode plan in fixed-size rows (token j = pseudo-sequence j, padding
-    empty, pack jobs padded with block -1, unstaged rows to the trash row); a plan with a verify
-    block or a prefill job is refused with a one-line error naming what is valid."""
+def test_uniform_rows_layout_and_refusals():
+    """stage.uniform_rows: a decode plan in fixed-size rows (token j = pseudo-sequence j, padding
+    empty, pack jobs padded with block -1, unstaged rows to the trash row), a verify plan in two
+    rows per request (the second empty unless the block crosses a tile); a plan that is not
+    uniform is refused with a one-line error naming what is valid."""
+    F = {n: i for i, n in enumerate(S.DECODE_FIELDS)}
     pl = S.StagePlanner(PRESET, 8, tiles_per_page=2)
     bt = torch.tensor([[3, 5, 2, 0], [6, 1, 7, 0]], dtype=torch.int32)
     cols = {i: pl.tile_cols(0, s) for i, s in enumerate([T - 1, 5])}
@@ -376,18 +378,26 @@ def test_decode_rows_layout_and_refusals():
     ctx, seq = [T - 1, 5], [T, 6]  # request 0 fills tile 0 (a pack job); request 1 mid-tile
     cols = {i: pl.tile_cols(c, s) for i, (c, s) in enumerate(zip(ctx, seq))}
     plan = pl.plan(ctx, seq, [0, 1], S.tile_block_ids(bt, cols, 2))
-    i32, dst = S.decode_rows(plan, 4, 6, trash_row=999)
-    f = {n: i32[i].tolist() for i, n in enumerate(S.DECODE_FIELDS)}
-    assert i32.shape == (len(S.DECODE_FIELDS), 7) and dst.shape == (6,)
-    assert f["cu_seqlens_q"] == list(range(7))
-    assert f["seq_lens"][:4] == [T, 6, 0, 0] and f["sink_rows"][2:] == [-1] * 5
-    assert f["pack_blocks"][0] == 3 * 2 and f["pack_blocks"][1:] == [-1] * 6  # one pack job
+    i32, dst = S.uniform_rows(plan, 1, 4, 6, trash_row=999)
+    f = {n: i32[F[n]].tolist() for n in S.DECODE_FIELDS}
+    assert i32.shape == (len(S.DECODE_FIELDS), 13) and dst.shape == (6,)
+    assert f["cu_seqlens_q"][:5] == [0, 1, 2, 3, 4] and f["req_index"][:4] == [0, 1, 2, 3]
+    assert f["seq_lens"][:4] == [T, 6, 0, 0] and f["sink_rows"][2:] == [-1] * 11
+    assert f["pack_blocks"][0] == 3 * 2 and f["pack_blocks"][1:] == [-1] * 12  # one pack job
     assert dst[2:].tolist() == [999] * 4 and dst[0] != 999 and dst[1] != 999
-    # a verify block (two queries of one request) is not a decode step
-    cols = {0: pl.tile_cols(10, 12)}
-    verify = pl.plan([10], [12], [0], S.tile_block_ids(bt[:1], cols, 2))
+    # verify blocks of 4: request 0 crosses into tile 1 (two rows), request 1 stays in tile 0
+    ctx, seq = [T - 2, 6], [T + 2, 10]
+    cols = {i: pl.tile_cols(c, s) for i, (c, s) in enumerate(zip(ctx, seq))}
+    vplan = pl.plan(ctx, seq, [0, 4], S.tile_block_ids(bt, cols, 2))
+    i32, dst = S.uniform_rows(vplan, 4, 12, 16, trash_row=999)  # 3 requests: one padding
+    f = {n: i32[F[n]].tolist() for n in S.DECODE_FIELDS}
+    assert f["cu_seqlens_q"][:7] == [0, 2, 4, 8, 8, 12, 12] and f["req_index"][:6] == [0, 0, 1, 1, 2, 2]
+    assert f["seq_lens"][:6] == [T, T + 2, 10, 0, 0, 0]
+    assert dst[:8].ne(999).all() and dst[8:].tolist() == [999] * 8
     with pytest.raises(ValueError) as e:
-        S.decode_rows(verify, 2, 4, trash_row=0)
+        S.uniform_rows(vplan, 1, 8, 16, trash_row=0)  # a verify plan read as decode
     assert "valid:" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ValueError):
-        S.decode_rows(plan, 8, 6, trash_row=0)  # more tokens than rows
+        S.uniform_rows(plan, 1, 8, 6, trash_row=0)  # more tokens than rows
+    with pytest.raises(ValueError):
+        S.uniform_rows(vplan, 4, 10, 16, trash_row=0)  # not a multiple of the block

@@ -61,13 +61,24 @@ PROF_STEPS=${PROF_STEPS:-24}        # engine iterations a `prof` arm's trace rec
 PROF_ROOT=${PROF_ROOT:-/var/tmp}    # traces go to $PROF_ROOT/prof-LABEL (not under JOB_OUT)
 PROF_TOKENS=${PROF_TOKENS:-40}      # tokens out of the profiled request (4 skipped + PROF_STEPS + slack)
 # the arms, in order: LABEL SPEC WIDE_VERIFY DFLASH_TOKENS(- = none) REQUIRED(1: must run)
-# [prof|-] [KNOB=VALUE,KNOB=VALUE: more launcher env for this arm, e.g. PREFIX_CACHE=0]
+# [prof|-] [KNOB=VALUE,KNOB=VALUE: more launcher env for this arm, e.g. PREFIX_CACHE=0; CTX=huge
+# (KVarN, installed into a private view first) with KVARN_GRAPHS=0|1]
 ARMS=${ARMS:-"off:off:1:-:1 mtp-wide1:mtp:1:-:1 d2k7:dflash2:1:7:0 d2k15:dflash2:1:15:0 mtp-wide0:mtp:0:-:0"}
 
 # per-step host timing in every server's engine core (gpu/lib/stackdump/onecard_host_timing.py:
 # waits, the critical path to the target's launch, metadata builds, the drafter; no GPU syncs)
 export ONECARD_HOST_TIMING=${ONECARD_HOST_TIMING:-1} ONECARD_HOST_TIMING_EVERY=${ONECARD_HOST_TIMING_EVERY:-40}
 job_header
+# an arm with CTX=huge (KVarN) needs kvarn/install.sh's files: a private view as job 62 makes
+if [[ " $ARMS " == *CTX=huge* ]]; then
+  SRC=$(python3 -c 'import importlib.util as u; print(list(u.find_spec("vllm").submodule_search_locations)[0])' 2>/dev/null)
+  if timeout 60 python3 gpu/jobs/61-kvarn-serve.py setup --src "${SRC:-/var/tmp/site/vllm}" --site /var/tmp/site-kvarn 2>&1 | tee -a "$summary" \
+     && [ "${PIPESTATUS[0]}" = 0 ]; then
+    export PYTHONPATH="$(pwd):/var/tmp/site-kvarn:${PYTHONPATH:-/var/tmp/site}"
+  else
+    say "FAIL: kvarn install into /var/tmp/site-kvarn (the CTX=huge arms will be refused by the launcher)"
+  fi
+fi
 PORT=$(free_port)
 URL="http://127.0.0.1:$PORT"
 # the launcher env of one arm: arm_env SPEC WIDE_VERIFY DFLASH_TOKENS(-: none)

@@ -20,15 +20,17 @@ the same for all paths: a query reads its fp16 window (its own tile, and with th
 window 2 the previous tile too; ONECARD_KVARN_WINDOW=1|2, the launcher's KVARN_WINDOW) in fp16,
 the sink fp16, older tiles quantized.
 
-CUDA graphs: uniform single-token decode batches (UNIFORM_SINGLE_TOKEN_DECODE; vLLM then
-captures the whole decode step, GDN layers included, with FULL_AND_PIECEWISE). For such a batch
-the builder lays the plan out in fixed-size persistent device buffers (stage.decode_rows: one
-pseudo-sequence per token, padding rows empty, pack jobs padded with block -1, unstaged rows to
-a trash stage row -- the planner keeps the stage's last slot for it), so the captured kernels
-replay with the next step's plan. Other batches (prefill, verify, mixed) run eagerly inside
-piecewise graphs. ONECARD_KVARN_GRAPHS=0 turns the full graphs off (support NEVER: piecewise
-only, the behaviour before 2026-12-04). The builder still reads seq_lens and the block table on
-the host (two syncs per step).
+CUDA graphs: uniform batches. Without speculation single-token decode
+(UNIFORM_SINGLE_TOKEN_DECODE), with it the verify batches of 1 + k queries per request
+(UNIFORM_BATCH); vLLM then captures whole steps, GDN layers included (FULL_AND_PIECEWISE). For
+such a batch the builder lays its plan out in fixed-size persistent device buffers
+(stage.uniform_rows: one pseudo-sequence row per decode token, two per verify block, padding
+rows empty, pack jobs padded with block -1, unstaged rows to a trash stage row -- the planner
+keeps the stage's last slot for it), so the captured kernels replay with the next step's plan.
+Other batches (prefill, mixed, a drafter's ragged ones) run eagerly inside piecewise graphs.
+ONECARD_KVARN_GRAPHS=0 turns full graphs off (support NEVER: piecewise only, the behaviour
+before 2026-12-04). The builder still reads seq_lens and the block table on the host (two syncs
+per step).
 
 Limits (one-line errors): decoder self-attention only; no sliding window, ALiBi, soft cap,
 KV sharing, sinks, or fp8 output quantization.
@@ -163,9 +165,10 @@ class KvarnAttentionBackend(AttentionBackend):
 
 @dataclass
 class KvarnDecodeRows:
-    """A decode step's plan in persistent device buffers (views of the builder's, fixed
-    addresses: what a captured CUDA graph reads). Fields as stage.DECODE_FIELDS, [num_tokens]
-    (cu_seqlens_q [num_tokens + 1]); stage_dst int64 [num_tokens]."""
+    """A uniform step's plan in persistent device buffers (views of the builder's, fixed
+    addresses: what a captured CUDA graph reads). Fields as stage.DECODE_FIELDS over the
+    step's pseudo-sequence rows (cu_seqlens_q one longer; pack_rows / pack_blocks one per
+    request); stage_dst int64 [num_tokens]; q_len the queries per request."""
 
     cu_seqlens_q: torch.Tensor
     seq_lens: torch.Tensor
@@ -173,9 +176,11 @@ class KvarnDecodeRows:
     sink_rows: torch.Tensor
     tail_rows: torch.Tensor
     prev_rows: torch.Tensor
+    req_index: torch.Tensor
     pack_rows: torch.Tensor
     pack_blocks: torch.Tensor
     stage_dst: torch.Tensor
+    q_len: int = 1
 
 
 @dataclass
@@ -194,7 +199,11 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        return cls._cudagraph_support if graphs_enabled() else AttentionCGSupport.NEVER
+        if not graphs_enabled():
+            return AttentionCGSupport.NEVER
+        if getattr(vllm_config, "speculative_config", None) is not None:
+            return AttentionCGSupport.UNIFORM_BATCH  # verify blocks of 1 + k (uniform rows)
+        return cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -208,12 +217,16 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                                                 window=window)
         self.trash_row = (stage_slots - 1) * self.preset.tile
         comp = getattr(vllm_config, "compilation_config", None)
-        # decode rows only without speculation (a verify batch is never single-token uniform, so
-        # vLLM runs it piecewise anyway; a drafter's builds stay on the general path)
-        spec = getattr(vllm_config, "speculative_config", None) is not None
-        self.decode_capacity = 0 if spec else max(
-            int(max_seqs), int(getattr(comp, "max_cudagraph_capture_size", 0) or 0))
-        self._rows_i32 = torch.zeros((len(kvarn_stage.DECODE_FIELDS), self.decode_capacity + 1),
+        # uniform rows: single-token decode, or with speculation verify blocks of 1 + k queries
+        # (vLLM's uniform_decode_query_len); capacity in tokens
+        spec = getattr(vllm_config, "speculative_config", None)
+        k = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+        self.uniform_q = 1 + k
+        self.decode_capacity = max(int(max_seqs) * self.uniform_q,
+                                   int(getattr(comp, "max_cudagraph_capture_size", 0) or 0))
+        if self.uniform_q > kvarn_stage.MAX_QUERY_LEN:
+            self.decode_capacity = 0  # not a pseudo-sequence block: general path only
+        self._rows_i32 = torch.zeros((len(kvarn_stage.DECODE_FIELDS), 2 * self.decode_capacity + 1),
                                      dtype=torch.int32, device=device)
         self._rows_dst = torch.zeros(self.decode_capacity, dtype=torch.int64, device=device)
         logger.info_once("KVarN %s: fp16 window %d tile(s) per query, %d stage slots per layer "
@@ -228,10 +241,12 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         seq = cam.seq_lens[:n].to("cpu").tolist()  # exact lengths (async spec-decode safe)
         qsl = cam.query_start_loc_cpu[: n + 1].tolist()
         q_lens = [qsl[i + 1] - qsl[i] for i in range(n)]
-        # A uniform decode batch (vLLM pads a FULL-graph batch with requests of no query and
-        # seq_len 0 and with tokens past the last request): the fixed-size decode rows.
-        if 0 < cam.num_actual_tokens <= self.decode_capacity and max(q_lens, default=0) == 1 \
-                and all(q_lens[r] == 0 or (qsl[r] == r and seq[r] >= 1) for r in range(n)):
+        # A uniform batch (vLLM pads a FULL-graph batch with requests of no query and seq_len 0
+        # and with tokens past the last request): the fixed-size uniform rows.
+        Q = self.uniform_q
+        nt = cam.num_actual_tokens
+        if 0 < nt <= self.decode_capacity and nt % Q == 0 and max(q_lens, default=0) == Q \
+                and all(q_lens[r] == 0 or (qsl[r] == r * Q and seq[r] >= Q) for r in range(n)):
             return self._build_decode(cam, n, seq, q_lens)
         ctx = [s - (qsl[i + 1] - qsl[i]) for i, s in enumerate(seq)]
         bt_cpu = cam.block_table_tensor[:n].to("cpu")
@@ -247,24 +262,30 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
 
     def _build_decode(self, cam: CommonAttentionMetadata, n: int, seq: list, q_lens: list
                       ) -> KvarnMetadata:
-        act = [r for r in range(n) if q_lens[r] == 1]  # request r's token is token r
-        ctx = [seq[r] - 1 for r in act]
+        Q = self.uniform_q
+        act = [r for r in range(n) if q_lens[r] == Q]  # request r's tokens start at r * Q
+        ctx = [seq[r] - Q for r in act]
         sq = [seq[r] for r in act]
         bt_cpu = cam.block_table_tensor[:n].to("cpu")[act]
         cols = {i: self.planner.tile_cols(ctx[i], sq[i]) for i in range(len(act))}
         tb = kvarn_stage.tile_block_ids(bt_cpu, cols, self.tiles_per_page)
-        plan = self.planner.plan(ctx, sq, act, tb, null_page_blocks=self.tiles_per_page,
+        plan = self.planner.plan(ctx, sq, [r * Q for r in act], tb,
+                                 null_page_blocks=self.tiles_per_page,
                                  prefill_min_q=kvarn_stage.MAX_QUERY_LEN + 1)
         nt = cam.num_actual_tokens
-        i32, dst = kvarn_stage.decode_rows(plan, nt, self.decode_capacity, self.trash_row)
+        i32, dst = kvarn_stage.uniform_rows(plan, Q, nt, self.decode_capacity, self.trash_row)
         # one copy each, stream-ordered after the previous step's kernels that read the buffers
         self._rows_i32.copy_(i32, non_blocking=True)
         self._rows_dst.copy_(dst, non_blocking=True)
         f = {name: self._rows_i32[i] for i, name in enumerate(kvarn_stage.DECODE_FIELDS)}
+        n_req = nt // Q
+        n_rows = n_req * kvarn_stage.rows_per_request(Q)
         rows = KvarnDecodeRows(
-            cu_seqlens_q=f["cu_seqlens_q"][: nt + 1],
-            **{name: f[name][:nt] for name in kvarn_stage.DECODE_FIELDS if name != "cu_seqlens_q"},
-            stage_dst=self._rows_dst[:nt])
+            cu_seqlens_q=f["cu_seqlens_q"][: n_rows + 1],
+            **{name: f[name][:n_rows] for name in ("seq_lens", "packed_tiles", "sink_rows", "tail_rows",
+                                                   "prev_rows", "req_index")},
+            pack_rows=f["pack_rows"][:n_req], pack_blocks=f["pack_blocks"][:n_req],
+            stage_dst=self._rows_dst[:nt], q_len=Q)
         return KvarnMetadata(plan=plan, block_table=cam.block_table_tensor, num_actual_tokens=nt,
                              tiles_per_page=self.tiles_per_page, cu_cpu=[], decode=rows)
 
@@ -355,8 +376,8 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
 
     def _forward_decode(self, query, key, value, kv_cache, md: KvarnMetadata, output,
                         stage_k, stage_v):
-        """The decode-rows path: fixed launches over ``num_actual_tokens`` rows whose contents
-        live in the builder's persistent buffers (replayable by a captured CUDA graph)."""
+        """The uniform-rows path: fixed launches over ``num_actual_tokens`` tokens whose plan
+        lives in the builder's persistent buffers (replayable by a captured CUDA graph)."""
         rows = md.decode
         n = md.num_actual_tokens
         h, d = self.num_kv_heads, self.head_size
@@ -368,11 +389,13 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         stage_v.index_copy_(0, rows.stage_dst, v_rot)
         kvarn_kernels.kvarn_pack_rows(stage_k, stage_v, cache, src_rows=rows.pack_rows,
                                       blocks=rows.pack_blocks, preset=self.preset)
+        # decode: row r is request r; verify: two rows per request, each reads its request's row
+        bt = md.block_table if rows.q_len == 1 else md.block_table.index_select(0, rows.req_index)
         kvarn_kernels.kvarn_attention_rows(
             query[:n].view(n, self.num_heads, d), cache, stage_k, stage_v,
             output[:n].view(n, self.num_heads, d), cu_seqlens_q=rows.cu_seqlens_q,
             seq_lens=rows.seq_lens, packed_tiles=rows.packed_tiles, sink_rows=rows.sink_rows,
             tail_rows=rows.tail_rows, ring=self.preset.tile, prev_rows=rows.prev_rows,
-            block_table=md.block_table, max_query_len=1, softmax_scale=self.scale,
+            block_table=bt, max_query_len=rows.q_len, softmax_scale=self.scale,
             preset=self.preset, tiles_per_page=md.tiles_per_page)
         return output

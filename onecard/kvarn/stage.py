@@ -304,43 +304,79 @@ class StagePlanner:
         return sl
 
 
-# Rows of the fixed-size decode plan (``decode_rows``): int32 fields, in this order.
+# Rows of the fixed-size plan of a uniform batch (``uniform_rows``): int32 fields, in this order.
 DECODE_FIELDS = ("cu_seqlens_q", "seq_lens", "packed_tiles", "sink_rows", "tail_rows", "prev_rows",
-                 "pack_rows", "pack_blocks")
+                 "req_index", "pack_rows", "pack_blocks")
 
 
-def decode_rows(plan: StepPlan, num_tokens: int, rows: int, trash_row: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode step's plan (every query alone, one pseudo-sequence per token) laid out in
-    fixed-size host arrays, so that a CUDA graph captured for ``num_tokens`` tokens replays it:
-    pseudo-sequence j is token j (it reads block-table row j), tokens without one (graph
-    padding, null-page dummies) get an empty sequence (seq_len 0, one query that sees nothing),
-    and rows past ``num_tokens`` stay empty too. Returns (int32 [len(DECODE_FIELDS), rows + 1],
-    int64 [rows]: the stage row each token's rotated K/V goes to, ``trash_row`` where nothing
-    is staged). Pack jobs fill the first entries of pack_rows / pack_blocks; the rest have block
-    -1 (skipped by the pack kernel). Raises ValueError for a plan that is not a decode step."""
-    if plan.prefill or plan.pack_new_rows.numel() or num_tokens > rows \
-            or plan.cu_seqlens_q.numel() - 1 != len(plan.seq_tok0) \
-            or any(int(b) - int(a) != 1 for a, b in zip(plan.cu_seqlens_q[:-1], plan.cu_seqlens_q[1:])):
-        raise ValueError(f"KVarN decode rows need a plan of single-query pseudo-sequences within "
-                         f"{rows} rows; valid: a uniform decode batch (one token per request)")
+def rows_per_request(q_len: int) -> int:
+    """Pseudo-sequences a uniform batch lays out per request: one for single-token decode, two for
+    a verify block of 2..16 queries (it crosses at most one tile boundary)."""
+    return 1 if q_len == 1 else 2
+
+
+def uniform_rows(plan: StepPlan, q_len: int, num_tokens: int, max_tokens: int, trash_row: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A uniform step's plan (every request ``q_len`` queries: single-token decode, or a
+    speculative verify block) laid out in fixed-size host arrays, so that a CUDA graph captured
+    for ``num_tokens`` tokens replays it. Request r holds tokens [r * q_len, (r + 1) * q_len) and
+    pseudo-sequence rows ``rows_per_request(q_len) * r`` (+ 1): the planner's one or two
+    pseudo-sequences of that request, the second empty when the block stays in one tile; a
+    request the plan has nothing for (graph padding) gets one row over its tokens with seq_len 0
+    (queries that see nothing) and an empty one. ``req_index`` maps a row to its request (its
+    block-table row). Rows past the batch are empty. Returns (int32 [len(DECODE_FIELDS),
+    2 * max_tokens + 1], int64 [max_tokens]: the stage row each token's rotated K/V goes to,
+    ``trash_row`` where nothing is staged). Pack jobs fill the first entries of pack_rows /
+    pack_blocks; the rest have block -1 (skipped by the pack kernel). Raises ValueError for a
+    plan that is not such a step."""
+    Q = int(q_len)
+    bad = (f"KVarN uniform rows need a plan of {Q}-query blocks within {max_tokens} tokens; valid: "
+           f"a uniform batch (every request {Q} queries, at most two pseudo-sequences each)")
+    if not 1 <= Q <= MAX_QUERY_LEN or plan.prefill or plan.pack_new_rows.numel() or num_tokens > max_tokens \
+            or num_tokens % Q:
+        raise ValueError(bad)
+    n_req, k = num_tokens // Q, rows_per_request(Q)
     f = {name: i for i, name in enumerate(DECODE_FIELDS)}
-    i32 = torch.zeros((len(DECODE_FIELDS), rows + 1), dtype=torch.int32)
-    i32[f["cu_seqlens_q"]] = torch.arange(rows + 1, dtype=torch.int32)
+    width = 2 * max_tokens + 1
+    i32 = torch.zeros((len(DECODE_FIELDS), width), dtype=torch.int32)
     for name in ("sink_rows", "tail_rows", "prev_rows", "pack_blocks"):
         i32[f[name]] = -1
-    tok = torch.tensor(plan.seq_tok0, dtype=torch.int64)
-    if tok.numel():
-        if int(tok.max()) >= num_tokens or tok.unique().numel() != tok.numel():
-            raise ValueError(f"KVarN decode rows: token indices {plan.seq_tok0} are not valid; "
-                             f"valid: distinct, below {num_tokens}")
-        for name in ("seq_lens", "packed_tiles", "sink_rows", "tail_rows", "prev_rows"):
-            i32[f[name], tok] = getattr(plan, name).to(torch.int32)
+    cu = plan.cu_seqlens_q.tolist()
+    by_req: dict[int, list[int]] = {}
+    for i, t0 in enumerate(plan.seq_tok0):
+        by_req.setdefault(t0 // Q, []).append(i)
+    if any(r >= n_req for r in by_req) or any(len(v) > k for v in by_req.values()):
+        raise ValueError(bad)
+    fields = ("seq_lens", "packed_tiles", "sink_rows", "tail_rows", "prev_rows")
+    cols = {name: getattr(plan, name).tolist() for name in fields}
+    bounds = [0]
+    for r in range(n_req):
+        entries = by_req.get(r, [])
+        starts = [plan.seq_tok0[i] for i in entries]
+        lens = [cu[i + 1] - cu[i] for i in entries]
+        if entries and (starts[0] != r * Q or sum(lens) != Q
+                        or any(starts[j + 1] != starts[j] + lens[j] for j in range(len(entries) - 1))):
+            raise ValueError(bad)
+        for j in range(k):
+            row = r * k + j
+            i32[f["req_index"], row] = r
+            if j < len(entries):
+                for name in fields:
+                    i32[f[name], row] = cols[name][entries[j]]
+                bounds.append(bounds[-1] + lens[j])
+            else:  # padding: its tokens in the first row (seeing nothing), the second empty
+                bounds.append(bounds[-1] + (Q if not entries and j == 0 else 0))
+    i32[f["cu_seqlens_q"], : len(bounds)] = torch.tensor(bounds, dtype=torch.int32)
+    i32[f["cu_seqlens_q"], len(bounds):] = bounds[-1]
     n_pack = plan.pack_stage_rows.numel()
+    if n_pack > n_req:  # a block of <= 16 queries fills at most one tile
+        raise ValueError(bad)
     i32[f["pack_rows"], :n_pack] = plan.pack_stage_rows.to(torch.int32)
     i32[f["pack_blocks"], :n_pack] = plan.pack_stage_blocks.to(torch.int32)
-    dst = torch.full((rows,), int(trash_row), dtype=torch.int64)
+    dst = torch.full((max_tokens,), int(trash_row), dtype=torch.int64)
     if plan.stage_src.numel():
+        if int(plan.stage_src.max()) >= num_tokens:
+            raise ValueError(bad)
         dst[plan.stage_src] = plan.stage_dst
     return i32, dst
 

@@ -1,9 +1,11 @@
 """KVarN's CUDA-graph decode path on the GPU, through the installed backend (needs kvarn/install.sh's
 files on the path: gpu/jobs/62-kvarn-decode.sh runs this file with /var/tmp/site-kvarn first).
 
-A decode step's forward is captured once in a torch.cuda.graph (padded like vLLM pads a FULL
-batch: two requests, two empty ones), then each later step only rebuilds the metadata (the
-builder rewrites its persistent buffers) and replays. Per step the replay must equal an eager
+A uniform step's forward -- single-token decode, and a speculative verify block of 4 queries per
+request -- is captured once in a torch.cuda.graph (padded like vLLM pads a FULL batch: two
+requests, two empty ones), then each later step only rebuilds the metadata (the builder rewrites
+its persistent buffers) and replays; the verify steps reject drafts (the next block starts after
+the first accepted token). Per step the replay must equal an eager
 forward of the same step on a copy of the cache and stage bit for bit, and the float64
 reference under the read rule within the bf16 tolerance; the steps cross tile boundaries (tile 0
 of one request fills and becomes the sink, a middle tile of the other fills and is packed).
@@ -25,7 +27,7 @@ pytestmark = [
 ]
 
 DT, D, H, HQ, T, BS = "kvarn_k4v2_g128", 256, 4, 24, 128, 256
-PAD = 4  # tokens of the captured batch: 2 requests + 2 padding rows
+PAD_REQS = 4  # requests of the captured batch: 2 + 2 padding
 
 
 def _reference(R, K, V, s, q, window):
@@ -36,23 +38,26 @@ def _reference(R, K, V, s, q, window):
                                     R.rotate(vq), T, D ** -0.5, window=window)
 
 
-def test_decode_rows_replay_equals_eager_and_reference():
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_uniform_rows_replay_equals_eager_and_reference(q_len):
     KA = pytest.importorskip("vllm.v1.attention.backends.kvarn_attn")
     from onecard.kvarn import reference as R
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
+    PAD = PAD_REQS * q_len
     cfg = types.SimpleNamespace(
         cache_config=types.SimpleNamespace(cache_dtype=DT),
         scheduler_config=types.SimpleNamespace(max_num_seqs=2),
-        compilation_config=types.SimpleNamespace(max_cudagraph_capture_size=PAD))
+        compilation_config=types.SimpleNamespace(max_cudagraph_capture_size=PAD),
+        speculative_config=types.SimpleNamespace(num_speculative_tokens=q_len - 1) if q_len > 1 else None)
     builder = KA.KvarnMetadataBuilder(types.SimpleNamespace(block_size=BS), ["l0"], cfg, dev)
     impl = KA.KvarnAttentionImpl(HQ, D, D ** -0.5, H, kv_cache_dtype=DT)
     shape = KA.KvarnAttentionBackend.get_kv_cache_shape(16, BS, H, D, DT)
     kv_cache = torch.randint(0, 256, shape, dtype=torch.uint8, device=dev)
     layer = torch.nn.Module()
     bt = torch.tensor([[3, 5, 9, 0], [6, 1, 7, 0]], dtype=torch.int32, device=dev)
-    bt_pad = torch.cat([bt, torch.zeros(PAD - 2, bt.shape[1], dtype=torch.int32, device=dev)])
+    bt_pad = torch.cat([bt, torch.zeros(PAD_REQS - 2, bt.shape[1], dtype=torch.int32, device=dev)])
     K = [torch.zeros(0, H, D, device=dev) for _ in range(2)]
     V = [torch.zeros(0, H, D, device=dev) for _ in range(2)]
     window = builder.planner.window
@@ -64,8 +69,8 @@ def test_decode_rows_replay_equals_eager_and_reference():
         seq = [c + m for c, m in step]
         if padded:
             return types.SimpleNamespace(
-                num_reqs=PAD, seq_lens=torch.tensor(seq + [0] * (PAD - 2), device=dev),
-                query_start_loc_cpu=torch.tensor(cu + [cu[-1]] * (PAD - 2)),
+                num_reqs=PAD_REQS, seq_lens=torch.tensor(seq + [0] * (PAD_REQS - 2), device=dev),
+                query_start_loc_cpu=torch.tensor(cu + [cu[-1]] * (PAD_REQS - 2)),
                 block_table_tensor=bt_pad, num_actual_tokens=PAD)
         return types.SimpleNamespace(num_reqs=2, seq_lens=torch.tensor(seq, device=dev),
                                      query_start_loc_cpu=torch.tensor(cu), block_table_tensor=bt,
@@ -96,15 +101,20 @@ def test_decode_rows_replay_equals_eager_and_reference():
     static_v = torch.zeros(PAD, H * D, dtype=torch.bfloat16, device=dev)
     static_out = torch.zeros(PAD, HQ * D, dtype=torch.bfloat16, device=dev)
     graph = None
-    decode_steps = [[(381 + i, 1), (125 + i, 1)] for i in range(6)]
+    if q_len == 1:
+        decode_steps = [[(381 + i, 1), (125 + i, 1)] for i in range(6)]
+    else:  # blocks of 4 crossing 384 / 128, then 1 or 3 accepted per step
+        decode_steps = [[(381, 4), (125, 4)], [(382, 4), (126, 4)], [(385, 4), (129, 4)],
+                        [(386, 4), (130, 4)], [(389, 4), (131, 4)]]
     worst = 0.0
     for i, step in enumerate(decode_steps):
         q, k, v = new_rows(step)
         md = builder.build(0, cam_for(step, True))
         assert md.decode is not None and md.num_actual_tokens == PAD
-        static_q[:2].copy_(q)
-        static_k[:2].copy_(k)
-        static_v[:2].copy_(v)
+        n = 2 * q_len
+        static_q[:n].copy_(q)
+        static_k[:n].copy_(k)
+        static_v[:n].copy_(v)
         if graph is None:  # warm up (compiles; idempotent writes of this step), then capture
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -122,12 +132,14 @@ def test_decode_rows_replay_equals_eager_and_reference():
         impl.forward(twin, static_q, static_k, static_v, cache_copy, md, output=eager_out)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(static_out[:2], eager_out[:2]), f"step {i}: replay != eager"
+        assert torch.equal(static_out[:n], eager_out[:n]), f"step {i}: replay != eager"
         assert torch.equal(kv_cache, cache_copy), f"step {i}: replay wrote a different cache"
         for r, (c, m) in enumerate(step):
-            ref = _reference(R, K[r].cpu(), V[r].cpu(), c + m, q[r:r + 1].view(1, HQ, D).cpu(), window)
-            got = static_out[r:r + 1].view(1, HQ, D).double().cpu()
+            rows = slice(r * q_len, (r + 1) * q_len)
+            ref = _reference(R, K[r].cpu(), V[r].cpu(), c + m, q[rows].view(m, HQ, D).cpu(), window)
+            got = static_out[rows].view(m, HQ, D).double().cpu()
             assert torch.isfinite(got).all()
             worst = max(worst, float(((got - ref).abs() / ref.abs().clamp_min(1)).max()))
-    print(f"KVarN decode-rows graph: {len(decode_steps)} replays, worst rel. error vs float64 {worst:.2e}")
+    print(f"KVarN uniform rows (q_len {q_len}) graph: {len(decode_steps)} replays, worst rel. error vs "
+          f"float64 {worst:.2e}")
     assert worst < 3e-2
