@@ -131,7 +131,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          "(the GDN layers too; 1.37x / 1.21x / 1.09x piecewise at 8k / 32k / 120k on the H200, 2026-12-04 session "
          "15); 0: piecewise graphs only, KVarN attention eager. Passed to the server as ONECARD_KVARN_GRAPHS", BOOL),
     Knob("PREFILL_LAUNCH", "stock", "stock|BLOCK_M:TILE:WARPS:STAGES", "prefill launch of vLLM's Triton attention "
-         "(TRITON_ATTN: int8/int4/bf16 KV) for query runs of >= 64 tokens (patch 0083): stock = vLLM's (BLOCK_M "
+         "(TRITON_ATTN with int8 or bf16 KV; int4 has its own kernel) for query runs of >= 64 tokens (patch 0083): stock = vLLM's (BLOCK_M "
          "16 at head_dim 256: int8 TTFT 132 s at 120k tokens on the H200); BLOCK_M and TILE powers of two "
          "16..256, WARPS 2|4|8|16, STAGES 1..5. Not yet measured: for GPU sweeps (bench/kernel_prefill.py). "
          "Passed to the server as ONECARD_PREFILL_LAUNCH"),

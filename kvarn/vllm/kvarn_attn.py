@@ -274,6 +274,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                                  prefill_min_q=kvarn_stage.MAX_QUERY_LEN + 1)
         nt = cam.num_actual_tokens
         i32, dst = kvarn_stage.uniform_rows(plan, Q, nt, self.decode_capacity, self.trash_row)
+        # padding requests past the block table's rows (if vLLM padded tokens beyond its
+        # requests) read nothing: any valid row keeps the verify path's gather in bounds
+        i32[kvarn_stage.DECODE_FIELDS.index("req_index")].clamp_(max=max(n - 1, 0))
         # one copy each, stream-ordered after the previous step's kernels that read the buffers
         self._rows_i32.copy_(i32, non_blocking=True)
         self._rows_dst.copy_(dst, non_blocking=True)
