@@ -220,7 +220,21 @@ for step in STEPS:
     cam = types.SimpleNamespace(num_reqs=len(seq_lens), seq_lens=torch.tensor(seq_lens),
                                 query_start_loc_cpu=torch.tensor(qsl), block_table_tensor=btab,
                                 num_actual_tokens=nact)
-    md = builder.build(0, cam)
+    if HOSTCOPIES:  # vLLM's host seq_lens and patch 0084's host block table: no .to("cpu")
+        cam._seq_lens_cpu, cam.block_table_cpu = torch.tensor(seq_lens), btab.clone()
+        cam.seq_lens = torch.full_like(cam.seq_lens, -7)  # must not be read on the host
+        _to = torch.Tensor.to
+
+        def _no_host_copy(self, *a, **kw):
+            assert not (a and a[0] == "cpu"), "a device-to-host copy in build()"
+            return _to(self, *a, **kw)
+
+        torch.Tensor.to = _no_host_copy
+    try:
+        md = builder.build(0, cam)
+    finally:
+        if HOSTCOPIES:
+            torch.Tensor.to = _to
     prefill_jobs += len(md.plan.prefill)
     if md.decode is not None:
         decode_steps += 1
@@ -248,7 +262,7 @@ print("JSON" + json.dumps({"errs": errs, "shape": list(shape), "prefill_jobs": p
 
 
 def _run_glue(site, geometry: str, steps: str, window: str | None = None, pad: int = 0,
-              graphs: str | None = None, spec_k: int = 0) -> dict:
+              graphs: str | None = None, spec_k: int = 0, host_copies: bool = False) -> dict:
     vdir = site / "vllm"
     assert kin.main(["--vllm-dir", str(vdir)]) == 0
     env = {**os.environ, "PYTHONPATH": f"{site}:{REPO}", "TRITON_INTERPRET": "1"}
@@ -259,7 +273,7 @@ def _run_glue(site, geometry: str, steps: str, window: str | None = None, pad: i
     if graphs is not None:
         env["ONECARD_KVARN_GRAPHS"] = graphs
     script = (_GLUE.replace("GEOMETRY", geometry).replace("STEPS", steps).replace("PAD", str(pad))
-              .replace("SPECK", str(spec_k)))
+              .replace("SPECK", str(spec_k)).replace("HOSTCOPIES", str(bool(host_copies))))
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                        cwd=site, timeout=900)
     line = [l for l in r.stdout.splitlines() if l.startswith("JSON")]
@@ -323,6 +337,17 @@ def test_backend_verify_rows_with_rejections_padded_like_a_full_graph(site):
         assert out["decode_steps"] == 4 and out["buffers"] == 1
         assert out["cg"] == "UNIFORM_BATCH"
         assert out["finite"] and max(out["errs"]) < 3e-2, (window, out["errs"])
+
+
+def test_backend_plans_from_host_copies(site):
+    """Without speculation, given vLLM's host seq_lens and patch 0084's host block table, the
+    builder makes no device-to-host copy (prefill chunks and decode steps alike) and still
+    equals the float64 reference; the device seq_lens it is given are garbage."""
+    out = _run_glue(site, '"kvarn_k4v2_g64", 64, 2, 4, 64, 128',
+                    "([(0, 100), (0, 40)], [(100, 1), (40, 1)], [(101, 1), (41, 1)])",
+                    pad=4, host_copies=True)
+    assert out["decode_steps"] == 2
+    assert out["finite"] and max(out["errs"]) < 3e-2, out["errs"]
 
 
 def test_backend_graphs_off_is_never(site):

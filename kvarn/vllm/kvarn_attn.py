@@ -29,8 +29,10 @@ rows empty, pack jobs padded with block -1, unstaged rows to a trash stage row -
 keeps the stage's last slot for it), so the captured kernels replay with the next step's plan.
 Other batches (prefill, mixed, a drafter's ragged ones) run eagerly inside piecewise graphs.
 ONECARD_KVARN_GRAPHS=0 turns full graphs off (support NEVER: piecewise only, the behaviour
-before 2026-12-04). The builder still reads seq_lens and the block table on the host (two syncs
-per step).
+before 2026-12-04). The planner needs seq_lens and block ids on the host: without speculation it
+takes vLLM's host seq_lens and, with onecard patch 0084, the host block table
+(cam.block_table_cpu), so a step makes no device-to-host copy; otherwise it copies the device
+tensors (a sync). Uniform rows go up through pinned staging buffers.
 
 Limits (one-line errors): decoder self-attention only; no sliding window, ALiBi, soft cap,
 KV sharing, sinks, or fp8 output quantization.
@@ -229,6 +231,15 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self._rows_i32 = torch.zeros((len(kvarn_stage.DECODE_FIELDS), 2 * self.decode_capacity + 1),
                                      dtype=torch.int32, device=device)
         self._rows_dst = torch.zeros(self.decode_capacity, dtype=torch.int64, device=device)
+        # pinned host staging for the rows (two sets, each reused only after its last copy
+        # finished: an event per set), so the upload never waits on the GPU
+        self._staging: list = []
+        if torch.device(device).type == "cuda":
+            self._staging = [[self._rows_i32.cpu().pin_memory(), self._rows_dst.cpu().pin_memory(), None]
+                             for _ in range(2)]
+        self._staging_next = 0
+        # vLLM's host seq_lens are exact without speculation (optimistic with it)
+        self._host_seq_lens = spec is None
         logger.info_once("KVarN %s: fp16 window %d tile(s) per query, %d stage slots per layer "
                          "(one is the decode trash row); decode CUDA graphs %s",
                          self.preset.cache_dtype, window, stage_slots,
@@ -238,7 +249,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
               fast_build: bool = False) -> KvarnMetadata:
         cam = common_attn_metadata
         n = cam.num_reqs
-        seq = cam.seq_lens[:n].to("cpu").tolist()  # exact lengths (async spec-decode safe)
+        seq = self._host_seq(cam, n)
         qsl = cam.query_start_loc_cpu[: n + 1].tolist()
         q_lens = [qsl[i + 1] - qsl[i] for i in range(n)]
         # A uniform batch (vLLM pads a FULL-graph batch with requests of no query and seq_len 0
@@ -249,7 +260,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                 and all(q_lens[r] == 0 or (qsl[r] == r * Q and seq[r] >= Q) for r in range(n)):
             return self._build_decode(cam, n, seq, q_lens)
         ctx = [s - (qsl[i + 1] - qsl[i]) for i, s in enumerate(seq)]
-        bt_cpu = cam.block_table_tensor[:n].to("cpu")
+        bt_cpu = self._host_block_table(cam, n)
         cols = {r: self.planner.tile_cols(ctx[r], seq[r]) for r in range(n)}
         tb = kvarn_stage.tile_block_ids(bt_cpu, cols, self.tiles_per_page)
         plan = self.planner.plan(ctx, seq, qsl[:n], tb, null_page_blocks=self.tiles_per_page,
@@ -266,7 +277,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         act = [r for r in range(n) if q_lens[r] == Q]  # request r's tokens start at r * Q
         ctx = [seq[r] - Q for r in act]
         sq = [seq[r] for r in act]
-        bt_cpu = cam.block_table_tensor[:n].to("cpu")[act]
+        bt_cpu = self._host_block_table(cam, n)[act]
         cols = {i: self.planner.tile_cols(ctx[i], sq[i]) for i in range(len(act))}
         tb = kvarn_stage.tile_block_ids(bt_cpu, cols, self.tiles_per_page)
         plan = self.planner.plan(ctx, sq, [r * Q for r in act], tb,
@@ -277,9 +288,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         # padding requests past the block table's rows (if vLLM padded tokens beyond its
         # requests) read nothing: any valid row keeps the verify path's gather in bounds
         i32[kvarn_stage.DECODE_FIELDS.index("req_index")].clamp_(max=max(n - 1, 0))
-        # one copy each, stream-ordered after the previous step's kernels that read the buffers
-        self._rows_i32.copy_(i32, non_blocking=True)
-        self._rows_dst.copy_(dst, non_blocking=True)
+        self._upload(i32, dst)
         f = {name: self._rows_i32[i] for i, name in enumerate(kvarn_stage.DECODE_FIELDS)}
         n_req = nt // Q
         n_rows = n_req * kvarn_stage.rows_per_request(Q)
@@ -291,6 +300,38 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
             stage_dst=self._rows_dst[:nt], q_len=Q)
         return KvarnMetadata(plan=plan, block_table=cam.block_table_tensor, num_actual_tokens=nt,
                              tiles_per_page=self.tiles_per_page, cu_cpu=[], decode=rows)
+
+
+    def _host_seq(self, cam: CommonAttentionMetadata, n: int) -> list:
+        host = getattr(cam, "_seq_lens_cpu", None) if self._host_seq_lens else None
+        if host is not None:
+            return host[:n].tolist()
+        return cam.seq_lens[:n].to("cpu").tolist()  # exact lengths (async spec-decode safe): a sync
+
+    @staticmethod
+    def _host_block_table(cam: CommonAttentionMetadata, n: int) -> torch.Tensor:
+        host = getattr(cam, "block_table_cpu", None)  # patch 0084
+        if host is not None:
+            return host[:n]
+        return cam.block_table_tensor[:n].to("cpu")  # a sync
+
+    def _upload(self, i32: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the rows into the persistent device buffers, stream-ordered after the previous
+        step's kernels that read them."""
+        if not self._staging:
+            self._rows_i32.copy_(i32)
+            self._rows_dst.copy_(dst)
+            return
+        st = self._staging[self._staging_next]
+        self._staging_next ^= 1
+        if st[2] is not None:
+            st[2].synchronize()  # its copy two builds ago (long done in practice)
+        st[0].copy_(i32)
+        st[1].copy_(dst)
+        self._rows_i32.copy_(st[0], non_blocking=True)
+        self._rows_dst.copy_(st[1], non_blocking=True)
+        st[2] = torch.cuda.Event()
+        st[2].record()
 
 
 class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
