@@ -71,13 +71,7 @@ export ONECARD_HOST_TIMING=${ONECARD_HOST_TIMING:-1} ONECARD_HOST_TIMING_EVERY=$
 job_header
 # an arm with CTX=huge (KVarN) needs kvarn/install.sh's files: a private view as job 62 makes
 if [[ " $ARMS " == *CTX=huge* ]]; then
-  SRC=$(python3 -c 'import importlib.util as u; print(list(u.find_spec("vllm").submodule_search_locations)[0])' 2>/dev/null)
-  if timeout 60 python3 gpu/jobs/61-kvarn-serve.py setup --src "${SRC:-/var/tmp/site/vllm}" --site /var/tmp/site-kvarn 2>&1 | tee -a "$summary" \
-     && [ "${PIPESTATUS[0]}" = 0 ]; then
-    export PYTHONPATH="$(pwd):/var/tmp/site-kvarn:${PYTHONPATH:-/var/tmp/site}"
-  else
-    say "FAIL: kvarn install into /var/tmp/site-kvarn (the CTX=huge arms will be refused by the launcher)"
-  fi
+  kvarn_site || say "(the CTX=huge arms will be refused by the launcher)"
 fi
 PORT=$(free_port)
 URL="http://127.0.0.1:$PORT"

@@ -347,23 +347,22 @@ def decode(a) -> int:
                       f"decode {r.get('decode_tps') or 0:.1f} tok/s (first run {r.get('first_run_decode_tps') or 0:.1f})"
                       + (f" ERROR {r['error']}" if r.get("error") else ""), flush=True)
 
+        log = out / f"server-decode-{arm}.log"
         rec = _serve({**common, "CTX": ctx, "KVARN_GRAPHS": graphs, "PREFILL_LAUNCH": launch},
-                     out / f"server-decode-{arm}.log", a.deadline - 20, measure)
+                     log, a.deadline - 20, measure)
         recs[arm] = rec
         print(f"{arm}: pool {rec.get('pool_tokens')} (predicted {(rec.get('prediction') or {}).get('pool_tokens')}), "
               f"boot {rec.get('boot_s')} s" + (f" ERROR {rec['error']}" if rec.get("error") else ""), flush=True)
-        log = out / f"server-decode-{arm}.log"
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
         # the engine core's per-step host timing (ONECARD_HOST_TIMING=1, set by 62-kvarn-decode.sh):
         # the last windows are the deepest prompt's decode; where KVarN's flat ~28 ms/token goes
-        probe = [ln.split("[onecard host timing]", 1)[1].strip() for ln in
-                 (log.read_text(errors="replace").splitlines() if log.exists() else [])
+        probe = [ln.split("[onecard host timing]", 1)[1].strip() for ln in lines
                  if "[onecard host timing] steps" in ln]
         for ln in probe[-3:]:
             print(f"{arm}: [onecard host timing] {ln}", flush=True)
         rec["host_timing"] = probe[-3:]
         # how vLLM resolved CUDA graphs for this arm (its warnings and capture lines)
-        graph_lines = [ln.strip()[-220:] for ln in
-                       (log.read_text(errors="replace").splitlines() if log.exists() else [])
+        graph_lines = [ln.strip()[-220:] for ln in lines
                        if "cudagraph_mode" in ln or "Capturing CUDA graph" in ln
                        or "decode CUDA graphs" in ln or "Graph capturing finished" in ln]
         rec["graph_log"] = graph_lines[-6:]
@@ -372,11 +371,15 @@ def decode(a) -> int:
         write_json(out / "decode.json", recs)
     labels = [x[0] for x in arms]
 
+    def cell(label, d, key):
+        """One arm's figure at one depth (None when the arm or the depth did not run)."""
+        return (((recs.get(label) or {}).get("decode") or {}).get(str(d)) or {}).get(key)
+
     def tps(label, d):
-        return (((recs.get(label) or {}).get("decode") or {}).get(str(d)) or {}).get("decode_tps")
+        return cell(label, d, "decode_tps")
 
     def sha(label, d):
-        return (((recs.get(label) or {}).get("decode") or {}).get(str(d)) or {}).get("text_sha256")
+        return cell(label, d, "text_sha256")
 
     ratios = [(x, y) for x, y in (("kvarn", "int8"), ("kvarn-pw", "int8"), ("kvarn", "kvarn-pw"))
               if x in labels and y in labels]
@@ -396,7 +399,7 @@ def decode(a) -> int:
         print(f"| {d} | " + " | ".join(cells) + " |")
 
     def ttft(label, d):
-        return (((recs.get(label) or {}).get("decode") or {}).get(str(d)) or {}).get("ttft_s")
+        return cell(label, d, "ttft_s")
 
     print("TTFT (s), the same requests (the second run of each depth):")
     print("| depth | " + " | ".join(f"{x} TTFT s" for x in labels) + " |")

@@ -31,10 +31,7 @@ H="gpu/jobs/61-kvarn-serve.py"
 status=0
 
 # --- 0. install into a private view ------------------------------------------------------------
-SRC=$(python3 -c 'import importlib.util as u; print(list(u.find_spec("vllm").submodule_search_locations)[0])' 2>/dev/null)
-timeout 60 python3 "$H" setup --src "${SRC:-/var/tmp/site/vllm}" --site /var/tmp/site-kvarn 2>&1 | tee -a "$summary"
-if [ "${PIPESTATUS[0]}" != 0 ]; then say "FAIL: kvarn install into /var/tmp/site-kvarn"; exit 1; fi
-export PYTHONPATH="$(pwd):/var/tmp/site-kvarn:${PYTHONPATH:-/var/tmp/site}"
+kvarn_site || exit 1
 python3 -m onecard.kvarn.installer --status 2>&1 | tee -a "$summary"
 
 # --- 1. SmolLM2 ----------------------------------------------------------------------------------

@@ -19,10 +19,7 @@ cd "$(dirname "$0")/../.."
 . gpu/lib/job.sh  # MODELS, $summary, say, elapsed
 H="gpu/jobs/61-kvarn-serve.py"
 job_header
-SRC=$(python3 -c 'import importlib.util as u; print(list(u.find_spec("vllm").submodule_search_locations)[0])' 2>/dev/null)
-timeout 60 python3 "$H" setup --src "${SRC:-/var/tmp/site/vllm}" --site /var/tmp/site-kvarn 2>&1 | tee -a "$summary"
-if [ "${PIPESTATUS[0]}" != 0 ]; then say "FAIL: kvarn install into /var/tmp/site-kvarn"; exit 1; fi
-export PYTHONPATH="$(pwd):/var/tmp/site-kvarn:${PYTHONPATH:-/var/tmp/site}"
+kvarn_site || exit 1
 # per-step host timing in both servers' engine cores (gpu/lib/stackdump/onecard_host_timing.py);
 # the driver copies each arm's last window medians into the summary
 export ONECARD_HOST_TIMING=${ONECARD_HOST_TIMING:-1} ONECARD_HOST_TIMING_EVERY=${ONECARD_HOST_TIMING_EVERY:-40}

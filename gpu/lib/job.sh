@@ -36,6 +36,16 @@ job_end() {
 # elapsed: whole seconds since the job sourced this file
 elapsed() { echo $(( $(date +%s) - T0 )); }
 # free_port: a TCP port free on 127.0.0.1 now
+# kvarn_site: KVarN (kvarn/install.sh's installer, through 61-kvarn-serve.py setup) into a private
+# view of the patched tree at /var/tmp/site-kvarn, put first on PYTHONPATH (run from the repo root);
+# rc 1 with a FAIL line when the install fails
+kvarn_site() {
+  local src
+  src=$(python3 -c 'import importlib.util as u; print(list(u.find_spec("vllm").submodule_search_locations)[0])' 2>/dev/null)
+  timeout 60 python3 gpu/jobs/61-kvarn-serve.py setup --src "${src:-/var/tmp/site/vllm}" --site /var/tmp/site-kvarn 2>&1 | tee -a "$summary"
+  if [ "${PIPESTATUS[0]}" != 0 ]; then say "FAIL: kvarn install into /var/tmp/site-kvarn"; return 1; fi
+  export PYTHONPATH="$(pwd):/var/tmp/site-kvarn:${PYTHONPATH:-/var/tmp/site}"
+}
 free_port() { "${PY:-python3}" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 # http_get URL [OUTFILE]: HTTP GET without curl (may be missing on the GPU host); rc 0 on HTTP 200
