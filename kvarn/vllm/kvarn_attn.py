@@ -260,11 +260,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                 and all(q_lens[r] == 0 or (qsl[r] == r * Q and seq[r] >= Q) for r in range(n)):
             return self._build_decode(cam, n, seq, q_lens)
         ctx = [s - (qsl[i + 1] - qsl[i]) for i, s in enumerate(seq)]
-        bt_cpu = self._host_block_table(cam, n)
-        cols = {r: self.planner.tile_cols(ctx[r], seq[r]) for r in range(n)}
-        tb = kvarn_stage.tile_block_ids(bt_cpu, cols, self.tiles_per_page)
-        plan = self.planner.plan(ctx, seq, qsl[:n], tb, null_page_blocks=self.tiles_per_page,
-                                 prefill_min_q=kvarn_stage.MAX_QUERY_LEN + 1)
+        plan = self._plan(ctx, seq, qsl[:n], self._host_block_table(cam, n))
         dev_plan = plan.to(self.device)
         bt = cam.block_table_tensor[:n].index_select(0, dev_plan.req_index)
         return KvarnMetadata(plan=dev_plan, block_table=bt, num_actual_tokens=cam.num_actual_tokens,
@@ -275,14 +271,8 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                       ) -> KvarnMetadata:
         Q = self.uniform_q
         act = [r for r in range(n) if q_lens[r] == Q]  # request r's tokens start at r * Q
-        ctx = [seq[r] - Q for r in act]
-        sq = [seq[r] for r in act]
-        bt_cpu = self._host_block_table(cam, n)[act]
-        cols = {i: self.planner.tile_cols(ctx[i], sq[i]) for i in range(len(act))}
-        tb = kvarn_stage.tile_block_ids(bt_cpu, cols, self.tiles_per_page)
-        plan = self.planner.plan(ctx, sq, [r * Q for r in act], tb,
-                                 null_page_blocks=self.tiles_per_page,
-                                 prefill_min_q=kvarn_stage.MAX_QUERY_LEN + 1)
+        plan = self._plan([seq[r] - Q for r in act], [seq[r] for r in act], [r * Q for r in act],
+                          self._host_block_table(cam, n)[act])
         nt = cam.num_actual_tokens
         i32, dst = kvarn_stage.uniform_rows(plan, Q, nt, self.decode_capacity, self.trash_row)
         # padding requests past the block table's rows (if vLLM padded tokens beyond its
@@ -301,6 +291,13 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         return KvarnMetadata(plan=plan, block_table=cam.block_table_tensor, num_actual_tokens=nt,
                              tiles_per_page=self.tiles_per_page, cu_cpu=[], decode=rows)
 
+
+    def _plan(self, ctx: list, seq: list, q_starts: list, bt_cpu: torch.Tensor) -> kvarn_stage.StepPlan:
+        """The planner's step plan for requests given by rows of ``bt_cpu`` (host block table)."""
+        cols = {r: self.planner.tile_cols(ctx[r], seq[r]) for r in range(len(ctx))}
+        tb = kvarn_stage.tile_block_ids(bt_cpu, cols, self.tiles_per_page)
+        return self.planner.plan(ctx, seq, q_starts, tb, null_page_blocks=self.tiles_per_page,
+                                 prefill_min_q=kvarn_stage.MAX_QUERY_LEN + 1)
 
     def _host_seq(self, cam: CommonAttentionMetadata, n: int) -> list:
         host = getattr(cam, "_seq_lens_cpu", None) if self._host_seq_lens else None

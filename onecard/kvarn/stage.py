@@ -336,11 +336,10 @@ def uniform_rows(plan: StepPlan, q_len: int, num_tokens: int, max_tokens: int, t
             or num_tokens % Q:
         raise ValueError(bad)
     n_req, k = num_tokens // Q, rows_per_request(Q)
-    f = {name: i for i, name in enumerate(DECODE_FIELDS)}
     width = 2 * max_tokens + 1
-    i32 = torch.zeros((len(DECODE_FIELDS), width), dtype=torch.int32)
-    for name in ("sink_rows", "tail_rows", "prev_rows", "pack_blocks"):
-        i32[f[name]] = -1
+    # host lists, one tensor at the end (this runs on every step's host path)
+    out = {name: [-1 if name in ("sink_rows", "tail_rows", "prev_rows", "pack_blocks") else 0] * width
+           for name in DECODE_FIELDS}
     cu = plan.cu_seqlens_q.tolist()
     by_req: dict[int, list[int]] = {}
     for i, t0 in enumerate(plan.seq_tok0):
@@ -359,20 +358,20 @@ def uniform_rows(plan: StepPlan, q_len: int, num_tokens: int, max_tokens: int, t
             raise ValueError(bad)
         for j in range(k):
             row = r * k + j
-            i32[f["req_index"], row] = r
+            out["req_index"][row] = r
             if j < len(entries):
                 for name in fields:
-                    i32[f[name], row] = cols[name][entries[j]]
+                    out[name][row] = cols[name][entries[j]]
                 bounds.append(bounds[-1] + lens[j])
             else:  # padding: its tokens in the first row (seeing nothing), the second empty
                 bounds.append(bounds[-1] + (Q if not entries and j == 0 else 0))
-    i32[f["cu_seqlens_q"], : len(bounds)] = torch.tensor(bounds, dtype=torch.int32)
-    i32[f["cu_seqlens_q"], len(bounds):] = bounds[-1]
+    out["cu_seqlens_q"] = bounds + [bounds[-1]] * (width - len(bounds))
     n_pack = plan.pack_stage_rows.numel()
     if n_pack > n_req:  # a block of <= 16 queries fills at most one tile
         raise ValueError(bad)
-    i32[f["pack_rows"], :n_pack] = plan.pack_stage_rows.to(torch.int32)
-    i32[f["pack_blocks"], :n_pack] = plan.pack_stage_blocks.to(torch.int32)
+    out["pack_rows"][:n_pack] = plan.pack_stage_rows.tolist()
+    out["pack_blocks"][:n_pack] = plan.pack_stage_blocks.tolist()
+    i32 = torch.tensor([out[name] for name in DECODE_FIELDS], dtype=torch.int32)
     dst = torch.full((max_tokens,), int(trash_row), dtype=torch.int64)
     if plan.stage_src.numel():
         if int(plan.stage_src.max()) >= num_tokens:
