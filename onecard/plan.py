@@ -136,13 +136,13 @@ def parse_int(text: str, name: str, lo: int, hi: int) -> int:
 
 
 def parse_prefill_launch(text: str) -> str:
-    """PREFILL_LAUNCH: 'stock' or BLOCK_M:TILE:WARPS:STAGES (the rules of patch 0083's
+    """PREFILL_LAUNCH: 'auto', 'stock' or BLOCK_M:TILE:WARPS:STAGES (the rules of patch 0083's
     onecard_parse_prefill_launch, checked here before the boot)."""
     text = text.strip()
-    if text == "stock":
+    if text in ("auto", "stock"):
         return text
-    valid = ("valid: stock, or BLOCK_M:TILE:WARPS:STAGES with BLOCK_M and TILE powers of two in "
-             "16..256, WARPS 2|4|8|16, STAGES 1..5 (e.g. 64:64:8:2)")
+    valid = ("valid: auto, stock, or BLOCK_M:TILE:WARPS:STAGES with BLOCK_M and TILE powers of two "
+             "in 16..256, WARPS 2|4|8|16, STAGES 1..5 (e.g. 64:64:8:2)")
     try:
         bm, tile, warps, stages = (int(x) for x in text.split(":"))
     except ValueError:

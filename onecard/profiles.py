@@ -130,11 +130,13 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("KVARN_GRAPHS", "1", "0|1", "KVarN KV (CTX=huge): 1: single-token decode steps run as full CUDA graphs "
          "(the GDN layers too; 1.37x / 1.21x / 1.09x piecewise at 8k / 32k / 120k on the H200, 2026-12-04 session "
          "15); 0: piecewise graphs only, KVarN attention eager. Passed to the server as ONECARD_KVARN_GRAPHS", BOOL),
-    Knob("PREFILL_LAUNCH", "stock", "stock|BLOCK_M:TILE:WARPS:STAGES", "prefill launch of vLLM's Triton attention "
-         "(TRITON_ATTN with int8 or bf16 KV; int4 has its own kernel) for query runs of >= 64 tokens (patch 0083): stock = vLLM's (BLOCK_M "
-         "16 at head_dim 256: int8 TTFT 132 s at 120k tokens on the H200); BLOCK_M and TILE powers of two "
-         "16..256, WARPS 2|4|8|16, STAGES 1..5. Not yet measured: for GPU sweeps (bench/kernel_prefill.py). "
-         "Passed to the server as ONECARD_PREFILL_LAUNCH"),
+    Knob("PREFILL_LAUNCH", "auto", "auto|stock|BLOCK_M:TILE:WARPS:STAGES", "prefill launch of vLLM's Triton "
+         "attention (TRITON_ATTN with int8 or bf16 KV) for query runs of >= 64 tokens (patch 0083): auto = the "
+         "measured launch at head_dim 256 (128:32:8:1 int8, 64:32:4:2 bf16; CTX=long int8 TTFT at 120k tokens "
+         "34.6 s against 132 s with vLLM's launch on the H200, 2026-12-04; both fit a 3090's shared memory), "
+         "vLLM's elsewhere; stock = vLLM's (BLOCK_M 16 at head_dim 256); or one launch for every shape: BLOCK_M "
+         "and TILE powers of two 16..256, WARPS 2|4|8|16, STAGES 1..5 (a launch that does not fit the GPU falls "
+         "back to vLLM's with a warning). Passed to the server as ONECARD_PREFILL_LAUNCH"),
     Knob("KVARN_PRESET", "k4v2_g128", "k4v2_g128|k4v4_g128|k4v2_g64", "KVarN KV (CTX=huge) bit widths and "
          "group: k4v2_g128 (default; 4-bit K, 2-bit V, the largest pool) or k4v4_g128 (4-bit V: SmolLM2 ppl "
          "-0.015 % vs bf16 served on a GPU, k4v2_g128 +0.55 % in the same run; ~20 % fewer pool tokens; "

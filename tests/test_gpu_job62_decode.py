@@ -27,7 +27,7 @@ def test_decode_table_and_ratio(tmp_path, monkeypatch, capsys):
 
     def fake_launch(env, log, deadline, need_health):
         launched.append((env["CTX"], env["KVARN_GRAPHS"]))
-        assert env["PREFILL_LAUNCH"] == "stock"
+        assert env["PREFILL_LAUNCH"] == "auto"
         assert env["SPEC"] == "off" and "--enforce-eager" not in env["EXTRA_ARGS"]
         Path(log).write_text("".join(f"x [onecard host timing] steps {i}-{i + 39} (median ms): step 28.0\n"
                                      for i in (1, 41, 81, 121))
@@ -74,9 +74,11 @@ def test_decode_skips_arms_without_time(tmp_path, monkeypatch, capsys):
 
 def test_decode_arms_are_validated():
     mod = _load()
-    assert mod.parse_arms("a:huge:1, b:long:0") == [("a", "huge", "1", "stock"), ("b", "long", "0", "stock")]
+    assert mod.parse_arms("a:huge:1, b:long:0") == [("a", "huge", "1", "auto"), ("b", "long", "0", "auto")]
     assert mod.parse_arms("i:long:1:64:64:8:2") == [("i", "long", "1", "64:64:8:2")]
-    for bad in ("a:huge", "a:tiny:1", "a:huge:2", "a:huge:1,a:long:1", "", "a:long:1:64:64", "a:long:1:x:64:8:2"):
+    assert mod.parse_arms("s:long:1:stock") == [("s", "long", "1", "stock")]
+    for bad in ("a:huge", "a:tiny:1", "a:huge:2", "a:huge:1,a:long:1", "", "a:long:1:64:64", "a:long:1:x:64:8:2",
+                "a:long:1:fast"):
         try:
             mod.parse_arms(bad)
         except ValueError as e:

@@ -26,19 +26,21 @@ def kvarn_installed(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: fake)
 
 
-def test_prefill_launch_default_stock_and_env_only(tmp_path):
-    stock = mk({"CTX": "long", "SPEC": "off"}, tmp_path)
-    assert stock.child_env["ONECARD_PREFILL_LAUNCH"] == "stock"
+def test_prefill_launch_default_auto_and_env_only(tmp_path):
+    auto = mk({"CTX": "long", "SPEC": "off"}, tmp_path)
+    assert auto.child_env["ONECARD_PREFILL_LAUNCH"] == "auto"
+    stock = mk({"CTX": "long", "SPEC": "off", "PREFILL_LAUNCH": "stock"}, tmp_path)
+    assert stock.child_env["ONECARD_PREFILL_LAUNCH"] == "stock" and stock.argv == auto.argv
     tuned = mk({"CTX": "long", "SPEC": "off", "PREFILL_LAUNCH": " 64:64:8:2 "}, tmp_path)
     assert tuned.child_env["ONECARD_PREFILL_LAUNCH"] == "64:64:8:2" and tuned.argv == stock.argv
 
 
-@pytest.mark.parametrize("bad", ["64:64:8", "48:64:8:2", "64:512:8:2", "64:64:3:2", "64:64:8:0", "fast", "auto"])
+@pytest.mark.parametrize("bad", ["64:64:8", "48:64:8:2", "64:512:8:2", "64:64:3:2", "64:64:8:0", "fast", "Auto"])
 def test_prefill_launch_bad_value_one_line(tmp_path, bad):
     with pytest.raises(P.PlanError) as exc:
         mk({"PREFILL_LAUNCH": bad}, tmp_path)
     msg = str(exc.value)
-    assert "\n" not in msg and msg.startswith("PREFILL_LAUNCH=") and "valid: stock, or BLOCK_M:TILE" in msg
+    assert "\n" not in msg and msg.startswith("PREFILL_LAUNCH=") and "valid: auto, stock, or BLOCK_M:TILE" in msg
 
 
 def test_launcher_and_patch_parsers_agree():
@@ -51,7 +53,7 @@ def test_launcher_and_patch_parsers_agree():
     src = "\n".join(ln[1:] for ln in body.splitlines())
     ns: dict = {}
     exec(src, ns)  # noqa: S102 - the patch's own function, from this repository
-    for v in ("stock", "16:16:2:1", "64:64:8:2", "256:256:16:5", "128:32:4:3", "64:64:8", "32:48:4:2",
+    for v in ("stock", "auto", "16:16:2:1", "64:64:8:2", "256:256:16:5", "128:32:4:3", "64:64:8", "32:48:4:2",
               "512:64:8:2", "64:64:1:2", "64:64:8:6", "x", "8:64:8:2"):
         try:
             ours = P.parse_prefill_launch(v) == v

@@ -302,19 +302,20 @@ DECODE_ARMS = "kvarn:huge:1,kvarn-pw:huge:0,int8:long:1"
 
 
 def parse_arms(text: str) -> list[tuple[str, str, str, str]]:
-    """'label:ctx:graphs[:BLOCK_M:TILE:WARPS:STAGES],...' (graphs: KVARN_GRAPHS, 1 or 0; the
-    optional four numbers: the launcher's PREFILL_LAUNCH, patch 0083) ->
-    [(label, ctx, graphs, prefill_launch)] ('stock' when not given)."""
+    """'label:ctx:graphs[:auto|stock|BLOCK_M:TILE:WARPS:STAGES],...' (graphs: KVARN_GRAPHS, 1 or 0;
+    the optional last field: the launcher's PREFILL_LAUNCH, patch 0083) ->
+    [(label, ctx, graphs, prefill_launch)] ('auto', the launcher's default, when not given)."""
     arms = []
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
         parts = item.split(":")
-        if len(parts) not in (3, 7) or parts[1] not in ("huge", "long", "fast") or parts[2] not in ("0", "1") \
-                or not parts[0] or not all(p.isdigit() for p in parts[3:]):
+        if len(parts) not in (3, 4, 7) or parts[1] not in ("huge", "long", "fast") or parts[2] not in ("0", "1") \
+                or not parts[0] or (len(parts) == 4 and parts[3] not in ("auto", "stock")) \
+                or (len(parts) == 7 and not all(p.isdigit() for p in parts[3:])):
             raise ValueError(f"decode arm {item!r} is not valid; valid: "
-                             f"label:huge|long|fast:0|1[:BLOCK_M:TILE:WARPS:STAGES]")
-        arms.append((parts[0], parts[1], parts[2], ":".join(parts[3:]) or "stock"))
+                             f"label:huge|long|fast:0|1[:auto|stock|BLOCK_M:TILE:WARPS:STAGES]")
+        arms.append((parts[0], parts[1], parts[2], ":".join(parts[3:]) or "auto"))
     if len({a[0] for a in arms}) != len(arms) or not arms:
         raise ValueError(f"decode arms {text!r}: labels must be distinct and at least one given")
     return arms
