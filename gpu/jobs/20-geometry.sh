@@ -74,7 +74,8 @@ if [ "${GEOM_SERVE:-1}" = "0" ] && [ $rc_build -eq 0 ]; then
   echo "== serve skipped (GEOM_SERVE=0)"; rc_serve=0
 elif [ $rc_build -eq 0 ]; then
   echo "== serve (patched vLLM, --language-model-only, eager, 4k context)"
-  timeout 250 python3 gpu/lib/serve_probe.py --model "$M" --out "$JOB_OUT/serve.json" \
+  # the first request JIT-compiles the eager GDN kernels: over 60 s beside job 63 (session 16)
+  timeout 340 python3 gpu/lib/serve_probe.py --model "$M" --out "$JOB_OUT/serve.json" --request-timeout 120 \
       --log "$JOB_OUT/serve.log" --pidfile "$JOB_OUT/server.pid" --port 8321 --boot-timeout 220 --max-tokens 16 ${PROBE_EXTRA:-} -- \
       --max-model-len 4096 --enforce-eager --language-model-only --max-num-seqs 4 \
       --gpu-memory-utilization 0.5 --additional-config '{"gdn_prefill_backend":"triton"}'
