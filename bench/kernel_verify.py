@@ -15,7 +15,8 @@
    same run, and the speedup over stock. Inputs rotate over several cache copies so L2 does not
    flatter. Each row records the launch config the defaults chose.
 3. A launch-config sweep at q=16, 32k, batch 1 per KV dtype (tile, stages, 1 vs 2 waves of
-   splits), first row = the sm_90 default.
+   splits), first row = the sm_90 default; int8 / int4 also tiles 32 and 64 at 2-4 stages, and
+   int8 at vLLM's serving page (1584 tokens, where tiles 32 / 64 leave the PAGE_TILES path).
 4. The other q_len rows (default 8) while ``--budget-s`` lasts. The table is printed last.
 Benchmarks print figures; nothing here asserts on time.
 """
@@ -452,9 +453,23 @@ def main(argv=None) -> int:
             "int8": [{"tile_n": 16, "num_warps": 8, "num_stages": 4},
                      {"tile_n": 16, "num_warps": 8, "num_stages": 4, "lazy_rescale": True},
                      {"tile_n": 16, "num_warps": 8, "num_stages": 6},
-                     {**wide, "num_stages": 3}, {**wide, "num_stages": 2}],
+                     {"tile_n": 16, "num_warps": 8, "num_stages": 3},
+                     {**wide, "num_stages": 4}, {**wide, "num_stages": 3},
+                     {**wide, "num_stages": 2},
+                     {"tile_n": 64, "num_warps": 8, "num_stages": 3},
+                     {"tile_n": 64, "num_warps": 8, "num_stages": 2}],
         }
-        sweep["int4"] = sweep["int8"]
+        # int8 / int4 larger tiles (2026-12-04, issue #7): the tile loop is latency-bound per
+        # tile (q=8 is no faster than q=16), so a larger tile could amortize the per-tile chain
+        # (unpack -> shared -> barrier -> wgmma, twice) if its spills stay out of the loop; the
+        # sweep's page (--block-size, 64) keeps every tile on the PAGE_TILES path. vLLM's int8
+        # page on the 27B is 1584 tokens = 16 x 99: tile 32 / 64 do not divide it, so in serving
+        # they run the per-key (masked, division per key) path. Rows with "block_size": 1584 time
+        # exactly that, next to the default at the same page.
+        sweep["int4"] = [kw for kw in sweep["int8"]]
+        sweep["int8"] += [{"tile_n": 16, "num_warps": 8, "num_stages": 4, "block_size": 1584},
+                          {**wide, "num_stages": 3, "block_size": 1584},
+                          {"tile_n": 64, "num_warps": 8, "num_stages": 2, "block_size": 1584}]
         sweep_at = (16, 32768, 1)
 
     def table_rows(rows):
@@ -494,9 +509,11 @@ def main(argv=None) -> int:
                 for waves in ((1.0, 2.0) if j == 0 else (1.0,)):
                     q, ctx, b = sweep_at
                     ns = choose_num_splits(ctx, b, NUM_KV_HEADS, _sm_count(device), waves=waves)
+                    launch = {k: v for k, v in kw.items() if k != "block_size"}
                     r = time_config(q, ctx, b, kv, device=device, gen=gen,
-                                    block_size=args.block_size, l2_bytes=l2, have_stock=False,
-                                    ours_kw={**kw, "num_splits": ns}, with_stock=False)
+                                    block_size=kw.get("block_size", args.block_size), l2_bytes=l2,
+                                    have_stock=False, ours_kw={**launch, "num_splits": ns},
+                                    with_stock=False)
                     r["waves"] = waves
                     result["sweep"].append(r)
                     log("sweep", kv, kw, f"waves={waves} splits={ns}",
@@ -525,7 +542,9 @@ def main(argv=None) -> int:
             pct = f"{100 * gbps / copy_gbps:5.1f} %copy" if gbps and copy_gbps else ""
             log(f"  {r['kv']:>5} tile {kw.get('tile_n')} warps {kw.get('num_warps')} stages "
                 f"{kw.get('num_stages')} splits {kw.get('num_splits')} (waves {r['waves']})"
-                f"{' lazy' if kw.get('lazy_rescale') else ''}: {t} {pct}")
+                f"{' lazy' if kw.get('lazy_rescale') else ''}"
+                f"{'' if r['block_size'] == args.block_size else ' page %d' % r['block_size']}"
+                f": {t} {pct}")
     long_rows = [r for r in result["table"] if r["ctx"] >= 32768 and "ours_ms" in r
                  and "stock_ms" in r]
     if long_rows:

@@ -18,7 +18,10 @@ Cache layout (vLLM 0.27.1, TRITON_ATTN backend, as handed to ``unified_attention
       int4 : x = (nibble - zp) * scale       where the float32's low 4 mantissa bits hold zp;
              the cache holds H.D.x (randomized Hadamard, unnormalized), so the query is rotated
              the same way, the softmax scale is divided by head_dim and the output is rotated
-             back (and divided by head_dim) - exactly what vLLM's int4 path does.
+             back (and divided by head_dim) - what vLLM's int4 path does, but in our own
+             kernels (query: one small butterfly launch, ``_rht_rows_kernel``; output: the same
+             fp32 butterfly in the reduce kernel) instead of vLLM's ``single_rht`` around the
+             kernel (~15-40 small torch launches).
   block_table [num_seqs, max_blocks] int32, seq_lens [num_seqs] (context incl. the verify
   block), cu_seqlens_q [num_seqs + 1] (query_start_loc).
 
@@ -49,6 +52,33 @@ def _dot(a, b, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a, b)
+
+
+@triton.jit
+def _hadamard_vec(x, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """Unnormalized Sylvester Walsh-Hadamard transform of a [D] float32 vector: the butterfly
+    of vLLM's ``fast_hadamard_transform`` (torch tier: pairs h apart -> (a + b, a - b))."""
+    for i in tl.static_range(LOG2_D):  # pairs h = 2^i apart: [D / 2h, 2, h]
+        y = tl.permute(tl.reshape(x, (D >> (i + 1), 2, 1 << i)), (0, 2, 1))
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (D,))
+    return x
+
+
+@triton.jit
+def _rht_rows_kernel(x_ptr, signs_ptr, y_ptr, stride_x_t: tl.int64, stride_x_h: tl.int64,
+                     stride_y_t: tl.int64, stride_y_h: tl.int64, HEAD_DIM: tl.constexpr,
+                     LOG2_D: tl.constexpr):
+    """int4 query rotation, one (token, head) row per program: y = H . (d1 * x) (vLLM's
+    ``single_rht``), fp32 butterfly, rounded once to y's dtype. One launch; it replaces the
+    ~15-40 small torch launches of ``single_rht(q.float()).to(q.dtype)``."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    x = tl.load(x_ptr + tok * stride_x_t + head * stride_x_h + offs_d).to(tl.float32)
+    x = _hadamard_vec(x * tl.load(signs_ptr + offs_d), HEAD_DIM, LOG2_D)
+    tl.store(y_ptr + tok * stride_y_t + head * stride_y_h + offs_d,
+             x.to(y_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -339,12 +369,15 @@ def _wide_verify_reduce_kernel(
     part_o_ptr,
     part_m_ptr,
     part_l_ptr,
+    signs_ptr,  # int4 (RHT_OUT): the RHT sign vector d1 [HEAD_DIM] float32; else a dummy
     num_splits,
     stride_o_t: tl.int64,
     stride_o_h: tl.int64,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    RHT_OUT: tl.constexpr = False,
+    LOG2_D: tl.constexpr = 0,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -363,6 +396,10 @@ def _wide_verify_reduce_kernel(
                 mask=s_ok[:, None] & (w[:, None] > 0.0), other=0.0)
     acc = tl.sum(o * w[:, None], axis=0)
     res = tl.where(denom > 0.0, acc / tl.maximum(denom, 1e-30), 0.0)
+    if RHT_OUT:
+        # int4: rotate back, D.H.res / head_dim (vLLM's single_rht(x, inverse=True) / d), fp32
+        res = (_hadamard_vec(res, HEAD_DIM, LOG2_D) * tl.load(signs_ptr + offs_d)
+               * (1.0 / HEAD_DIM))
     tl.store(out_ptr + tok * stride_o_t + head * stride_o_h + offs_d,
              res.to(out_ptr.dtype.element_ty))
 
@@ -438,6 +475,11 @@ def default_launch(mode: int, block_m: int, head_dim: int, device: torch.device)
     tile 32); int4 tile 16 / 1 stage (ptxas caps the pipelined int4 kernel at 128 registers on
     sm_86: ~4 KB spills; unpipelined 255 registers, 160 B). Compiler figures only on sm_86; no
     3090 timing yet. Evidence: docs/wide-verify.md ("int8 / int4 tile loop").
+    Kept at 16 after the H200 sweep of 2026-12-04 (q=16, 32k, batch 1, page 64): int8 16 / 8 / 4
+    181 us vs 32 / 8 / 3 250 us and 32 / 8 / 2 261 us; int4 tile 32 was ~5 % faster there but
+    that row was dominated by the host-side RHT (fixed cost, now in the kernels), and tile 32 /
+    64 would leave the PAGE_TILES path at vLLM's 1584-token int8 page. bench/kernel_verify.py's
+    sweep times 16 / 32 / 64 at 2-4 stages (and int8 at page 1584): change it only on that.
     """
     big = block_m * head_dim >= 64 * 256
     warps = 8 if big else 4
@@ -532,14 +574,29 @@ def wide_verify_attention(
 
     scale = softmax_scale
     q_in, target = q, out
+    signs = seq_lens  # unused dummy unless int4
     if mode == 4:
-        from vllm.v1.attention.ops.int4_per_token_head import single_rht
+        # The randomized Hadamard transform (RHT) of the query and its inverse on the output run
+        # in our kernels: the query in one small launch (_rht_rows_kernel), the output in the
+        # reduce kernel (so int4 always takes the partials + reduce path, also with one split).
+        # Before, vLLM's single_rht ran around the kernel: q.float(), signs, hadacore (or a
+        # torch butterfly), casts, an fp32 output buffer, the inverse, a copy: ~15-40 small
+        # launches, a fixed ~220 us per call in the H200 table (int4 8k: 280 us at batch 1 and
+        # batch 4 alike vs int8 62 us; docs/wide-verify.md). Only vLLM's cached sign vector is
+        # read here (the tensor single_rht itself uses; no launch, no copy once cached).
+        from vllm.v1.attention.ops.int4_per_token_head import _get_rht_signs
 
-        q_in = single_rht(q.float()).to(q.dtype)
+        signs = _get_rht_signs(head_dim, 0, q.device)
+        if signs.dtype != torch.float32:
+            signs = signs.float()
         scale = softmax_scale / head_dim
-        target = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        q_in = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        _rht_rows_kernel[(num_tokens, num_q_heads)](
+            q, signs, q_in, q.stride(0), q.stride(1), q_in.stride(0), q_in.stride(1),
+            HEAD_DIM=head_dim, LOG2_D=head_dim.bit_length() - 1,
+            num_warps=1 if head_dim <= 256 else 4)
 
-    direct = num_splits == 1
+    direct = num_splits == 1 and mode != 4
     if direct:
         part_o = part_m = part_l = target  # unused
     else:
@@ -570,13 +627,10 @@ def wide_verify_attention(
     if not direct:
         splits_pad, reduce_warps = reduce_launch(num_splits, head_dim)
         _wide_verify_reduce_kernel[(num_tokens, num_q_heads)](
-            target, part_o, part_m, part_l, num_splits,
+            target, part_o, part_m, part_l, signs, num_splits,
             target.stride(0), target.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, SPLITS_PAD=splits_pad,
+            RHT_OUT=mode == 4, LOG2_D=head_dim.bit_length() - 1,
             num_warps=reduce_warps,
         )
-    if mode == 4:
-        from vllm.v1.attention.ops.int4_per_token_head import single_rht
-
-        out.copy_((single_rht(target, inverse=True) / head_dim).to(out.dtype))
     return out
