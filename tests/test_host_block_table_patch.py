@@ -2,11 +2,17 @@
 attention metadata the host copy of that group's block table (cm.block_table_cpu), which
 KVarN's builder plans from instead of copying the device table (a sync). The statement is found
 in the patched runner (inside the per-group loop, after the metadata copy) and run as written
-against vLLM's own spec classes and a host block table."""
+against vLLM's own spec classes and a host block table; the speculative proposer's own common
+metadata (unpadded, prepare_inputs_padded, prepare_inputs) keeps it."""
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -14,9 +20,13 @@ from onecard import patching
 
 
 @pytest.fixture(scope="module")
-def runner_source(vllm_dir, tmp_path_factory):
-    site = patching.overlay(vllm_dir, tmp_path_factory.mktemp("p0084"))
-    return (site / "vllm" / "v1" / "worker" / "gpu_model_runner.py").read_text()
+def p0084_site(vllm_dir, tmp_path_factory):
+    return patching.overlay(vllm_dir, tmp_path_factory.mktemp("p0084"))
+
+
+@pytest.fixture(scope="module")
+def runner_source(p0084_site):
+    return (p0084_site / "vllm" / "v1" / "worker" / "gpu_model_runner.py").read_text()
 
 
 def _loop_and_statement(src: str):
@@ -54,3 +64,63 @@ def test_statement_gives_the_groups_host_rows(runner_source):
             assert cm.block_table_cpu is None
         else:
             assert torch.equal(cm.block_table_cpu, want)
+
+
+_CARRY = r"""
+import json, types
+import numpy as np
+import torch
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.spec_decode import llm_base_proposer as LBP
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+# no GPU here: the Triton kernel (its outputs are not under test), pinned memory, async H2D
+LBP.eagle_prepare_inputs_padded_kernel = {(2,): lambda *a: None}
+LBP.PIN_MEMORY = False
+LBP.async_tensor_h2d = lambda data, device: torch.as_tensor(data).to(device)
+
+
+def cam(n, q=4, host=True):
+    qsl = torch.arange(0, (n + 1) * q, q, dtype=torch.int32)
+    seq = torch.tensor([50, 60, 0][:n], dtype=torch.int32)
+    c = CommonAttentionMetadata(query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=seq,
+                                num_reqs=n, num_actual_tokens=n * q, max_query_len=q, max_seq_len=60,
+                                block_table_tensor=torch.arange(n * 5, dtype=torch.int32).view(n, 5),
+                                slot_mapping=torch.arange(n * q), seq_lens_cpu_upper_bound=seq.clone())
+    if host:
+        c.block_table_cpu = c.block_table_tensor + 1000
+    return c
+
+
+out = {"unpadded": cam(3).unpadded(8, 2).block_table_cpu.tolist(),
+       "unpadded_none": cam(3, host=False).unpadded(8, 2).block_table_cpu is None}
+c = cam(2)
+sdm = types.SimpleNamespace(cu_num_draft_tokens=torch.tensor([3, 6], dtype=torch.int32))
+p = SpecDecodeBaseProposer.prepare_inputs_padded(types.SimpleNamespace(), c, sdm,
+                                                 torch.tensor([2, 4], dtype=torch.int32))
+out["padded"] = p[0].block_table_cpu is c.block_table_cpu
+p = SpecDecodeBaseProposer.prepare_inputs(types.SimpleNamespace(token_arange_np=np.arange(64)), c,
+                                          [[1, 2], [3, 4, 5, 6]], [3, 3])
+out["plain"] = p[0].block_table_cpu is c.block_table_cpu
+c = cam(2, host=False)
+p = SpecDecodeBaseProposer.prepare_inputs_padded(types.SimpleNamespace(), c, sdm,
+                                                 torch.tensor([2, 4], dtype=torch.int32))
+out["padded_none"] = p[0].block_table_cpu is None
+print("JSON" + json.dumps(out))
+"""
+
+
+def test_drafter_metadata_keeps_the_host_block_table(p0084_site):
+    """The proposer's own common metadata keeps block_table_cpu (KVarN's drafter builds plan
+    from it): CommonAttentionMetadata.unpadded slices its rows like the device table's, the
+    EAGLE/MTP proposer's prepare_inputs_padded / prepare_inputs hand the same rows on; without
+    it (no patch 0084 upstream of them) it stays None."""
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{p0084_site}:{repo}"}
+    r = subprocess.run([sys.executable, "-c", _CARRY], capture_output=True, text=True, env=env,
+                       cwd=p0084_site, timeout=600)
+    line = [l for l in r.stdout.splitlines() if l.startswith("JSON")]
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    out = json.loads(line[0][4:])
+    assert out["unpadded"] == [[1000 + i for i in range(5)], [1005 + i for i in range(5)]]
+    assert out["unpadded_none"] and out["padded_none"]
+    assert out["padded"] and out["plain"]

@@ -350,6 +350,123 @@ def test_backend_plans_from_host_copies(site):
     assert out["finite"] and max(out["errs"]) < 3e-2, out["errs"]
 
 
+_DRAFT = r"""
+import json, os, types
+import torch
+from vllm.v1.attention.backends.kvarn_attn import KvarnMetadataBuilder, DRAFT_HOST_ENV
+
+T, BS, MAXLEN = 64, 128, 122
+cfg = types.SimpleNamespace(cache_config=types.SimpleNamespace(cache_dtype="kvarn_k4v2_g64"),
+                            scheduler_config=types.SimpleNamespace(max_num_seqs=2),
+                            compilation_config=types.SimpleNamespace(max_cudagraph_capture_size=16),
+                            model_config=types.SimpleNamespace(max_model_len=MAXLEN),
+                            speculative_config=types.SimpleNamespace(num_speculative_tokens=3))
+mk = lambda: KvarnMetadataBuilder(types.SimpleNamespace(block_size=BS), ["l0"], cfg, torch.device("cpu"))
+target, d_on, d_off = mk(), mk(), mk()  # the runner's builder; the MTP drafter's (knob on / off)
+SEQ = torch.zeros(4, dtype=torch.int32)  # the runner's persistent device seq_lens
+BT = torch.tensor([[3, 5, 2, 0], [6, 1, 7, 4], [0] * 4, [0] * 4], dtype=torch.int32)
+_to, copies = torch.Tensor.to, []
+
+
+def _count(self, *a, **kw):
+    if a and a[0] == "cpu":
+        copies.append(1)
+    return _to(self, *a, **kw)
+
+
+torch.Tensor.to = _count
+
+
+def cam(qsl, seq_dev, n, nt):
+    return types.SimpleNamespace(num_reqs=n, seq_lens=seq_dev, query_start_loc_cpu=torch.tensor(qsl),
+                                 block_table_tensor=BT[:n], block_table_cpu=BT[:n].clone(),
+                                 num_actual_tokens=nt)
+
+
+def fields(md):
+    p = md.plan
+    d = {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in p.__dict__.items()
+         if k != "prefill"}
+    d["prefill"] = [repr(j) for j in p.prefill]
+    if md.decode is not None:
+        d["rows"] = {k: v.tolist() for k, v in md.decode.__dict__.items() if isinstance(v, torch.Tensor)}
+    return d
+
+
+def draft(c, j):
+    # the same device tensors for both drafter builders; the knob-off one copies every time
+    os.environ[DRAFT_HOST_ENV] = "0"
+    ref = d_off.build_for_drafting(c, j)
+    os.environ[DRAFT_HOST_ENV] = "1"
+    del copies[:]
+    got = d_on.build_for_drafting(c, j)
+    return len(copies), fields(got) == fields(ref)
+
+
+# (ctx of each request, query len, rejected drafts per request or None for a prefill step, bump)
+STEPS = [([0, 0], [100, 60], None, False), ([100, 60], [4, 4], [3, 1], False),
+         ([101, 63], [4, 4], [0, 2], False), ([105, 65], [4, 4], [2, 0], True),
+         ([107, 69], [4, 4], [1, 1], False), ([110, 72], [4, 4], [0, 0], False),
+         ([114, 72], [4, 4], [0, 3], False),
+         ([118, 73], [4, 4], [1, 0], False)]  # request 0: draft 1 at seq 122 = MAXLEN
+out = []
+for ctx, ql, rej, bump in STEPS:
+    seq = [c + q for c, q in zip(ctx, ql)]
+    SEQ[:2] = torch.tensor(seq, dtype=torch.int32)  # _prepare_inputs (a torch write: _version)
+    SEQ[2:].fill_(0)
+    qsl = [0, ql[0], ql[0] + ql[1]]
+    padded = rej is not None  # a FULL-graph verify batch: padded to 4 requests (16 tokens)
+    tc = cam(qsl + [qsl[-1]] * 2, SEQ[:4], 4, 16) if padded else cam(qsl, SEQ[:2], 2, qsl[-1])
+    del copies[:]
+    target.build(0, tc)
+    row = {"target": len(copies)}
+    if bump:  # something writes seq_lens between the target's build and the drafter's (torch op)
+        SEQ[:2] += 0
+    dc = cam(qsl, SEQ[:2], 2, qsl[-1])  # unpadded + prepare_inputs_padded: another view, same rows
+    row["d0"] = draft(dc, 0)
+    if rej is not None:  # propose(): seq_lens -= num_rejected_tokens_gpu (in place)
+        dc.seq_lens -= torch.tensor(rej, dtype=torch.int32)
+    dc.query_start_loc_cpu, dc.num_actual_tokens = torch.arange(3, dtype=torch.int32), 2
+    for j in (1, 2):
+        # eagle_step_slot_mapping_metadata_kernel: seq_lens + 1 (1 past max_model_len), a raw
+        # kernel write (no _version bump)
+        s = dc.seq_lens
+        s.data.copy_(torch.where(s >= MAXLEN, torch.ones_like(s), torch.clamp(s + 1, max=MAXLEN)))
+        row[f"d{j}"] = draft(dc, j)
+    row["seq_d2"] = dc.seq_lens.tolist()
+    out.append(row)
+torch.Tensor.to = _to
+print("JSON" + json.dumps(out))
+"""
+
+
+def test_backend_drafter_builds_reuse_exact_host_seq_lens(site):
+    """SPEC=mtp: vLLM's MTP proposer builds the drafter's metadata k times per step (draft index
+    0 over the verify batch, then one single-token step per further draft); with async
+    scheduling vLLM has no exact host seq_lens. Draft index 0 reuses the target build's copy
+    (same device rows, no write since), index 1 copies once (the rejection is on the device),
+    index 2 derives +1: one device-to-host copy per drafter instead of k, and every plan equals
+    the plan of a builder that copies each time (ONECARD_KVARN_DRAFT_HOST=0), over a prefill
+    step and verify steps (graph-padded, rejections, tile crossings). A torch write to seq_lens
+    after the target's build, or a row at max_model_len (the kernel wraps), makes it copy."""
+    vdir = site / "vllm"
+    assert kin.main(["--vllm-dir", str(vdir)]) == 0
+    env = {**os.environ, "PYTHONPATH": f"{site}:{REPO}"}
+    env.pop("ONECARD_KVARN_GRAPHS", None)
+    r = subprocess.run([sys.executable, "-c", _DRAFT], capture_output=True, text=True, env=env,
+                       cwd=site, timeout=600)
+    line = [l for l in r.stdout.splitlines() if l.startswith("JSON")]
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    rows = json.loads(line[0][4:])
+    assert all(row["target"] == 1 for row in rows)  # the target's verify build: one copy
+    for i, row in enumerate(rows):
+        assert row["d0"][1] and row["d1"][1] and row["d2"][1], (i, row)  # plans identical
+        want0 = 1 if i == 3 else 0  # step 3: seq_lens written after the target's build
+        want2 = 1 if i == len(rows) - 1 else 0  # last step: a row reached max_model_len
+        assert (row["d0"][0], row["d1"][0], row["d2"][0]) == (want0, 1, want2), (i, row)
+    assert rows[-1]["seq_d2"][0] == 1  # the kernel's wrap past max_model_len was exercised
+
+
 def test_backend_graphs_off_is_never(site):
     """ONECARD_KVARN_GRAPHS=0: the builder reports no CUDA-graph support (vLLM runs piecewise)."""
     out = _run_glue(site, '"kvarn_k4v2_g64", 64, 2, 4, 64, 128', "([(0, 3), (0, 2)], [(3, 1), (2, 1)])",

@@ -33,6 +33,13 @@ before 2026-12-04). The planner needs seq_lens and block ids on the host: withou
 takes vLLM's host seq_lens and, with onecard patch 0084, the host block table
 (cam.block_table_cpu), so a step makes no device-to-host copy; otherwise it copies the device
 tensors (a sync). Uniform rows go up through pinned staging buffers.
+With speculation (async scheduling: vLLM has no exact host seq_lens) the target's build copies
+seq_lens (one sync per step); the MTP drafter's k builds (build_for_drafting, draft_index 0..k-1)
+reuse it: index 0 takes the target build's copy (same device rows, untouched since), index 1
+copies (the rejection happened on the device), later indices add the proposer's known +1
+(ONECARD_KVARN_DRAFT_HOST=1, launcher KVARN_DRAFT_HOST=1; the default 0 copies in every drafter
+build, as before 2026-12-04 session 16, until a GPU run has checked it). Patch
+0084 carries block_table_cpu into the proposer's own metadata.
 
 Limits (one-line errors): decoder self-attention only; no sliding window, ALiBi, soft cap,
 KV sharing, sinks, or fp8 output quantization.
@@ -72,6 +79,36 @@ PAGE_ALIGN = 128  # block sizes are multiples of the largest tile
 MAX_TOKENS_PER_LAUNCH = 1024
 _ACTIVE: dict[str, str] = {}  # "cache_dtype": the kvarn dtype of this process
 GRAPHS_ENV = "ONECARD_KVARN_GRAPHS"  # 1 (default): full CUDA graphs for decode; 0: piecewise only
+
+
+# 1: drafter builds reuse exact host seq_lens; 0 (default until it has run on a GPU): each copies
+DRAFT_HOST_ENV = "ONECARD_KVARN_DRAFT_HOST"
+
+
+def draft_host_enabled() -> bool:
+    val = os.environ.get(DRAFT_HOST_ENV, "0").strip()
+    if val not in ("0", "1"):
+        raise ValueError(f"{DRAFT_HOST_ENV}={val!r} is not valid; valid: 0, 1")
+    return val == "1"
+
+
+def _dev_key(t: torch.Tensor) -> tuple:
+    """Where a device tensor's values live (storage, offset, stride): two views of the same
+    buffer rows compare equal; with ``_version`` (bumped by every in-place torch op on any view
+    of the storage) it says 'the same values as when copied', except after raw kernel writes."""
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()))
+
+
+@dataclass
+class _SeqRecord:
+    """The exact host seq_lens a build copied or derived (speculation: vLLM has no exact host
+    copy), with where they came from, for the drafter's next build to reuse."""
+
+    key: tuple  # _dev_key(seq_lens)
+    version: int  # seq_lens._version at the copy
+    qsl: list  # query_start_loc_cpu[: n + 1]
+    seq: list  # [n]
+    draft_index: int | None  # None: the target's build
 
 
 def graphs_enabled() -> bool:
@@ -198,6 +235,9 @@ class KvarnMetadata(AttentionMetadata):
 
 class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    # the last target (non-drafting) build's exact host seq_lens under speculation; the MTP
+    # drafter's builder is another instance (its own attention group), hence a class attribute
+    _target_seq: ClassVar[_SeqRecord | None] = None
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -240,10 +280,23 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self._staging_next = 0
         # vLLM's host seq_lens are exact without speculation (optimistic with it)
         self._host_seq_lens = spec is None
+        self.max_model_len = int(getattr(getattr(vllm_config, "model_config", None), "max_model_len", 0) or 0)
+        self._draft_index: int | None = None  # set while build_for_drafting runs
+        self._draft_seq: _SeqRecord | None = None  # this builder's last drafting build
         logger.info_once("KVarN %s: fp16 window %d tile(s) per query, %d stage slots per layer "
                          "(one is the decode trash row); decode CUDA graphs %s",
                          self.preset.cache_dtype, window, stage_slots,
                          "on" if graphs_enabled() else f"off ({GRAPHS_ENV}=0)")
+
+    def build_for_drafting(self, common_attn_metadata: CommonAttentionMetadata, draft_index: int
+                           ) -> KvarnMetadata:
+        """vLLM's proposer (EAGLE / MTP) builds once per draft step: draft_index 0 over the
+        target's query layout, then one single-token step per further draft token."""
+        self._draft_index = int(draft_index)
+        try:
+            return self.build(0, common_attn_metadata, fast_build=True)
+        finally:
+            self._draft_index = None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvarnMetadata:
@@ -303,7 +356,43 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         host = getattr(cam, "_seq_lens_cpu", None) if self._host_seq_lens else None
         if host is not None:
             return host[:n].tolist()
-        return cam.seq_lens[:n].to("cpu").tolist()  # exact lengths (async spec-decode safe): a sync
+        dev = cam.seq_lens[:n]
+        j = self._draft_index
+        qsl = cam.query_start_loc_cpu[: n + 1].tolist()
+        seq = self._draft_host_seq(dev, n, qsl, j) if j is not None and draft_host_enabled() else None
+        if seq is None:
+            seq = dev.to("cpu").tolist()  # exact lengths (async spec-decode safe): a sync
+        rec = _SeqRecord(_dev_key(dev), dev._version, qsl, seq, j)
+        if j is None:
+            KvarnMetadataBuilder._target_seq = rec
+        else:
+            self._draft_seq = rec
+        return seq
+
+    def _draft_host_seq(self, dev: torch.Tensor, n: int, qsl: list, j: int) -> list | None:
+        """The drafter's exact host seq_lens without a device-to-host copy, where vLLM 0.27.1's
+        proposer (llm_base_proposer.propose) fixes them; None: copy them (a sync).
+        - draft_index 0 runs over the target's batch with the target's seq_lens tensor, which
+          nothing writes in between: the target build's copy (same rows, same query layout,
+          no in-place torch op since). Used once.
+        - draft_index 1 follows the rejection (seq_lens -= rejected, on the device): unknown on
+          the host, copied.
+        - draft_index j >= 2: eagle_step_slot_mapping_metadata_kernel added 1 to every row
+          (raw kernel write: no _version bump) since draft_index j - 1; exact while every row is
+          below max_model_len (the kernel wraps there: then copied)."""
+        key, ver = _dev_key(dev), dev._version
+        if j == 0:
+            rec, KvarnMetadataBuilder._target_seq = KvarnMetadataBuilder._target_seq, None
+            if (rec is not None and rec.key == key and rec.version == ver and len(rec.seq) >= n
+                    and rec.qsl[: n + 1] == qsl):
+                return rec.seq[:n]
+            return None
+        rec = self._draft_seq
+        if (j >= 2 and rec is not None and rec.draft_index == j - 1 and rec.key == key
+                and rec.version == ver and len(rec.seq) == n and self.max_model_len > 0
+                and all(0 < s < self.max_model_len for s in rec.seq)):
+            return [s + 1 for s in rec.seq]
+        return None
 
     @staticmethod
     def _host_block_table(cam: CommonAttentionMetadata, n: int) -> torch.Tensor:
