@@ -547,9 +547,12 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
         plan.child_env["ONECARD_KVARN_WINDOW"] = str(plan.get("KVARN_WINDOW"))
         # KVARN_GRAPHS's reader is the KVarN backend's builder (get_cudagraph_support)
         plan.child_env["ONECARD_KVARN_GRAPHS"] = str(plan.get("KVARN_GRAPHS"))
+        # KVARN_DRAFT_HOST's reader is the KVarN builder's build_for_drafting (SPEC=mtp drafter)
+        plan.child_env["ONECARD_KVARN_DRAFT_HOST"] = str(plan.get("KVARN_DRAFT_HOST"))
     else:
         _note_kvarn_only(plan, "KVARN_WINDOW")
         _note_kvarn_only(plan, "KVARN_GRAPHS")
+        _note_kvarn_only(plan, "KVARN_DRAFT_HOST")
     # The GDN (FLA) Triton kernels are @triton.autotune'd and retune at every boot: on the H200
     # (2026-12-02) each tiny server's profiling run took 80-91 s even with warm compile caches.
     # With this Triton keeps the winners in its cache dir, so only a machine's first boot pays

@@ -130,6 +130,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("KVARN_GRAPHS", "1", "0|1", "KVarN KV (CTX=huge): 1: single-token decode steps run as full CUDA graphs "
          "(the GDN layers too; 1.37x / 1.21x / 1.09x piecewise at 8k / 32k / 120k on the H200, 2026-12-04 session "
          "15); 0: piecewise graphs only, KVarN attention eager. Passed to the server as ONECARD_KVARN_GRAPHS", BOOL),
+    Knob("KVARN_DRAFT_HOST", "0", "0|1", "KVarN KV (CTX=huge) with SPEC=mtp: 1: the MTP drafter's KVarN builds "
+         "reuse the step's exact host seq_lens (2 device-to-host copies per step instead of 7; CPU-tested, not "
+         "yet run on a GPU, hence off); 0: every drafter build copies seq_lens from the device. Passed to the "
+         "server as ONECARD_KVARN_DRAFT_HOST", BOOL),
     Knob("PREFILL_LAUNCH", "auto", "auto|stock|BLOCK_M:TILE:WARPS:STAGES", "prefill launch of vLLM's Triton "
          "attention (TRITON_ATTN with int8 or bf16 KV) for query runs of >= 64 tokens (patch 0083): auto = the "
          "measured launch at head_dim 256 (128:32:8:1 int8, 64:32:4:2 bf16; CTX=long int8 TTFT at 120k tokens "

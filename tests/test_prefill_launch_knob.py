@@ -78,3 +78,16 @@ def test_kvarn_graphs_passed_with_huge_only(tmp_path, kvarn_installed):
     with pytest.raises(P.PlanError) as exc:
         mk({"CTX": "huge", "KVARN_GRAPHS": "yes"}, tmp_path)
     assert "\n" not in str(exc.value) and "0|1" in str(exc.value)
+
+
+def test_kvarn_draft_host_passed_with_huge_only(tmp_path, kvarn_installed):
+    huge = mk({"CTX": "huge", "SPEC": "mtp"}, tmp_path)
+    assert huge.child_env["ONECARD_KVARN_DRAFT_HOST"] == "0"  # off until a GPU run checked it
+    on = mk({"CTX": "huge", "SPEC": "mtp", "KVARN_DRAFT_HOST": "1"}, tmp_path)
+    assert on.child_env["ONECARD_KVARN_DRAFT_HOST"] == "1" and on.argv == huge.argv
+    long_ = mk({"CTX": "long", "SPEC": "mtp", "KVARN_DRAFT_HOST": "1"}, tmp_path)
+    assert "ONECARD_KVARN_DRAFT_HOST" not in long_.child_env
+    assert any("KVARN_DRAFT_HOST=1 has no effect" in n for n in long_.notes)
+    with pytest.raises(P.PlanError) as exc:
+        mk({"CTX": "huge", "KVARN_DRAFT_HOST": "on"}, tmp_path)
+    assert "\n" not in str(exc.value) and "0|1" in str(exc.value)
