@@ -67,27 +67,19 @@ def test_launcher_and_patch_parsers_agree():
         assert ours == theirs, v
 
 
-def test_kvarn_graphs_passed_with_huge_only(tmp_path, kvarn_installed):
-    huge = mk({"CTX": "huge", "SPEC": "off"}, tmp_path)
-    assert huge.child_env["ONECARD_KVARN_GRAPHS"] == "1"
-    off = mk({"CTX": "huge", "SPEC": "off", "KVARN_GRAPHS": "0"}, tmp_path)
-    assert off.child_env["ONECARD_KVARN_GRAPHS"] == "0" and off.argv == huge.argv
-    long_ = mk({"CTX": "long", "SPEC": "off", "KVARN_GRAPHS": "0"}, tmp_path)
-    assert "ONECARD_KVARN_GRAPHS" not in long_.child_env
-    assert any("KVARN_GRAPHS=0 has no effect" in n for n in long_.notes)
+@pytest.mark.parametrize("knob,spec,default,other", [
+    ("KVARN_GRAPHS", "off", "1", "0"),
+    ("KVARN_DRAFT_HOST", "mtp", "0", "1"),  # off until a GPU run has checked it
+])
+def test_kvarn_env_knob_passed_with_huge_only(tmp_path, kvarn_installed, knob, spec, default, other):
+    env = "ONECARD_" + knob
+    huge = mk({"CTX": "huge", "SPEC": spec}, tmp_path)
+    assert huge.child_env[env] == default
+    changed = mk({"CTX": "huge", "SPEC": spec, knob: other}, tmp_path)
+    assert changed.child_env[env] == other and changed.argv == huge.argv
+    long_ = mk({"CTX": "long", "SPEC": spec, knob: other}, tmp_path)
+    assert env not in long_.child_env
+    assert any(f"{knob}={other} has no effect" in n for n in long_.notes)
     with pytest.raises(P.PlanError) as exc:
-        mk({"CTX": "huge", "KVARN_GRAPHS": "yes"}, tmp_path)
-    assert "\n" not in str(exc.value) and "0|1" in str(exc.value)
-
-
-def test_kvarn_draft_host_passed_with_huge_only(tmp_path, kvarn_installed):
-    huge = mk({"CTX": "huge", "SPEC": "mtp"}, tmp_path)
-    assert huge.child_env["ONECARD_KVARN_DRAFT_HOST"] == "0"  # off until a GPU run checked it
-    on = mk({"CTX": "huge", "SPEC": "mtp", "KVARN_DRAFT_HOST": "1"}, tmp_path)
-    assert on.child_env["ONECARD_KVARN_DRAFT_HOST"] == "1" and on.argv == huge.argv
-    long_ = mk({"CTX": "long", "SPEC": "mtp", "KVARN_DRAFT_HOST": "1"}, tmp_path)
-    assert "ONECARD_KVARN_DRAFT_HOST" not in long_.child_env
-    assert any("KVARN_DRAFT_HOST=1 has no effect" in n for n in long_.notes)
-    with pytest.raises(P.PlanError) as exc:
-        mk({"CTX": "huge", "KVARN_DRAFT_HOST": "on"}, tmp_path)
+        mk({"CTX": "huge", knob: "yes"}, tmp_path)
     assert "\n" not in str(exc.value) and "0|1" in str(exc.value)
