@@ -241,19 +241,21 @@ def attn_bytes_per_token(geom: ModelGeometry, kv: str) -> int:
 
 
 def kvarn_stage_bytes(geom: ModelGeometry, kv: str, max_seqs: int, attn_layers: int | None = None,
-                      window: int | None = None) -> int:
+                      window: int | None = None, sinks: int | None = None) -> int:
     """VRAM of the KVarN fp16 stage outside the KV pin: per attention layer (+1 for MTP by
-    default) ``stage.default_num_slots(max_seqs, window)`` slots of one tile of K and V
-    (``5 * max_seqs + 4`` at the default fp16 window 2, ``3 * max_seqs + 4`` at window 1)."""
+    default) ``stage.default_num_slots(max_seqs, window, sinks)`` slots of one tile of K and V
+    (``5 * max_seqs + 4`` at the default fp16 window 2 and one sink tile, ``3 * max_seqs + 4``
+    at window 1, ``7 * max_seqs + 4`` at window 3 + two sink tiles)."""
     from onecard.kvarn import format as kvarn_format
     from onecard.kvarn.stage import default_num_slots
 
     window = kvarn_format.DEFAULT_WINDOW if window is None else int(window)
+    sinks = kvarn_format.DEFAULT_SINKS if sinks is None else int(sinks)
 
     p = kvarn_format.get_preset(kv if kv != "kvarn" else None)
     layers = attn_layers if attn_layers is not None else geom.num_full_attention + geom.mtp_layers
     slot = p.tile * geom.num_kv_heads * geom.head_dim * 2 * 2
-    return layers * default_num_slots(max_seqs, window) * slot
+    return layers * default_num_slots(max_seqs, window, sinks) * slot
 
 
 def kvarn_prefill_scratch_bytes(geom: ModelGeometry) -> int:
@@ -266,10 +268,11 @@ def kvarn_prefill_scratch_bytes(geom: ModelGeometry) -> int:
 
 
 def kvarn_reserve_bytes(geom: ModelGeometry, kv: str, max_seqs: int, attn_layers: int | None = None,
-                        window: int | None = None) -> int:
+                        window: int | None = None, sinks: int | None = None) -> int:
     """Everything KVarN takes outside the KV pin: the fp16 stage (per layer and slot; layers as
     kvarn_stage_bytes) + the prefill scratch (once per process)."""
-    return kvarn_stage_bytes(geom, kv, max_seqs, attn_layers, window) + kvarn_prefill_scratch_bytes(geom)
+    return (kvarn_stage_bytes(geom, kv, max_seqs, attn_layers, window, sinks)
+            + kvarn_prefill_scratch_bytes(geom))
 
 
 def gdn_state_bytes(geom: ModelGeometry, num_spec: int = 0, ssm_state_bytes: int | None = None) -> int:

@@ -545,12 +545,15 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     # preflight sized the stage for the same value
     if str(plan.get("KV")).startswith("kvarn"):
         plan.child_env["ONECARD_KVARN_WINDOW"] = str(plan.get("KVARN_WINDOW"))
+        # KVARN_SINKS's reader is the KVarN backend too (onecard.kvarn.format.sinks_from_env)
+        plan.child_env["ONECARD_KVARN_SINKS"] = str(plan.get("KVARN_SINKS"))
         # KVARN_GRAPHS's reader is the KVarN backend's builder (get_cudagraph_support)
         plan.child_env["ONECARD_KVARN_GRAPHS"] = str(plan.get("KVARN_GRAPHS"))
         # KVARN_DRAFT_HOST's reader is the KVarN builder's build_for_drafting (SPEC=mtp drafter)
         plan.child_env["ONECARD_KVARN_DRAFT_HOST"] = str(plan.get("KVARN_DRAFT_HOST"))
     else:
         _note_kvarn_only(plan, "KVARN_WINDOW")
+        _note_kvarn_only(plan, "KVARN_SINKS")
         _note_kvarn_only(plan, "KVARN_GRAPHS")
         _note_kvarn_only(plan, "KVARN_DRAFT_HOST")
     # The GDN (FLA) Triton kernels are @triton.autotune'd and retune at every boot: on the H200

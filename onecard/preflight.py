@@ -206,7 +206,8 @@ def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: mem
     stage = 0
     if memory.kvarn_preset(kv) is not None:
         stage = memory.kvarn_reserve_bytes(geom, kv, int(plan.get("MAX_SEQS")), attn_layers,
-                                           int(plan.get("KVARN_WINDOW")) if "KVARN_WINDOW" in plan.values else None)
+                                           int(plan.get("KVARN_WINDOW")) if "KVARN_WINDOW" in plan.values else None,
+                                           int(plan.get("KVARN_SINKS")) if "KVARN_SINKS" in plan.values else None)
     card, _ = _card(plan)
     b = memory.vram_budget(kv_mem, weights, drafter.weight_bytes if drafter else 0, head, stage, card_bytes=card)
     b["certain"] = b["total"] - b["reserves"] + memory.CUDA_CONTEXT

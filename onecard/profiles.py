@@ -124,9 +124,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("GDN_SHARED_META", "1", "0|1", "1: one GDN attention-metadata build per step serves every GDN KV cache "
          "group (patch 0082; 10 groups beside a DFlash2 drafter, 3 otherwise); 0: stock, a build per group. "
          "Passed to the server as ONECARD_GDN_SHARED_META", BOOL),
-    Knob("KVARN_WINDOW", "2", "1|2", "KVarN KV (CTX=huge): tiles each query reads in fp16 up to its own (2: its own "
-         "and the previous one, +1 fp16 tile per sequence, kvarn/README.md; 1: its own only). Passed to the server "
-         "as ONECARD_KVARN_WINDOW", ("1", "2")),
+    Knob("KVARN_WINDOW", "2", "1|2|3", "KVarN KV (CTX=huge): tiles each query reads in fp16 up to its own (2: its own "
+         "and the previous one, +1 fp16 tile per sequence, kvarn/README.md; 1: its own only; 3: two previous tiles, "
+         "CPU-tested, not yet served). Passed to the server as ONECARD_KVARN_WINDOW", ("1", "2", "3")),
+    Knob("KVARN_SINKS", "1", "1|2", "KVarN KV (CTX=huge): leading tiles kept in fp16 as attention sinks (1: tile 0; "
+         "2: tiles 0 and 1, +1 fp16 tile per sequence; with KVARN_WINDOW=3 the CPU model's +0.29 % ppl vs +0.58 % "
+         "at the default, not yet served, kvarn/README.md). Passed to the server as ONECARD_KVARN_SINKS", ("1", "2")),
     Knob("KVARN_GRAPHS", "1", "0|1", "KVarN KV (CTX=huge): 1: single-token decode steps run as full CUDA graphs "
          "(the GDN layers too; 1.37x / 1.21x / 1.09x piecewise at 8k / 32k / 120k on the H200, 2026-12-04 session "
          "15); 0: piecewise graphs only, KVarN attention eager. Passed to the server as ONECARD_KVARN_GRAPHS", BOOL),

@@ -249,12 +249,13 @@ for step in STEPS:
         kq, vq = R.quantized_view(kr, vr, DT)  # the read rule: fp16 window + sink fp16
         ref = R.own_tile_attention_f64(q[cu[r]:cu[r] + m].float(), R.rotate(kr), R.rotate(vr),
                                        R.rotate(kq), R.rotate(vq), T, D ** -0.5,
-                                       window=builder.planner.window)
+                                       window=builder.planner.window, sinks=builder.planner.sinks)
         got = out[cu[r]:cu[r] + m].view(m, HQ, D).double()
         errs.append(float(((got - ref).abs() / ref.abs().clamp_min(1)).max()))
 print("JSON" + json.dumps({"errs": errs, "shape": list(shape), "prefill_jobs": prefill_jobs,
                           "finite": bool(torch.isfinite(out[:n]).all()),
                           "window": builder.planner.window, "slots": builder.planner.num_slots,
+                          "sinks": builder.planner.sinks,
                           "impl_slots": impl.num_slots, "decode_steps": decode_steps,
                           "buffers": len(ptrs),
                           "cg": KvarnMetadataBuilder.get_cudagraph_support(cfg, None).name}))
@@ -262,14 +263,18 @@ print("JSON" + json.dumps({"errs": errs, "shape": list(shape), "prefill_jobs": p
 
 
 def _run_glue(site, geometry: str, steps: str, window: str | None = None, pad: int = 0,
-              graphs: str | None = None, spec_k: int = 0, host_copies: bool = False) -> dict:
+              graphs: str | None = None, spec_k: int = 0, host_copies: bool = False,
+              sinks: str | None = None) -> dict:
     vdir = site / "vllm"
     assert kin.main(["--vllm-dir", str(vdir)]) == 0
     env = {**os.environ, "PYTHONPATH": f"{site}:{REPO}", "TRITON_INTERPRET": "1"}
     env.pop(fmt.WINDOW_ENV, None)
+    env.pop(fmt.SINKS_ENV, None)
     env.pop("ONECARD_KVARN_GRAPHS", None)
     if window is not None:
         env[fmt.WINDOW_ENV] = window
+    if sinks is not None:
+        env[fmt.SINKS_ENV] = sinks
     if graphs is not None:
         env["ONECARD_KVARN_GRAPHS"] = graphs
     script = (_GLUE.replace("GEOMETRY", geometry).replace("STEPS", steps).replace("PAD", str(pad))
@@ -337,6 +342,26 @@ def test_backend_verify_rows_with_rejections_padded_like_a_full_graph(site):
         assert out["decode_steps"] == 4 and out["buffers"] == 1
         assert out["cg"] == "UNIFORM_BATCH"
         assert out["finite"] and max(out["errs"]) < 3e-2, (window, out["errs"])
+
+
+def test_backend_rows_window3_two_sinks(site):
+    """ONECARD_KVARN_WINDOW=3 + ONECARD_KVARN_SINKS=2 through the installed backend: a prefill,
+    then the CUDA-graph-safe uniform rows -- single-token decode padded like a FULL batch, and
+    with speculation (k = 3) verify blocks crossing tile boundaries (318..321 over 320, 250..253
+    over 256) with rejected drafts -- equal the float64 read rule (tiles 0 and 1 from their
+    sink slots, the two tiles before the own one from theirs, tile 2 on packed)."""
+    geo = '"kvarn_k4v2_g64", 64, 2, 4, 64, 128'
+    out = _run_glue(site, geo, "([(0, 317), (0, 253)], [(317, 1), (253, 1)], [(318, 1), (254, 1)],"
+                    " [(319, 1), (255, 1)], [(320, 1), (256, 1)], [(321, 1), (257, 1)])", pad=4,
+                    window="3", sinks="2")
+    assert (out["window"], out["sinks"], out["slots"]) == (3, 2, 2 * 7 + 4 - 1)
+    assert out["impl_slots"] == 8 * 7 + 4 and out["decode_steps"] == 5 and out["buffers"] == 1
+    assert out["finite"] and max(out["errs"]) < 3e-2, out["errs"]
+    out = _run_glue(site, geo, "([(0, 318), (0, 250)], [(318, 4), (250, 4)], [(319, 4), (251, 4)],"
+                    " [(322, 4), (254, 4)], [(323, 4), (258, 4)])", pad=16, window="3", sinks="2",
+                    spec_k=3)
+    assert out["decode_steps"] == 4 and out["cg"] == "UNIFORM_BATCH"
+    assert out["finite"] and max(out["errs"]) < 3e-2, out["errs"]
 
 
 def test_backend_plans_from_host_copies(site):

@@ -354,3 +354,145 @@ def test_prefill_rejects_bad_arguments(gen):
                         torch.empty_like(case.q), block_table_row=case.block_table[0], ctx_len=50,
                         seq_len=70, packed_tiles=0, sink_row=-1, tail_row=-1, ring=128,
                         softmax_scale=0.1, preset="k4v2_g64")
+
+
+# ---------------------------------------------------------------------------------------------
+# fp16 window up to 3 tiles and up to 2 sink tiles (per-row sink / previous-tile rows)
+# ---------------------------------------------------------------------------------------------
+
+
+def _slot_seq(gen, preset, L, hkv, tpp, n_slots):
+    """One sequence of L keys: rotated fp16 rows kr / vr, every full tile packed into its block
+    (pages of ``tpp`` tiles, random page order) of ``cache``, and a rows buffer rk / rv holding
+    tile t at rows [srow[t], + its length) (random slot order, random values elsewhere) -- the
+    stage as the planner lays it out."""
+    p = fmt.get_preset(preset)
+    T = p.tile
+    kr = R.rotate((torch.randn(L, hkv, D, generator=gen) * 1.5 + 0.3).half(), torch.float32).half()
+    vr = R.rotate(torch.randn(L, hkv, D, generator=gen).half(), torch.float32).half()
+    n_tiles = -(-L // T)
+    pages = -(-n_tiles // tpp)
+    bt = torch.randperm(pages + 1, generator=gen)[:pages].to(torch.int32)
+    layout = p.layout(D)
+    cache = torch.randint(0, 256, ((pages + 1) * tpp, hkv, layout.block_bytes), dtype=torch.uint8,
+                          generator=gen)
+    for t in range(L // T):
+        R.write_block(cache, R.tile_block(bt[None], 0, t, tpp),
+                      R.quantize_tile(kr[t * T:(t + 1) * T].float(), vr[t * T:(t + 1) * T].float(), p),
+                      layout)
+    srow = [sl * T for sl in torch.randperm(n_slots, generator=gen)[:n_tiles].tolist()]
+    rk = torch.randn(n_slots * T, hkv, D, generator=gen).half()
+    rv = torch.randn(n_slots * T, hkv, D, generator=gen).half()
+    for t, r0 in enumerate(srow):
+        n = min(T, L - t * T)
+        rk[r0:r0 + n], rv[r0:r0 + n] = kr[t * T:t * T + n], vr[t * T:t * T + n]
+    return kr, vr, cache, bt, srow, rk, rv
+
+
+def _rule_reference(q, kr, vr, preset, n_sink, window):
+    """The read rule in float64 at two sink tiles (``n_sink`` of them live) and ``window``."""
+    T = fmt.get_preset(preset).tile
+    kq, vq = R.quantized_view(kr, vr, preset)
+    return R.own_tile_attention_f64(q, R.rotate(kr), R.rotate(vr), R.rotate(kq), R.rotate(vq), T,
+                                    D ** -0.5, sink=n_sink, window=window, sinks=2)
+
+
+# (L, q_len, sink tiles whose slots live (True) / are gone, previous tiles read from slots)
+ROW_CASES = [
+    (5 * 64 + 10, 7, (True, True), 2),  # sinks 0, 1 fp16, tile 2 packed, tiles 3, 4 prev, 5 own
+    (3 * 64, 16, (True, True), 2),  # ends on a boundary: own tile 2, prev 0 and 1 (no sink rows)
+    (2 * 64 + 1, 1, (True, True), 1),  # own 2, prev 1: only sink 0 is inside the packed range
+    (4 * 64 + 3, 3, (True, False), 0),  # prev slots gone: window 1; sink 1 gone: tile 1 packed
+    (4 * 64 + 20, 3, (False, True), 1),  # sink 0 gone: sink 1 is read packed too
+    (6 * 64 + 64, 16, (True, True), 2),  # a full own tile after a verify block
+]
+
+
+@inproc
+@pytest.mark.parametrize("tpp", [1, 2])
+def test_attention_rows_window3_two_sinks(tpp, gen):
+    """kvarn_attention_rows with [rows, 2] sink / previous-tile rows (strided views, like the
+    CUDA-graph rows) in one launch over several sequences, against the float64 read rule at
+    window 3 + two sinks: tiles 0 and 1 from their sink slots, the two tiles before the own
+    one from theirs, tiles between packed; a lost sink or previous tile is read packed (and
+    so is every later sink / earlier previous tile)."""
+    preset, hq, hkv, n_slots = "k4v2_g64", 4, 2, 12
+    T = fmt.get_preset(preset).tile
+    qs, caches, rks, rvs, bts, wants = [], [], [], [], [], []
+    lens, qlens, packs, sinks, prevs, tails = [], [], [], [], [], []
+    blocks = rows = 0
+    for L, ql, live, n_prev in ROW_CASES:
+        kr, vr, cache, bt, srow, rk, rv = _slot_seq(gen, preset, L, hkv, tpp, n_slots)
+        own = (L - 1) // T
+        packed = own - n_prev
+        n_live = 0 if not live[0] else (1 if not live[1] else 2)
+        q = (torch.randn(ql, hq, D, generator=gen) * 1.2).half()
+        wants.append(_rule_reference(q, kr, vr, preset, n_live, n_prev + 1))
+        sinks.append([srow[j] + rows if live[j] and j < packed else -1 for j in range(2)])
+        prevs.append([srow[packed + j] + rows for j in range(n_prev)] + [-1] * (2 - n_prev))
+        tails.append(srow[own] + rows)
+        bts.append(bt + blocks // tpp)
+        qs.append(q)
+        caches.append(cache)
+        rks.append(rk)
+        rvs.append(rv)
+        lens.append(L)
+        qlens.append(ql)
+        packs.append(packed)
+        blocks += cache.shape[0]
+        rows += rk.shape[0]
+    width = max(b.numel() for b in bts)
+    bt = torch.stack([torch.cat([b, b[-1:].repeat(width - b.numel())]) for b in bts])
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    sink_t = i32(sinks).t().contiguous().t()  # [rows, 2] with strides (1, rows)
+    prev_t = i32(prevs).t().contiguous().t()
+    q = torch.cat(qs)
+    cu = i32([0] + torch.tensor(qlens).cumsum(0).tolist())
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    K.kvarn_attention_rows(
+        q, torch.cat(caches), torch.cat(rks), torch.cat(rvs), out, cu_seqlens_q=cu,
+        seq_lens=i32(lens), packed_tiles=i32(packs), sink_rows=sink_t, tail_rows=i32(tails),
+        ring=T, prev_rows=prev_t, block_table=bt, max_query_len=16, softmax_scale=D ** -0.5,
+        preset=preset, tiles_per_page=tpp, num_splits=2, sub_n=32)
+    for i, want in enumerate(wants):
+        got = out[int(cu[i]):int(cu[i + 1])].double()
+        assert torch.isfinite(got).all()
+        err = (got - want).abs().max().item()
+        assert err <= TOL * max(1.0, want.abs().max().item()), \
+            f"case {ROW_CASES[i]} err {err:.3g} seed {gen.initial_seed()}"
+
+
+# (L, ctx, window, sink tiles whose slots live, window_tokens, query_group)
+PREFILL_W3_CASES = [
+    (200, 0, 3, (True, True), 16384, 2048),  # one chunk from 0 over four tiles
+    (300, 150, 3, (True, True), 16384, 2048),  # mid-tile start: prev tiles 0, 1 (the sinks)
+    (330, 256, 3, (True, True), 128, 20),  # tile-aligned start: prev 2, 3; windows + groups
+    (330, 200, 3, (True, False), 16384, 2048),  # sink 1 gone: tile 1 read packed
+    (300, 200, 2, (True, True), 128, 2048),  # window 2 + two sinks
+    (390, 240, 3, (False, True), 16384, 50),  # sink 0 gone: both read packed
+]
+
+
+@inproc
+@pytest.mark.parametrize("case", range(len(PREFILL_W3_CASES)))
+def test_prefill_window3_two_sinks(case, gen):
+    """kvarn_prefill with sink_rows (two sink tiles) and prev_rows (the tiles before ctx's that
+    the window reads) against the float64 read rule."""
+    L, ctx, window, live, win, grp = PREFILL_W3_CASES[case]
+    preset, hq, hkv, n_slots = "k4v2_g64", 8, 2, 10
+    T = fmt.get_preset(preset).tile
+    kr, vr, cache, bt, srow, rk, rv = _slot_seq(gen, preset, L, hkv, 1, n_slots)
+    q = (torch.randn(L - ctx, hq, D, generator=gen) * 1.2).half()
+    n_live = 0 if not live[0] else (1 if not live[1] else 2)
+    c_t = ctx // T
+    prev = [srow[t] for t in range(max(c_t - window + 1, 0), c_t)]
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    K.kvarn_prefill(q, cache, rk, rv, out, block_table_row=bt, ctx_len=ctx, seq_len=L,
+                    packed_tiles=L // T, sink_rows=tuple(srow[j] for j in range(n_live)),
+                    tail_row=srow[c_t] if ctx % T else -1, ring=T, new_k=kr[ctx:].contiguous(),
+                    new_v=vr[ctx:].contiguous(), fp16_window=window, prev_rows=tuple(prev),
+                    softmax_scale=D ** -0.5, preset=preset, window_tokens=win, query_group=grp)
+    want = _rule_reference(q, kr, vr, preset, n_live, window)
+    assert torch.isfinite(out).all()
+    err = (out.double() - want).abs().max().item()
+    assert err <= TOL * max(1.0, want.abs().max().item()), f"err {err:.3g} seed {gen.initial_seed()}"

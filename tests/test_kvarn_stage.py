@@ -33,8 +33,10 @@ T, D, HKV, HQ = 64, 64, 2, 4
 class Sim:
     """Two requests over a paged cache, driven step by step like vLLM's model runner."""
 
-    def __init__(self, gen, tiles_per_page=2, num_slots=12, shared_first_page=False,
-                 prefill_min_q=None, max_tokens_per_launch=1024, window=2, **prefill_kw):
+    def __init__(self, gen, tiles_per_page=2, num_slots=None, shared_first_page=False,
+                 prefill_min_q=None, max_tokens_per_launch=1024, window=2, sinks=1, **prefill_kw):
+        if num_slots is None:  # two requests' worth of the read rule's slots, and spares
+            num_slots = max(12, 2 * S.SLOTS_PER_SEQ[(window, sinks)] + 2)
         self.g = gen
         self.prefill_min_q = prefill_min_q
         self.max_tokens_per_launch = max_tokens_per_launch
@@ -51,7 +53,7 @@ class Sim:
         self.bt = torch.stack([perm[:10], perm[10:20]]).to(torch.int32)
         if shared_first_page:
             self.bt[1, 0] = self.bt[0, 0]
-        self.planner = S.StagePlanner(PRESET, num_slots, tiles_per_page, window=window)
+        self.planner = S.StagePlanner(PRESET, num_slots, tiles_per_page, window=window, sinks=sinks)
         self.k = [torch.zeros(0, HKV, D, dtype=torch.float16) for _ in range(2)]
         self.v = [torch.zeros(0, HKV, D, dtype=torch.float16) for _ in range(2)]
         self.ctx = [0, 0]
@@ -108,21 +110,31 @@ class Sim:
         kr = R.rotate(self.k[r][:s], torch.float32).half()
         vr = R.rotate(self.v[r][:s], torch.float32).half()
         kq, vq = R.quantized_view(kr, vr, PRESET)
-        sink = int(self.bt[r, 0]) * self.tpp in self.planner.slot_of
         return R.own_tile_attention_f64(q, R.rotate(kr), R.rotate(vr), R.rotate(kq), R.rotate(vq),
-                                        T, D ** -0.5, sink=sink, window=self.planner.window)
+                                        T, D ** -0.5, sink=self.live_sinks(r),
+                                        window=self.planner.window, sinks=self.planner.sinks)
+
+    def live_sinks(self, r):
+        """Leading sink tiles of request r whose slots live (the read rule's sink prefix)."""
+        n = 0
+        while n < self.planner.sinks and (
+                int(self.bt[r, n // self.tpp]) * self.tpp + n % self.tpp) in self.planner.slot_of:
+            n += 1
+        return n
 
 
 TOL = 2e-2  # the reference re-quantizes with its own rounding (rare ties differ by one code)
 
 
-WINDOWS = pytest.mark.parametrize("window", [1, 2])
+# read rules (fp16 window, sink tiles): the old two and window 3 + two sinks
+RULES = [(1, 1), (2, 1), (3, 2)]
+WINDOWS = pytest.mark.parametrize("window,sinks", RULES)
 
 
 @WINDOWS
 @inproc
-def test_prefill_chunks_decode_and_verify_with_rejections(gen, window):
-    sim = Sim(gen, window=window)
+def test_prefill_chunks_decode_and_verify_with_rejections(gen, window, sinks):
+    sim = Sim(gen, window=window, sinks=sinks)
     errs = [
         sim.step([(0, 0, 100), (1, 0, 40)]),  # prefill chunk (pseudo-sequences), short prefill
         sim.step([(0, 100, 25), (1, 40, 30)]),  # chunks cross tiles (1 crosses tile 0)
@@ -134,18 +146,18 @@ def test_prefill_chunks_decode_and_verify_with_rejections(gen, window):
     assert max(errs) < TOL, errs
     # committed, non-sink tiles released their slots; sinks kept
     live = {b for b in sim.planner.slot_of}
-    first = {int(sim.bt[r, 0]) * sim.tpp for r in range(2)}
-    assert first <= live and len(live) <= 2 + (2 + window) * 2
+    first = {int(sim.bt[r, j // sim.tpp]) * sim.tpp + j % sim.tpp for r in range(2) for j in range(sinks)}
+    assert first <= live and len(live) <= 2 * sinks + (2 + window) * 2
 
 
 @WINDOWS
 @inproc
-def test_prefill_jobs_with_decode_and_verify_in_the_batch(gen, window):
+def test_prefill_jobs_with_decode_and_verify_in_the_batch(gen, window, sinks):
     """Prefill chunks through kvarn_prefill (dequantize once per chunk, windows + LSE merge,
     several query groups), mixed with decode / verify pseudo-sequences in one batch (a prefill
     job between them: launches stay contiguous in the batch), against the same reference."""
     sim = Sim(gen, prefill_min_q=S.MAX_QUERY_LEN + 1, max_tokens_per_launch=8, window=window,
-              window_tokens=128, query_group=40)
+              sinks=sinks, window_tokens=128, query_group=40)
     errs = [sim.step([(0, 0, 100), (1, 0, 40)])]  # two prefill jobs (40 < tile, 100 crosses it)
     assert [j.q_len for j in sim.last_plan.prefill] == [100, 40] and sim.last_plan.seq_lens.numel() == 0
     errs.append(sim.step([(1, 40, 3), (0, 100, 190)]))  # verify, then a prefill from mid-tile
@@ -159,8 +171,9 @@ def test_prefill_jobs_with_decode_and_verify_in_the_batch(gen, window):
 
 @WINDOWS
 @inproc
-def test_prefix_shared_first_page(gen, window):
-    sim = Sim(gen, tiles_per_page=1, num_slots=3 + 2 * window, shared_first_page=True, window=window)
+def test_prefix_shared_first_page(gen, window, sinks):
+    sim = Sim(gen, tiles_per_page=1, num_slots=3 + 2 * window, shared_first_page=True, window=window,
+              sinks=sinks)
     assert sim.step([(0, 0, 64 + 10)]) < TOL
     # request 1 hits the first page (tile 0) through the prefix cache: starts at 64
     assert sim.step([(1, 64, 20), (0, 74, 1)]) < TOL
@@ -194,10 +207,16 @@ def test_planner_errors_and_release():
     with pytest.raises(S.StageExhausted, match="evicted"):
         q.plan([10], [11], [0], {(0, 0): 99})  # mid-tile write whose rows were never staged
     assert S.default_num_slots(2) == 14 and S.default_num_slots(2, window=1) == 10
-    with pytest.raises(ValueError, match="valid: 1, 2"):
-        S.default_num_slots(2, window=3)
-    with pytest.raises(ValueError, match="valid: 1, 2"):
+    # window 3 + two sink tiles: 2 + 3 + 2 slots per request
+    assert S.default_num_slots(2, window=3, sinks=2) == 18 and S.default_num_slots(2, 3) == 16
+    with pytest.raises(ValueError, match="valid: 1, 2, 3"):
+        S.default_num_slots(2, window=4)
+    with pytest.raises(ValueError, match="valid: 1, 2$"):
+        S.default_num_slots(2, sinks=3)
+    with pytest.raises(ValueError, match="valid: 1, 2, 3"):
         S.StagePlanner(PRESET, 4, window=0)
+    with pytest.raises(ValueError, match="sink tiles 0 is not valid"):
+        S.StagePlanner(PRESET, 4, sinks=0)
 
 
 def test_planner_null_page_dummy_runs():
@@ -294,7 +313,7 @@ def test_memory_model_stage_reserve():
     assert memory.kvarn_reserve_bytes(g, "kvarn", 2) == 124_780_544 + 142_999_552
 
 
-def _run_schedule(steps, k, v, q, gen, num_slots=14, tiles_per_page=1, window=2):
+def _run_schedule(steps, k, v, q, gen, num_slots=14, tiles_per_page=1, window=2, sinks=1):
     """One request through the real planner + write + attention, steps (context c, q_len);
     K/V/q of a position are fixed (a re-written position gets the same rows). Returns the
     output [L, HQ, D] float64, each position from the last step that computed it."""
@@ -306,7 +325,7 @@ def _run_schedule(steps, k, v, q, gen, num_slots=14, tiles_per_page=1, window=2)
     stage_k = torch.randn(num_slots * T, HKV, D, generator=gen).half()
     stage_v = torch.randn(num_slots * T, HKV, D, generator=gen).half()
     bt = (torch.randperm(pages - 1, generator=gen) + 1)[None].to(torch.int32)
-    planner = S.StagePlanner(PRESET, num_slots, tiles_per_page, window=window)
+    planner = S.StagePlanner(PRESET, num_slots, tiles_per_page, window=window, sinks=sinks)
     out = torch.full((L, HQ, D), float("nan"), dtype=torch.float64)
     krot = R.rotate(k, torch.float32).half()
     vrot = R.rotate(v, torch.float32).half()
@@ -325,15 +344,15 @@ def _run_schedule(steps, k, v, q, gen, num_slots=14, tiles_per_page=1, window=2)
     return out
 
 
-@WINDOWS
+@pytest.mark.parametrize("window,sinks", RULES + [(3, 1), (2, 2)])
 @inproc
-def test_attention_does_not_depend_on_the_step_schedule(gen, window):
+def test_attention_does_not_depend_on_the_step_schedule(gen, window, sinks):
     """The read rule (reference.own_tile_attention_f64): a query reads its fp16 window (its
     own tile; at window 2 the previous one too) and the sink in fp16, older tiles quantized. So one prefill chunk, odd chunks starting mid-tile,
     verify blocks of 7 / 16 crossing tile boundaries (with rejected drafts re-written), and
     one-token decode give the same attention at every position (teacher forcing == generation;
     speculative verify == plain decode)."""
-    L = 3 * T + 40
+    L = (3 if window < 3 else 5) * T + 40  # window 3: tiles read packed between sinks and window
     k = ((torch.randn(L, HKV, D, generator=gen) * 1.5 + 0.3)).half()
     v = torch.randn(L, HKV, D, generator=gen).half()
     q = (torch.randn(L, HQ, D, generator=gen) * 1.2).half()
@@ -344,9 +363,10 @@ def test_attention_does_not_depend_on_the_step_schedule(gen, window):
         n = min(n, L - c)
         verify.append((c, n))
         c += n if i % 3 else max(1, n - 4)  # every third block: the last 4 drafts rejected
+    cuts = [c for c in (0, 37, 90, 99, 161, 259) if c < L] + [L]
     schedules = {
         "one-chunk": [(0, L)],
-        "odd-chunks": [(0, 37), (37, 53), (90, 9), (99, 62), (161, L - 161)],
+        "odd-chunks": [(a, b - a) for a, b in zip(cuts, cuts[1:])],
         "verify-7-16": verify,
         "decode": [(p, 1) for p in range(L)],
     }
@@ -354,8 +374,9 @@ def test_attention_does_not_depend_on_the_step_schedule(gen, window):
     vr = R.rotate(v, torch.float32).half()
     kq, vq = R.quantized_view(kr, vr, PRESET)
     want = R.own_tile_attention_f64(q, R.rotate(kr), R.rotate(vr), R.rotate(kq), R.rotate(vq),
-                                    T, D ** -0.5, window=window)
-    got = {name: _run_schedule(st, k, v, q, gen, window=window) for name, st in schedules.items()}
+                                    T, D ** -0.5, window=window, sinks=sinks)
+    got = {name: _run_schedule(st, k, v, q, gen, window=window, sinks=sinks)
+           for name, st in schedules.items()}
     rel = lambda a, b: float(((a - b).abs() / b.abs().clamp_min(1)).max())  # noqa: E731
     errs = {name: rel(o, want) for name, o in got.items()}
     diffs = {name: rel(o, got["decode"]) for name, o in got.items()}
@@ -401,3 +422,46 @@ def test_uniform_rows_layout_and_refusals():
         S.uniform_rows(plan, 1, 8, 6, trash_row=0)  # more tokens than rows
     with pytest.raises(ValueError):
         S.uniform_rows(vplan, 4, 10, 16, trash_row=0)  # not a multiple of the block
+
+
+def test_planner_window3_two_sinks_fields_release_and_lost_slots():
+    """Window 3 + two sink tiles: a pseudo-sequence in tile t reads tiles 0 and 1 from their
+    sink slots, t - 2 and t - 1 from theirs (prev_tile_rows, ascending), the tiles between
+    packed; sink tiles are never released, window tiles once no query can read them; a lost
+    previous tile ends the fp16 run there (it and every tile before it read packed), a lost
+    sink 0 drops sink 1 too. A verify block crossing a tile is two rows; uniform_rows carries
+    the second columns (sink_rows_1, prev_rows_1)."""
+    p = S.StagePlanner(PRESET, 16, window=3, sinks=2)
+    tb = {(0, t): 10 + t for t in range(10)}
+    sl = lambda blk: p.slot_of[blk] * T  # noqa: E731
+    plan = p.plan([0], [5 * T + 3], [0], tb, prefill_min_q=17)
+    assert set(p.slot_of) == set(range(10, 16))  # sinks 0, 1 and tiles 2..5 (a query reads them)
+    plan = p.plan([5 * T + 3], [5 * T + 4], [0], tb)
+    assert plan.packed_tiles.tolist() == [3] and plan.window == 3 and plan.sinks == 2
+    assert plan.sink_tile_rows.tolist() == [[sl(10), sl(11)]]
+    assert plan.prev_tile_rows.tolist() == [[sl(13), sl(14)]] and plan.tail_rows.tolist() == [sl(15)]
+    p.plan([5 * T + 4], [6 * T + 20], [0], tb, prefill_min_q=17)
+    job = p.plan([6 * T + 20], [6 * T + 40], [0], tb, prefill_min_q=17).prefill[0]
+    assert job.sink_rows == (sl(10), sl(11)) and job.prev_rows == (sl(14), sl(15))
+    assert job.prev_row == sl(15) and job.tail_row == sl(16)
+    assert not {12, 13} & set(p.slot_of) and {10, 11, 14, 15, 16} <= set(p.slot_of)
+    # a verify block crossing into tile 7: two rows, each with its own window
+    p.plan([6 * T + 40], [7 * T - 2], [0], tb, prefill_min_q=17)
+    plan = p.plan([7 * T - 2], [7 * T + 2], [0], tb)
+    assert plan.cu_seqlens_q.tolist() == [0, 2, 4] and plan.packed_tiles.tolist() == [4, 5]
+    assert plan.prev_tile_rows.tolist() == [[sl(14), sl(15)], [sl(15), sl(16)]]
+    assert plan.sink_tile_rows.tolist() == [[sl(10), sl(11)]] * 2
+    F = {n: i for i, n in enumerate(S.DECODE_FIELDS)}
+    i32, _ = S.uniform_rows(plan, 4, 4, 8, trash_row=999)
+    assert i32[F["sink_rows_1"], :2].tolist() == [sl(11)] * 2
+    assert i32[F["prev_rows"], :2].tolist() == [sl(14), sl(15)]
+    assert i32[F["prev_rows_1"], :3].tolist() == [sl(15), sl(16), -1]
+    assert F["sink_rows_1"] == F["sink_rows"] + 1 and F["prev_rows_1"] == F["prev_rows"] + 1
+    # a lost previous tile (tile 6's slot): tiles 5 and 6 read packed, though 5's slot lives
+    p._release(16)
+    plan = p.plan([7 * T + 2], [7 * T + 3], [0], tb)
+    assert plan.packed_tiles.tolist() == [7] and plan.prev_tile_rows.tolist() == [[-1, -1]]
+    # a lost sink 0: both sink tiles read packed
+    p._release(10)
+    plan = p.plan([7 * T + 3], [7 * T + 4], [0], tb)
+    assert plan.sink_tile_rows.tolist() == [[-1, -1]]

@@ -293,3 +293,28 @@ def test_kvarn_preset(root, features):
     long = mk({"CTX": "long", "KVARN_PRESET": "k4v4_g128"}, root)
     assert any("KVARN_PRESET=k4v4_g128 has no effect" in n for n in long.notes)
     assert "kvarn" not in " ".join(long.argv)
+
+
+def test_kvarn_window_and_sinks_reach_the_server_and_size_the_stage(root, features):
+    """KVARN_WINDOW (1|2|3) and KVARN_SINKS (1|2) reach the server as ONECARD_KVARN_WINDOW /
+    ONECARD_KVARN_SINKS; the prediction's stage is sized for the same read rule (window 3 +
+    two sinks: 7 slots per request instead of 5); bad values are one-line errors."""
+    from onecard import memory
+
+    default = mk({"CTX": "huge"}, root)
+    assert default.child_env["ONECARD_KVARN_WINDOW"] == "2" and default.child_env["ONECARD_KVARN_SINKS"] == "1"
+    w3 = mk({"CTX": "huge", "KVARN_WINDOW": "3", "KVARN_SINKS": "2"}, root)
+    assert w3.child_env["ONECARD_KVARN_WINDOW"] == "3" and w3.child_env["ONECARD_KVARN_SINKS"] == "2"
+    seqs = int(w3.get("MAX_SEQS"))
+    grow = w3.prediction["vram"]["kvarn_stage"] - default.prediction["vram"]["kvarn_stage"]
+    slot = 128 * 4 * 256 * 2 * 2  # one tile of K and V, fp16, 27B geometry
+    assert grow > 0 and grow % (2 * seqs * slot) == 0  # two more slots per request and layer
+    g = memory.QWEN38_27B
+    assert memory.kvarn_stage_bytes(g, "kvarn", 2, window=3, sinks=2) == 17 * (7 * 2 + 4) * slot
+    for knob, bad, valid in (("KVARN_WINDOW", "4", "1|2|3"), ("KVARN_SINKS", "3", "1|2")):
+        with pytest.raises(P.PlanError) as e:
+            mk({"CTX": "huge", knob: bad}, root)
+        assert valid in str(e.value) and "\n" not in str(e.value)
+    long = mk({"CTX": "long", "KVARN_SINKS": "2"}, root)
+    assert any("KVARN_SINKS=2 has no effect" in n for n in long.notes)
+    assert "ONECARD_KVARN_SINKS" not in long.child_env

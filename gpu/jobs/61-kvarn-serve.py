@@ -114,6 +114,10 @@ def quality(a) -> int:
     if w1 and w1.get("ppl"):  # the same server at fp16 window 1, booted in the same job
         print(f"kvarn fp16 window 1 perplexity {w1['ppl']:.4f}: {w1['delta_ppl_pct']:+.3f} % vs bf16; "
               f"window 2 vs window 1 {100 * (k['ppl'] / w1['ppl'] - 1):+.3f} %")
+    w3 = arms.get("kvarn-w3s2")
+    if w3 and w3.get("ppl"):  # fp16 window 3 + two sink tiles, k4v2_g128, same server flags
+        print(f"kvarn fp16 window 3 + sinks 2 perplexity {w3['ppl']:.4f}: {w3['delta_ppl_pct']:+.3f} % vs bf16 "
+              f"(goal <= 0.5 %: {'MET' if abs(w3['delta_ppl_pct']) <= 0.5 else 'NOT MET'})")
     v4 = arms.get("kvarn-v4")
     if v4 and v4.get("ppl"):  # the k4v4_g128 preset (4-bit V), window 2, same server flags
         print(f"kvarn k4v4_g128 perplexity {v4['ppl']:.4f}: {v4['delta_ppl_pct']:+.3f} % vs bf16 "

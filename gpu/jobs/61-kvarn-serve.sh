@@ -10,6 +10,8 @@
 #     kvarn-w1, ONECARD_KVARN_WINDOW=1; KVARN_W1=0 skips it): the two read rules side by side
 #     in one lease; then the k4v4_g128 preset at window 2 (label kvarn-v4, the launcher's
 #     KVARN_PRESET=k4v4_g128; KVARN_V4=0 skips it; CPU model 2026-12-04: +0.1 % per document);
+#     then fp16 window 3 + two sink tiles (label kvarn-w3s2, ONECARD_KVARN_WINDOW=3
+#     ONECARD_KVARN_SINKS=2; KVARN_W3S2=0 skips it; CPU model: +0.29 % pooled);
 #     perplexity delta vs bf16 and int8 from job 32's files of this session
 #     (/var/tmp/out/32-kv-quality; compared after part 2, waiting for job 32 when it runs beside
 #     this one in a `+` group), or a bf16 boot of our own when job 32 did not run (right after
@@ -75,6 +77,16 @@ if [ "${KVARN_V4:-1}" = 1 ]; then  # the k4v4_g128 preset (launcher KVARN_PRESET
     stop_server
   else
     say "kvarn k4v4_g128: boot failed"; status=1
+  fi
+fi
+if [ "${KVARN_W3S2:-1}" = 1 ]; then  # fp16 window 3 + two sink tiles (launcher KVARN_WINDOW=3 KVARN_SINKS=2)
+  if ONECARD_KVARN_WINDOW=3 ONECARD_KVARN_SINKS=2 boot kvarn-w3s2 130 --kv-cache-dtype kvarn_k4v2_g128; then
+    grep -E "fp16 window|GPU KV cache size" "$JOB_OUT/server-kvarn-w3s2.log" | head -2 | cut -c1-200 | tee -a "$summary"
+    timeout -k 5 60 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label kvarn-w3s2 \
+      --json "$JOB_OUT/kvq-kvarn-w3s2.json" 2>&1 | tail -2 | tee -a "$summary"
+    stop_server
+  else
+    say "kvarn window 3 + sinks 2: boot failed"; status=1
   fi
 fi
 # --- 1b. the bf16 baseline, before the 27B part (2026-12-03: booted after it, it never ran: the

@@ -17,8 +17,9 @@ the prefill kernel for each prefill chunk (kernels.kvarn_prefill: the prefix is 
 per chunk into a bounded fp16 window scratch, then a flash kernel with a log-sum-exp merge over
 windows; then each query's fp16 window from this step's rows and the stage). The read rule is
 the same for all paths: a query reads its fp16 window (its own tile, and with the default
-window 2 the previous tile too; ONECARD_KVARN_WINDOW=1|2, the launcher's KVARN_WINDOW) in fp16,
-the sink fp16, older tiles quantized.
+window 2 the previous tile too; ONECARD_KVARN_WINDOW=1|2|3, the launcher's KVARN_WINDOW) in fp16,
+the sink tiles fp16 (tile 0; ONECARD_KVARN_SINKS=2, the launcher's KVARN_SINKS: tiles 0 and 1),
+older tiles quantized.
 
 CUDA graphs: uniform batches. Without speculation single-token decode
 (UNIFORM_SINGLE_TOKEN_DECODE), with it the verify batches of 1 + k queries per request
@@ -212,9 +213,9 @@ class KvarnDecodeRows:
     cu_seqlens_q: torch.Tensor
     seq_lens: torch.Tensor
     packed_tiles: torch.Tensor
-    sink_rows: torch.Tensor
+    sink_rows: torch.Tensor  # [rows, MAX_SINKS] (a strided view of the sink_rows* fields)
     tail_rows: torch.Tensor
-    prev_rows: torch.Tensor
+    prev_rows: torch.Tensor  # [rows, MAX_PREV] (the prev_rows* fields)
     req_index: torch.Tensor
     pack_rows: torch.Tensor
     pack_blocks: torch.Tensor
@@ -252,11 +253,12 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self.preset = kvarn_format.get_preset(vllm_config.cache_config.cache_dtype)
         self.tiles_per_page = kv_cache_spec.block_size // self.preset.tile
         window = kvarn_format.window_from_env()
+        sinks = kvarn_format.sinks_from_env()
         max_seqs = vllm_config.scheduler_config.max_num_seqs
-        stage_slots = kvarn_stage.default_num_slots(max_seqs, window)
+        stage_slots = kvarn_stage.default_num_slots(max_seqs, window, sinks)
         # the stage's last slot is the trash row of decode rows (never planned)
         self.planner = kvarn_stage.StagePlanner(self.preset, stage_slots - 1, self.tiles_per_page,
-                                                window=window)
+                                                window=window, sinks=sinks)
         self.trash_row = (stage_slots - 1) * self.preset.tile
         comp = getattr(vllm_config, "compilation_config", None)
         # uniform rows: single-token decode, or with speculation verify blocks of 1 + k queries
@@ -283,9 +285,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self.max_model_len = int(getattr(getattr(vllm_config, "model_config", None), "max_model_len", 0) or 0)
         self._draft_index: int | None = None  # set while build_for_drafting runs
         self._draft_seq: _SeqRecord | None = None  # this builder's last drafting build
-        logger.info_once("KVarN %s: fp16 window %d tile(s) per query, %d stage slots per layer "
-                         "(one is the decode trash row); decode CUDA graphs %s",
-                         self.preset.cache_dtype, window, stage_slots,
+        logger.info_once("KVarN %s: fp16 window %d tile(s) per query, %d sink tile(s), %d stage "
+                         "slots per layer (one is the decode trash row); decode CUDA graphs %s",
+                         self.preset.cache_dtype, window, sinks, stage_slots,
                          "on" if graphs_enabled() else f"off ({GRAPHS_ENV}=0)")
 
     def build_for_drafting(self, common_attn_metadata: CommonAttentionMetadata, draft_index: int
@@ -335,10 +337,15 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         f = {name: self._rows_i32[i] for i, name in enumerate(kvarn_stage.DECODE_FIELDS)}
         n_req = nt // Q
         n_rows = n_req * kvarn_stage.rows_per_request(Q)
+
+        def cols(names):  # consecutive fields -> a [n_rows, len(names)] view (fixed address)
+            i = kvarn_stage.DECODE_FIELDS.index(names[0])
+            return self._rows_i32[i:i + len(names), :n_rows].t()
+
         rows = KvarnDecodeRows(
             cu_seqlens_q=f["cu_seqlens_q"][: n_rows + 1],
-            **{name: f[name][:n_rows] for name in ("seq_lens", "packed_tiles", "sink_rows", "tail_rows",
-                                                   "prev_rows", "req_index")},
+            **{name: f[name][:n_rows] for name in ("seq_lens", "packed_tiles", "tail_rows", "req_index")},
+            sink_rows=cols(kvarn_stage.SINK_FIELDS), prev_rows=cols(kvarn_stage.PREV_FIELDS),
             pack_rows=f["pack_rows"][:n_req], pack_blocks=f["pack_blocks"][:n_req],
             stage_dst=self._rows_dst[:nt], q_len=Q)
         return KvarnMetadata(plan=plan, block_table=cam.block_table_tensor, num_actual_tokens=nt,
@@ -445,7 +452,8 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
 
         cfg = get_current_vllm_config_or_none()
         max_seqs = cfg.scheduler_config.max_num_seqs if cfg is not None else 8
-        self.num_slots = kvarn_stage.default_num_slots(max_seqs, kvarn_format.window_from_env())
+        self.num_slots = kvarn_stage.default_num_slots(max_seqs, kvarn_format.window_from_env(),
+                                                       kvarn_format.sinks_from_env())
 
     def _stage(self, layer, device):
         st = getattr(layer, "_kvarn_stage", None)

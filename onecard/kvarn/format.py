@@ -60,13 +60,21 @@ FP16 = 2
 # previous tile is most of the perplexity loss (served on an H200, 2026-12-04: +1.275 % -> +0.435 %
 # vs bf16; kvarn/README.md "fp16 window"). Chosen per server with ONECARD_KVARN_WINDOW (the
 # launcher's KVARN_WINDOW); it changes the stage's slot count, not the paged cache.
-FP16_WINDOWS = (1, 2)
+# Window 3 and a second sink tile (SINK_TILES, ONECARD_KVARN_SINKS / KVARN_SINKS: tiles 0 .. S - 1
+# read from fp16 slots) are built in every path (2026-12-04, session 16) but not yet the default:
+# the CPU model puts window 3 + sinks 2 at +0.29 % vs +0.58 % (kvarn/README.md), unserved.
+FP16_WINDOWS = (1, 2, 3)
 DEFAULT_WINDOW = 2
 WINDOW_ENV = "ONECARD_KVARN_WINDOW"
+SINK_TILES = (1, 2)
+DEFAULT_SINKS = 1
+SINKS_ENV = "ONECARD_KVARN_SINKS"
+MAX_SINKS = max(SINK_TILES)  # columns of the per-row sink rows (kernels, stage.uniform_rows)
+MAX_PREV = max(FP16_WINDOWS) - 1  # columns of the per-row previous-tile rows
 
 
 def window_from_env(environ=None) -> int:
-    """The fp16 window the server runs with: ``ONECARD_KVARN_WINDOW`` (1|2), default 2."""
+    """The fp16 window the server runs with: ``ONECARD_KVARN_WINDOW`` (1|2|3), default 2."""
     import os
 
     raw = (os.environ if environ is None else environ).get(WINDOW_ENV, "").strip()
@@ -75,6 +83,19 @@ def window_from_env(environ=None) -> int:
     if raw not in {str(w) for w in FP16_WINDOWS}:
         raise ValueError(f"{WINDOW_ENV}={raw!r} is not valid; valid: "
                          f"{'|'.join(map(str, FP16_WINDOWS))}")
+    return int(raw)
+
+
+def sinks_from_env(environ=None) -> int:
+    """The fp16 sink tiles the server runs with: ``ONECARD_KVARN_SINKS`` (1|2), default 1."""
+    import os
+
+    raw = (os.environ if environ is None else environ).get(SINKS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_SINKS
+    if raw not in {str(w) for w in SINK_TILES}:
+        raise ValueError(f"{SINKS_ENV}={raw!r} is not valid; valid: "
+                         f"{'|'.join(map(str, SINK_TILES))}")
     return int(raw)
 
 

@@ -245,12 +245,13 @@ def _kvarn_attn_split_kernel(
     stride_c_blk: tl.int64, stride_c_head: tl.int64,
     stride_s_row: tl.int64, stride_s_head: tl.int64,
     stride_bt: tl.int64,
+    stride_sk_seq, stride_sk_j, stride_pv_seq, stride_pv_j,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, SUB_N: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     OFF_KC: tl.constexpr, OFF_VC: tl.constexpr, OFF_KSC: tl.constexpr, OFF_KMN: tl.constexpr,
     OFF_KN: tl.constexpr, OFF_VSC: tl.constexpr, OFF_VMN: tl.constexpr, OFF_VG: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, N_SINK_COLS: tl.constexpr = 1, N_PREV_COLS: tl.constexpr = 1,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -261,9 +262,18 @@ def _kvarn_attn_split_kernel(
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     packed = tl.load(packed_ptr + seq)
-    sink0 = tl.load(sink_row_ptr + seq).to(tl.int64)  # < 0: tile 0 is read packed
     tail0_row = tl.load(tail_row_ptr + seq).to(tl.int64)
-    prev0 = tl.load(prev_row_ptr + seq).to(tl.int64)  # >= 0: tile `packed` from these rows
+    # sink tiles 0 .. n_sink - 1 from rows sink_row[seq, j] (a prefix of entries >= 0, only
+    # tiles < packed); tiles packed .. packed + n_prev - 1 from rows prev_row[seq, j]
+    sk_row = sink_row_ptr + seq.to(tl.int64) * stride_sk_seq
+    pv_row = prev_row_ptr + seq.to(tl.int64) * stride_pv_seq
+    n_sink = packed * 0
+    for j in tl.static_range(N_SINK_COLS):
+        n_sink += ((tl.load(sk_row + j * stride_sk_j) >= 0) & (n_sink == j)).to(n_sink.dtype)
+    n_sink = tl.minimum(n_sink, packed)
+    n_prev = packed * 0
+    for j in tl.static_range(N_PREV_COLS):
+        n_prev += ((tl.load(pv_row + j * stride_pv_j) >= 0) & (n_prev == j)).to(n_prev.dtype)
     ctx_len = seq_len - q_len
 
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -293,7 +303,7 @@ def _kvarn_attn_split_kernel(
     v_shift = (offs_d % VPER) * V_BITS
 
     # ---- packed tiles [first, packed): split s < num_splits takes a contiguous share
-    first = tl.where(sink0 >= 0, 1, 0)
+    first = n_sink
     n_pk = tl.maximum(packed - first, 0)
     chunk = (n_pk + num_splits - 1) // num_splits
     t_lo = first + split * chunk
@@ -329,21 +339,25 @@ def _kvarn_attn_split_kernel(
             vd = (vg[None, :] * (vcode * vsc[:, None] + vmn[:, None])).to(tl.float16)
             acc = acc * alpha[:, None] + _dot(p.to(tl.float16), vd, DOT_F32)
 
-    # ---- fp16 rows (program split == num_splits): sink tile (if packed), then the tail from
-    # packed * TILE: its first tile from rows prev0 + p % ring when prev0 >= 0 (the previous
-    # tile of a two-tile fp16 window), the rest from rows tail0_row + p % ring
-    n_sink = tl.where((packed > 0) & (sink0 >= 0), TILE // SUB_N, 0)
+    # ---- fp16 rows (program split == num_splits): the sink tiles j < n_sink from rows
+    # sink_row[seq, j] + p % TILE, then the tail from packed * TILE: tile packed + j < packed +
+    # n_prev (the own tile's previous tiles of its fp16 window) from rows prev_row[seq, j] +
+    # p % ring, the rest (the own tile) from rows tail0_row + p % ring
+    n_sink_ch = n_sink * (TILE // SUB_N)
     tail0 = packed * TILE
-    own0 = tail0 + tl.where(prev0 >= 0, TILE, 0)
-    n_chunks = n_sink + (tl.maximum(seq_len - tail0, 0) + SUB_N - 1) // SUB_N
+    n_chunks = n_sink_ch + (tl.maximum(seq_len - tail0, 0) + SUB_N - 1) // SUB_N
     n_chunks = tl.where(split == num_splits, n_chunks, 0)
     srow = stage_k_ptr + kvh * stride_s_head
     vrow = stage_v_ptr + kvh * stride_s_head
     for i in range(0, n_chunks):
-        is_sink = i < n_sink
-        pos = tl.where(is_sink, i * SUB_N, tail0 + (i - n_sink) * SUB_N) + offs_n
-        row = tl.where(is_sink, sink0 + pos,
-                       tl.where(pos < own0, prev0, tail0_row) + pos % ring).to(tl.int64)
+        is_sink = i < n_sink_ch
+        pos = tl.where(is_sink, i * SUB_N, tail0 + (i - n_sink_ch) * SUB_N) + offs_n
+        tt = pos // TILE
+        s_base = tl.load(sk_row + tl.minimum(tt, N_SINK_COLS - 1) * stride_sk_j).to(tl.int64)
+        j_prev = tl.minimum(tl.maximum(tt - packed, 0), N_PREV_COLS - 1)
+        p_base = tl.load(pv_row + j_prev * stride_pv_j).to(tl.int64)
+        row = tl.where(is_sink, s_base + pos % TILE,
+                       tl.where(tt - packed < n_prev, p_base, tail0_row) + pos % ring).to(tl.int64)
         ok = pos < seq_len
         kt = tl.load(srow + row[None, :] * stride_s_row + offs_d[:, None], mask=ok[None, :], other=0.0)
         s = _dot(q, kt, DOT_F32) * qk_scale
@@ -447,12 +461,14 @@ def kvarn_attention_rows(
     max_partial_bytes: int = 64 << 20,
 ) -> torch.Tensor:
     """The same attention with the fp16 rows addressed directly: ``rows_*`` [R, Hkv, D] fp16
-    (rotated). Sequence s reads tiles [first, packed_tiles[s]) from the cache (a packed tile may
-    extend past seq_len: the causal mask hides the rest), with first = 1 and tile 0 read from
-    rows [sink_rows[s], + tile) when sink_rows[s] >= 0, else first = 0; positions
-    [packed * tile, seq_len) are rows ``tail_rows[s] + p % ring``, except that where
-    ``prev_rows[s] >= 0`` the first of them, tile ``packed``, is rows ``prev_rows[s] + p % ring``
-    (the previous tile of a two-tile fp16 window kept in its own stage slot)."""
+    (rotated). ``sink_rows`` / ``prev_rows``: [S] (one column) or [S, n] int32, any strides.
+    Sequence s reads tiles [first, packed_tiles[s]) from the cache (a packed tile may extend
+    past seq_len: the causal mask hides the rest), first = the number of leading entries of
+    ``sink_rows[s]`` that are >= 0 (at most packed_tiles[s]): tile j < first is read from rows
+    [sink_rows[s, j], + tile) (the fp16 sink tiles). Positions [packed * tile, seq_len) are
+    rows ``tail_rows[s] + p % ring``, except that tile ``packed + j`` for each of the leading
+    entries of ``prev_rows[s]`` that are >= 0 is rows ``prev_rows[s, j] + p % ring`` (the own
+    tile's previous tiles of its fp16 window, each kept in its own stage slot)."""
     p = get_preset(preset)
     T = p.tile
     if not 1 <= max_query_len <= MAX_QUERY_LEN:
@@ -490,6 +506,11 @@ def kvarn_attention_rows(
 
     if prev_rows is None:
         prev_rows = torch.full_like(tail_rows, -1)
+    sink_rows = sink_rows[:, None] if sink_rows.dim() == 1 else sink_rows
+    prev_rows = prev_rows[:, None] if prev_rows.dim() == 1 else prev_rows
+    if sink_rows.shape[0] != num_seqs or prev_rows.shape[0] != num_seqs:
+        raise ValueError(f"sink_rows / prev_rows must have {num_seqs} rows; got "
+                         f"{tuple(sink_rows.shape)} / {tuple(prev_rows.shape)}")
     hn = _hadamard(d, q.device)
     q_rot = (q.float().reshape(-1, d) @ hn).reshape(q.shape)  # q . k == (q Hn) . (k Hn)
     part_o = torch.empty((num_tokens, num_q_heads, parts, d), dtype=torch.float32, device=q.device)
@@ -504,9 +525,11 @@ def kvarn_attention_rows(
         softmax_scale * _LOG2E, num_splits, tiles_per_page, ring,
         q_rot.stride(0), q_rot.stride(1), cache.stride(0), cache.stride(1),
         rows_k.stride(0), rows_k.stride(1), block_table.stride(0),
+        sink_rows.stride(0), sink_rows.stride(1), prev_rows.stride(0), prev_rows.stride(1),
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=d, TILE=T, SUB_N=sub_n, K_BITS=p.k_bits, V_BITS=p.v_bits,
         **_layout_consts(layout), DOT_F32=q.device.type != "cuda",
+        N_SINK_COLS=sink_rows.shape[1], N_PREV_COLS=prev_rows.shape[1],
         num_warps=num_warps, num_stages=num_stages,
     )
     o_rot = torch.empty((num_tokens, num_q_heads, d), dtype=torch.float32, device=q.device)
@@ -530,7 +553,7 @@ def kvarn_attention_rows(
 @triton.jit
 def _kvarn_dequant_kernel(
     cache_u8_ptr, cache_f16_ptr, rows_k_ptr, rows_v_ptr, out_k_ptr, out_v_ptr, bt_ptr,
-    t0, seq_len, packed, sink0, tail0, ring, tiles_per_page,
+    t0, seq_len, packed, sink0, sink1, n_sink, tail0, ring, tiles_per_page,
     stride_c_blk: tl.int64, stride_c_head: tl.int64,
     stride_r_row: tl.int64, stride_r_head: tl.int64,
     stride_o_row: tl.int64, stride_o_head: tl.int64,
@@ -539,8 +562,9 @@ def _kvarn_dequant_kernel(
     OFF_KN: tl.constexpr, OFF_VSC: tl.constexpr, OFF_VMN: tl.constexpr, OFF_VG: tl.constexpr,
 ):
     # program (j, kv head): tile t = t0 + j of the sequence -> fp16 rotated rows [j * TILE, + TILE)
-    # of out_*: from the sink rows (t == 0, sink0 >= 0), dequantized from its packed block
-    # (t < packed), or from the fp16 tail rows tail0 + p % ring (zeros past seq_len).
+    # of out_*: from the sink rows (t < n_sink: tile 0 at sink0, tile 1 at sink1), dequantized
+    # from its packed block (t < packed), or from the fp16 tail rows tail0 + p % ring (zeros past
+    # seq_len).
     j = tl.program_id(0)
     kvh = tl.program_id(1)
     t = t0 + j
@@ -549,8 +573,8 @@ def _kvarn_dequant_kernel(
     pos = t * TILE + offs_t
     dst = (j * TILE + offs_t).to(tl.int64)[:, None] * stride_o_row + kvh * stride_o_head + offs_d[None, :]
     if t < packed:
-        if (t == 0) & (sink0 >= 0):
-            src = (sink0 + offs_t).to(tl.int64)[:, None] * stride_r_row + kvh * stride_r_head + offs_d[None, :]
+        if t < n_sink:
+            src = (tl.where(t == 0, sink0, sink1) + offs_t).to(tl.int64)[:, None] * stride_r_row + kvh * stride_r_head + offs_d[None, :]
             tl.store(out_k_ptr + dst, tl.load(rows_k_ptr + src))
             tl.store(out_v_ptr + dst, tl.load(rows_v_ptr + src))
         else:
@@ -658,7 +682,7 @@ def _kvarn_prefill_kernel(
 @triton.jit
 def _kvarn_prefill_own_kernel(
     q_ptr, nk_ptr, nv_ptr, rk_ptr, rv_ptr, acc_ptr, m_ptr, l_ptr,
-    n_q, q_pos0, ctx, rows_lim, tail0, prev0, ring, fp_lo, win1, qk_scale,
+    n_q, q_pos0, ctx, rows_lim, tail0, prev0, prev1, ring, fp_lo, win1, qk_scale,
     stride_q_t: tl.int64, stride_q_h: tl.int64,
     stride_n_row: tl.int64, stride_n_head: tl.int64,
     stride_r_row: tl.int64, stride_r_head: tl.int64,
@@ -670,8 +694,8 @@ def _kvarn_prefill_own_kernel(
     # pass 2, program (query block, q head): each query's fp16 window, tiles
     # [max(own - win1, fp_lo), own], causal: positions >= ctx from this step's rotated rows nk/nv
     # (row p - ctx; HAS_NEW), positions < rows_lim (before ctx, or all when not HAS_NEW) from
-    # the fp16 rows prev0 + p % ring (tiles before ctx's, the previous tile) or tail0 + p % ring
-    # (ctx's tile begun in an earlier step). Merges into the pass-1 state (unless FIRST) and
+    # the fp16 rows of tiles before ctx's (tile fp_lo from prev0 + p % ring, fp_lo + 1 from
+    # prev1 + p % ring) or tail0 + p % ring (ctx's tile begun in an earlier step). Merges into the pass-1 state (unless FIRST) and
     # stores acc / l.
     mb = tl.program_id(0)
     h = tl.program_id(1)
@@ -687,7 +711,6 @@ def _kvarn_prefill_own_kernel(
     lo = tl.maximum((q_pos0 + mb * BLOCK_M) // TILE - win1, fp_lo) * TILE
     hi = q_pos0 + last_q + 1
     tail_base = tl.maximum(tail0, 0)
-    prev_base = tl.maximum(prev0, 0)
     prev_end = ctx // TILE * TILE
     for j0 in range(lo, hi, BLOCK_N):
         cols = j0 + offs_n
@@ -695,6 +718,7 @@ def _kvarn_prefill_own_kernel(
         from_new = c_ok & (cols >= ctx)
         from_rows = c_ok & (cols < rows_lim)
         nrow = tl.maximum(cols - ctx, 0).to(tl.int64)
+        prev_base = tl.maximum(tl.where(cols // TILE == fp_lo, prev0, prev1), 0)
         rrow = (tl.where(cols < prev_end, prev_base, tail_base) + cols % ring).to(tl.int64)
         n_off = nrow * stride_n_row + kvh * stride_n_head
         r_off = rrow * stride_r_row + kvh * stride_r_head
@@ -714,13 +738,23 @@ def _kvarn_prefill_own_kernel(
     tl.store(acc_ptr + a_off, o, mask=m_ok[:, None])
 
 
+def _prefix(rows) -> list[int]:
+    """The leading entries >= 0 of ``rows`` (the live sink tiles)."""
+    out = []
+    for r in rows:
+        if int(r) < 0:
+            break
+        out.append(int(r))
+    return out
+
+
 def kvarn_prefill(
     q: torch.Tensor, cache: torch.Tensor, rows_k: torch.Tensor, rows_v: torch.Tensor,
     out: torch.Tensor, *, block_table_row: torch.Tensor, ctx_len: int, seq_len: int,
-    packed_tiles: int, sink_row: int, tail_row: int, ring: int, softmax_scale: float,
+    packed_tiles: int, tail_row: int, ring: int, softmax_scale: float, sink_row: int = -1,
     new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None,
     preset: str | Preset | None = None, tiles_per_page: int = 1,
-    fp16_window: int = 1, prev_row: int = -1,
+    fp16_window: int = 1, prev_row: int = -1, sink_rows=None, prev_rows=None,
     window_tokens: int = PREFILL_WINDOW_TOKENS, query_group: int = PREFILL_QUERY_GROUP,
     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None,
@@ -732,13 +766,16 @@ def kvarn_prefill(
     ``reference.own_tile_attention_f64``): a query at position p reads its fp16 WINDOW, the
     ``fp16_window`` tiles ending with its own tile p // tile, in fp16 and every earlier tile as the
     cache holds it: tiles [0, packed_tiles) packed in the blocks of ``block_table_row`` (pages of
-    ``tiles_per_page`` tiles; packed_tiles >= the last query's tile), tile 0 from fp16 rows
-    [sink_row, + tile) when sink_row >= 0. Window fp16 rows: positions >= ctx_len from ``new_k``
-    / ``new_v`` [n, Hkv, D] (this step's rotated rows, row p - ctx_len); earlier ones from rows
-    of ``rows_*``: ctx_len's tile (begun in an earlier step) at ``tail_row + p % ring``, the
-    tile before it (``fp16_window`` 2) at ``prev_row + p % ring``. Without ``prev_row`` (< 0: its
-    slot is gone) the tile before ctx_len's is read packed by every query. Without ``new_k``
-    all window rows come from ``rows_*`` (prev_row, else tail_row, for tiles before ctx_len's).
+    ``tiles_per_page`` tiles; packed_tiles >= the last query's tile), the sink tiles j (0, and 1
+    with two sinks) from fp16 rows [sink_rows[j], + tile) (``sink_rows``: the live ones, a prefix;
+    ``sink_row`` >= 0 is the one-sink form). Window fp16 rows: positions >= ctx_len from
+    ``new_k`` / ``new_v`` [n, Hkv, D] (this step's rotated rows, row p - ctx_len); earlier ones
+    from rows of ``rows_*``: ctx_len's tile (begun in an earlier step) at ``tail_row + p % ring``,
+    the tiles before it that the window reads (``fp16_window`` >= 2) at ``prev_rows[j] + p % ring``
+    (ascending, the last one tile ctx_len // tile - 1; ``prev_row`` >= 0 is the one-tile form).
+    A tile before ctx_len's without rows (its slot is gone) is read packed by every query, and
+    so is every tile before it. Without ``new_k`` all window rows come from ``rows_*``
+    (prev_row, else tail_row, for the tile before ctx_len's).
 
     Pass 1, per group of ``query_group`` queries (one group for chunks up to that size): the
     tiles before the group's last query's fp16 window are dequantized ONCE, window by window
@@ -776,11 +813,21 @@ def kvarn_prefill(
     if fp16_window not in FP16_WINDOWS:
         raise ValueError(f"fp16_window {fp16_window} is not valid; valid: "
                          f"{', '.join(map(str, FP16_WINDOWS))}")
-    if not has_new and prev_row < 0:
-        prev_row = tail_row  # one ring holds the fp16 window (reference.make_case's stage)
+    sinks = _prefix(sink_rows if sink_rows is not None else [sink_row])
+    prevs = list(prev_rows) if prev_rows is not None else [prev_row]
+    while prevs and prevs[0] < 0:  # ascending; keep the live suffix before ctx's tile
+        prevs.pop(0)
+    if any(r < 0 for r in prevs) or len(sinks) > 2 or len(prevs) > 2:
+        raise ValueError(f"sink_rows {sink_rows} / prev_rows {prev_rows} are not valid; valid: "
+                         f"at most 2 each, live sinks a prefix, live previous tiles a suffix")
     win1 = fp16_window - 1
-    # the chunk's lowest fp16 tile: ctx's own, or the one before it when its rows are staged
-    fp_lo = max(ctx_len // T - (win1 if prev_row >= 0 else 0), 0)
+    if not has_new and not prevs and win1:
+        prevs = [tail_row]  # one ring holds the fp16 window (reference.make_case's stage)
+    prevs = prevs[len(prevs) - min(len(prevs), win1, ctx_len // T):]
+    # the chunk's lowest fp16 tile: ctx's own, or the earliest staged one before it
+    fp_lo = ctx_len // T - len(prevs)
+    prev0, prev1 = (prevs + [-1, -1])[:2]
+    sink0, sink1 = (sinks + [-1, -1])[:2]
     cuda = q.device.type == "cuda"
     if block_m is None:
         block_m = 64 if cuda else 32
@@ -820,7 +867,7 @@ def kvarn_prefill(
             nt = min(n_tiles, t0 + w_tiles) - t0
             _kvarn_dequant_kernel[(nt, nkv)](
                 cache_u8, cache_f16, rows_k, rows_v, sk, sv, block_table_row,
-                t0, seq_len, packed_tiles, sink_row, tail_row, ring, tiles_per_page,
+                t0, seq_len, packed_tiles, sink0, sink1, len(sinks), tail_row, ring, tiles_per_page,
                 cache.stride(0), cache.stride(1), rows_k.stride(0), rows_k.stride(1),
                 sk.stride(0), sk.stride(1),
                 HEAD_DIM=d, TILE=T, K_BITS=p.k_bits, V_BITS=p.v_bits, **consts,
@@ -838,8 +885,8 @@ def kvarn_prefill(
         _kvarn_prefill_own_kernel[(triton.cdiv(gn, block_m), hq)](
             q_rot, nk, nv, rows_k, rows_v, acc, m_st, l_st,
             gn, ctx_len + g0, ctx_len,
-            (ctx_len if has_new else seq_len) if tail_row >= 0 or prev_row >= 0 else 0,
-            tail_row, prev_row, ring, fp_lo, win1, scale,
+            (ctx_len if has_new else seq_len) if tail_row >= 0 or prevs else 0,
+            tail_row, prev0, prev1, ring, fp_lo, win1, scale,
             q_rot.stride(0), q_rot.stride(1), nk.stride(0), nk.stride(1),
             rows_k.stride(0), rows_k.stride(1), acc.stride(0), acc.stride(1),
             NUM_Q_HEADS=hq, GROUP=hq // nkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,

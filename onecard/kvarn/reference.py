@@ -261,14 +261,17 @@ def quantized_view(k_rot: torch.Tensor, v_rot: torch.Tensor, preset: str | Prese
 
 def own_tile_attention_f64(q: torch.Tensor, k_fp: torch.Tensor, v_fp: torch.Tensor,
                            k_q: torch.Tensor, v_q: torch.Tensor, tile: int, softmax_scale: float,
-                           sink: bool = True, window: int = 1) -> torch.Tensor:
+                           sink: bool | int = True, window: int = 1, sinks: int = 1) -> torch.Tensor:
     """THE READ RULE of KVarN, in float64. Queries q [ql, Hq, D] are the last ql positions of
     the L keys; ``k_fp``/``v_fp`` [L, Hkv, D] are the fp16 rows, ``k_q``/``v_q`` the same keys
     as the packed tiles represent them (any linear space, the same for all four). A query at
     position p in tile T(p) = p // tile reads:
     * keys of its fp16 window, tiles T(p) - window + 1 .. T(p) (up to p), from the fp16 rows
       (``window`` 1: its own tile; the server's default is format.DEFAULT_WINDOW = 2);
-    * keys of tile 0 from the fp16 rows when ``sink`` (the stage's sink slot lives);
+    * keys of the ``sinks`` first tiles (tiles 0 .. sinks - 1; the default 1: tile 0) from the
+      fp16 rows when ``sink`` is True (their sink slots live); an int ``sink`` is the number of
+      leading sink tiles whose slots live (a lost sink tile is read quantized, and so is every
+      sink tile after it), False none;
     * keys of every other tile before the window quantized (k_q / v_q).
     So a position's attention does not depend on how the tokens were batched into steps
     (prefill chunks, verify blocks, one-token decode): teacher-forced scoring equals generation.
@@ -285,9 +288,10 @@ def own_tile_attention_f64(q: torch.Tensor, k_fp: torch.Tensor, v_fp: torch.Tens
         w0 = max(t - window + 1, 0) * tile
         k[w0:] = k_fp[w0:hi].double()
         v[w0:] = v_fp[w0:hi].double()
-        if sink:
-            k[:tile] = k_fp[:min(tile, hi)].double()
-            v[:tile] = v_fp[:min(tile, hi)].double()
+        n_sink = (sinks if sink else 0) if isinstance(sink, bool) else min(int(sink), sinks)
+        if n_sink:
+            k[:n_sink * tile] = k_fp[:min(n_sink * tile, hi)].double()
+            v[:n_sink * tile] = v_fp[:min(n_sink * tile, hi)].double()
         out[a:b] = attention_f64(q[a:b], k, v, softmax_scale)
     return out
 

@@ -10,7 +10,8 @@ that block through the prefix cache, whose contents are identical).
 
 Per step, for every request (context ``c`` committed tokens, ``s`` after this step's tokens):
 
-* Staged tiles: tile 0 whenever written, the tile holding ``c`` when ``c`` is mid-tile (its
+* Staged tiles: the sink tiles (0 .. S - 1, ``sinks``) whenever written, the tile holding ``c``
+  when ``c`` is mid-tile (its
   earlier rows are only in the stage), and every tile that a query at a position after
   ``s - STAGE_LAST`` may read in fp16 (drafts that may be rejected live there; a tile that
   becomes partial again needs its fp16 rows, and with the two-tile window so does the tile
@@ -19,13 +20,16 @@ Per step, for every request (context ``c`` committed tokens, ``s`` after this st
   (interior tiles of a long prefill chunk) straight from the new rotated rows.
 * Attention follows one read rule for every path (``reference.own_tile_attention_f64``): a
   query at position p reads its fp16 window -- the ``window`` tiles ending with its own tile
-  p // tile (format.DEFAULT_WINDOW = 2: its own and the previous one) -- in fp16, tile 0 from
-  its sink slot (while that lives) and every other earlier tile packed. So the attention at a
+  p // tile (format.DEFAULT_WINDOW = 2: its own and the previous one; up to 3) -- in fp16, the
+  sink tiles 0 .. S - 1 from their sink slots (format.DEFAULT_SINKS = 1: tile 0; up to 2) while
+  they live, and every other earlier tile packed. So the attention at a
   position does not depend on how tokens were grouped into steps: a prompt scored in one
   chunk, in odd chunks, by verify blocks or one token at a time sees the same keys (teacher
   forcing == generation; speculative verify == plain decode). The one exception: a previous
   tile whose slot is gone (a prefix-cache hit on a released tile, an LRU eviction) is read
-  packed, as tile 0 is when its sink is gone.
+  packed, as a sink tile is when its slot is gone. Runs, not single tiles: the sink tiles read
+  in fp16 are the live prefix (a lost sink 0 makes sink 1 packed too), the previous tiles the
+  live suffix ending at the own tile (a lost tile t - 1 makes t - 2 packed too).
 * Query runs of more than ``MAX_QUERY_LEN`` (or at least ``prefill_min_q``) queries become
   ``PrefillJob``s for ``kernels.kvarn_prefill``: tiles before each query's own are dequantized
   once per chunk (tile 0 from its sink slot when it has one); own tiles come from this step's
@@ -33,11 +37,12 @@ Per step, for every request (context ``c`` committed tokens, ``s`` after this st
   mid-tile, the first tile's earlier rows from its slot (``tail_row``). Shorter runs are
   pseudo-sequences of at most 16 queries that never cross a tile: pseudo-sequence queries in
   tile t read tiles ``[0, t)`` packed and ``[t * tile, end)`` from tile t's slot; with the
-  two-tile window, tiles ``[0, t - 1)`` packed and tile t - 1 from its slot (``prev_rows``)
-  too (a verify block crossing a tile boundary is two pseudo-sequences). A tile is packed as
+  window W, tiles ``[0, t - W + 1)`` packed (but the sinks) and tiles t - W + 1 .. t - 1 from
+  their slots (``prev_tile_rows``) too (a verify block crossing a tile boundary is two
+  pseudo-sequences). A tile is packed as
   soon as it is full (the write precedes attention); its slot keeps the fp16 rows for queries
   that read it in fp16.
-* Slots of tiles no query will read in fp16 again and not tile 0 (``(t + window) * tile <= c -
+* Slots of tiles no query will read in fp16 again and not a sink tile (``(t + window) * tile <= c -
   STAGE_LAST``: a drafter's build may pass unverified positions as context) are released;
   others age out LRU (sinks first). Running out of slots is an error, never a silent reuse.
 """
@@ -48,23 +53,34 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .format import DEFAULT_WINDOW, FP16_WINDOWS, Preset, get_preset
+from .format import (DEFAULT_SINKS, DEFAULT_WINDOW, FP16_WINDOWS, MAX_PREV, MAX_SINKS, SINK_TILES,
+                     Preset, get_preset)
 
 MAX_QUERY_LEN = 16
 STAGE_LAST = 16  # tiles ending after s - STAGE_LAST stay staged (>= k + 1 of any speculation)
 
 
-# Stage slots per request by fp16 window: the sink, the window's tiles, one more for a verify
-# block crossing into the next tile, and (window 2) one for a tile kept for a drafter's
-# unverified context or a rejected draft's rollback.
-SLOTS_PER_SEQ = {1: 3, 2: 5}
+# Stage slots per request by (fp16 window W, sink tiles S): the S sink tiles, the window's W
+# tiles, one more for a verify block crossing into the next tile, and (W >= 2) one for a tile
+# kept for a drafter's unverified context or a rejected draft's rollback: S + W + 1 (+ 1).
+SLOTS_PER_SEQ = {(w, n): n + w + (2 if w >= 2 else 1) for w in FP16_WINDOWS for n in SINK_TILES}
 
 
-def default_num_slots(max_num_seqs: int, window: int = DEFAULT_WINDOW) -> int:
-    """Stage slots per layer: SLOTS_PER_SEQ[window] per request, plus 4 spares."""
-    if window not in SLOTS_PER_SEQ:
-        raise ValueError(f"fp16 window {window} is not valid; valid: {', '.join(map(str, SLOTS_PER_SEQ))}")
-    return SLOTS_PER_SEQ[window] * max(1, int(max_num_seqs)) + 4
+def check_rule(window: int, sinks: int) -> None:
+    """One-line ValueError unless (window, sinks) is a read rule every path implements."""
+    if window not in FP16_WINDOWS:
+        raise ValueError(f"KVarN fp16 window {window} is not valid; valid: "
+                         f"{', '.join(map(str, FP16_WINDOWS))}")
+    if sinks not in SINK_TILES:
+        raise ValueError(f"KVarN fp16 sink tiles {sinks} is not valid; valid: "
+                         f"{', '.join(map(str, SINK_TILES))}")
+
+
+def default_num_slots(max_num_seqs: int, window: int = DEFAULT_WINDOW,
+                      sinks: int = DEFAULT_SINKS) -> int:
+    """Stage slots per layer: SLOTS_PER_SEQ[(window, sinks)] per request, plus 4 spares."""
+    check_rule(window, sinks)
+    return SLOTS_PER_SEQ[(window, sinks)] * max(1, int(max_num_seqs)) + 4
 
 
 class StageExhausted(RuntimeError):
@@ -79,11 +95,23 @@ class PrefillJob:
     tok0: int  # first query's index among this step's tokens
     ctx: int
     seq: int
-    packed: int  # tiles [0, packed) packed in the cache (tile 0 read from sink_row when >= 0)
-    sink_row: int
+    packed: int  # tiles [0, packed) packed in the cache (tile j read from sink_rows[j] if any)
+    sink_rows: tuple  # rows of the live sink tiles 0, 1, .. (a prefix; () : tile 0 read packed)
     tail_row: int  # own-tile rows before ctx (chunk starting mid-tile): tail_row + p % tile
     null: bool = False  # on vLLM's null page (a dummy run): nothing staged, garbage read
-    prev_row: int = -1  # window 2: rows of the tile before ctx's (-1: read packed)
+    # window >= 2: rows of the tiles before ctx's that the chunk reads in fp16, ascending, ending
+    # with tile ctx // tile - 1 (live slots only; () : all read packed)
+    prev_rows: tuple = ()
+
+    @property
+    def sink_row(self) -> int:
+        """Tile 0's sink rows (-1: read packed)."""
+        return self.sink_rows[0] if self.sink_rows else -1
+
+    @property
+    def prev_row(self) -> int:
+        """Rows of the tile just before ctx's (-1: none / read packed)."""
+        return self.prev_rows[-1] if self.prev_rows else -1
 
     @property
     def q_len(self) -> int:
@@ -105,16 +133,31 @@ class StepPlan:
     cu_seqlens_q: torch.Tensor  # [S' + 1] int32
     seq_lens: torch.Tensor  # [S'] int32
     packed_tiles: torch.Tensor  # [S'] int32
-    sink_rows: torch.Tensor  # [S'] int32 (-1: tile 0 read packed)
+    # [S', MAX_SINKS] int32: column j the rows of sink tile j (< packed_tiles) read in fp16; a
+    # prefix of live ones, then -1 (tile 0 and on read packed)
+    sink_tile_rows: torch.Tensor
     tail_rows: torch.Tensor  # [S'] int32 (-1: no tail)
-    prev_rows: torch.Tensor  # [S'] int32: tile packed_tiles from these rows (-1: none)
+    # [S', MAX_PREV] int32: column j the rows of tile packed_tiles + j (the own tile's previous
+    # tiles read in fp16, window >= 2); a prefix, then -1
+    prev_tile_rows: torch.Tensor
     max_query_len: int
     max_packed_tiles: int
     num_tokens: int
     all_null: bool = False  # every request sits on vLLM's null page (a dummy run)
     window: int = DEFAULT_WINDOW  # the read rule's fp16 tiles per query
+    sinks: int = DEFAULT_SINKS  # the read rule's fp16 sink tiles
     seq_tok0: list = field(default_factory=list)  # [S'] host: first query's token index
     prefill: list = field(default_factory=list)  # [PrefillJob] in batch order
+
+    @property
+    def sink_rows(self) -> torch.Tensor:
+        """[S'] tile 0's sink rows (-1: read packed)."""
+        return self.sink_tile_rows[:, 0]
+
+    @property
+    def prev_rows(self) -> torch.Tensor:
+        """[S'] rows of tile packed_tiles when read from a slot (-1: none)."""
+        return self.prev_tile_rows[:, 0]
 
     def to(self, device) -> "StepPlan":
         kw = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
@@ -126,11 +169,10 @@ class StagePlanner:
     """Stage-slot bookkeeping (CPU) shared by all KVarN layers of one KV-cache group."""
 
     def __init__(self, preset: str | Preset | None, num_slots: int, tiles_per_page: int = 1,
-                 window: int = DEFAULT_WINDOW):
-        if window not in FP16_WINDOWS:
-            raise ValueError(f"KVarN fp16 window {window} is not valid; valid: "
-                             f"{', '.join(map(str, FP16_WINDOWS))}")
+                 window: int = DEFAULT_WINDOW, sinks: int = DEFAULT_SINKS):
+        check_rule(window, sinks)
         self.window = int(window)
+        self.sinks = int(sinks)
         self.preset = get_preset(preset)
         self.tile = self.preset.tile
         self.num_slots = int(num_slots)
@@ -170,8 +212,8 @@ class StagePlanner:
         """Tiles whose block ids the plan needs for a request (context ctx, length seq)."""
         T = self.tile
         first_w, last_w = ctx // T, (seq - 1) // T
-        need = {0, *range(first_w, last_w + 1)}
-        need.update(t for t in range(first_w - self.window - 2, first_w) if t >= 1)
+        need = {*range(self.sinks), *range(first_w, last_w + 1)}
+        need.update(t for t in range(first_w - self.window - 2, first_w) if t >= 0)
         return sorted(t for t in need if t * T < max(seq, 1))
 
     def plan(self, ctx_lens: list[int], seq_lens: list[int], q_starts: list[int],
@@ -189,7 +231,7 @@ class StagePlanner:
         used: set[int] = set()
         st_src, st_dst, p1r, p1b, p2r, p2b = [], [], [], [], [], []
         req, cu, sl_, pk, sink, tail, prev, tok0, pre = [], [0], [], [], [], [], [], [], []
-        W = self.window
+        W, NS = self.window, self.sinks
         max_q = 1
         nulls = []
         # release tiles no query reads in fp16 again (non-sink) first so allocation has room. A
@@ -198,13 +240,13 @@ class StagePlanner:
         # tokens later; a query in tile u reads tiles u - W + 1 .. u in fp16.
         for r, (c, s) in enumerate(zip(ctx_lens, seq_lens)):
             for t in range(c // T - W - 2, c // T):
-                if t >= 1 and (t + W) * T <= c - STAGE_LAST and (r, t) in tile_block:
+                if t >= NS and (t + W) * T <= c - STAGE_LAST and (r, t) in tile_block:
                     self._release(tile_block[(r, t)])
         # keep every request's earlier window tiles (read in fp16 this step) from being taken by
         # an allocation of this step (a lookup that finds no slot reads the tile packed)
         for r, (c, s) in enumerate(zip(ctx_lens, seq_lens)):
             if s > c:
-                for t in range(max(c // T - W + 1, 1), c // T):
+                for t in range(max(c // T - W + 1, 0), c // T):
                     sl = self.slot_of.get(tile_block.get((r, t), -1))
                     if sl is not None:
                         used.add(sl)
@@ -219,7 +261,7 @@ class StagePlanner:
                     break
                 blk = tile_block[(r, t)]
                 lo, hi = max(c, t * T), min(s, (t + 1) * T)
-                staged = t == 0 or (c % T and t == c // T) or (t + W) * T > s - STAGE_LAST
+                staged = t < NS or (c % T and t == c // T) or (t + W) * T > s - STAGE_LAST
                 full = hi == (t + 1) * T
                 if staged:
                     sl = self.slot_of.get(blk)
@@ -231,7 +273,7 @@ class StagePlanner:
                         sl = self._alloc(blk, used)
                     used.add(sl)
                     self.last_use[sl] = self.step
-                    if t == 0:
+                    if t < NS:
                         self.is_sink[sl] = full
                     st_src.extend(range(q0 + lo - c, q0 + hi - c))
                     st_dst.extend(range(sl * T + lo - t * T, sl * T + hi - t * T))
@@ -243,22 +285,29 @@ class StagePlanner:
                     p2r.append(q0 + lo - c)
                     p2b.append(blk)
             # attention. The read rule: a query at position p reads the W tiles up to its own
-            # p // T in fp16 (stage rows / this step's rows), tile 0 from the sink slot when it
-            # lives, and the other earlier tiles packed -- the same for prefill, verify and
+            # p // T in fp16 (stage rows / this step's rows), tiles 0 .. NS - 1 from their sink
+            # slots while they live (a prefix: a lost sink tile is read packed, and so is every
+            # later one), and the other earlier tiles packed -- the same for prefill, verify and
             # decode.
-            sink_sl = self.slot_of.get(tile_block.get((r, 0), -1)) if s >= T and not null else None
-            if sink_sl is not None:
-                used.add(sink_sl)
-                self.last_use[sink_sl] = self.step
+            sink_sls: list[int] = []
+            for j in range(NS if not null else 0):
+                if s < (j + 1) * T:
+                    break
+                sl = self.slot_of.get(tile_block.get((r, j), -1))
+                if sl is None:
+                    break
+                used.add(sl)
+                self.last_use[sl] = self.step
+                sink_sls.append(sl)
             if q_len > MAX_QUERY_LEN or (prefill_min_q is not None and q_len >= prefill_min_q):
                 # own tiles of a chunk: this step's rows, plus the first tile's earlier rows
                 head_sl = self.slot_of.get(tile_block[(r, c // T)]) if c % T and not null else None
-                prev_sl = self._prev_slot(r, c // T, tile_block, used) if not null else None
+                prevs = self._prev_slots(r, c // T, tile_block, used) if not null else []
                 pre.append(PrefillJob(
                     req=r, tok0=q0, ctx=c, seq=s, packed=-(-s // T) if null else s // T,
-                    sink_row=sink_sl * T if sink_sl is not None else -1,
+                    sink_rows=tuple(sl * T for sl in sink_sls),
                     tail_row=head_sl * T if head_sl is not None else -1, null=null,
-                    prev_row=prev_sl * T if prev_sl is not None else -1))
+                    prev_rows=tuple(sl * T for sl in prevs)))
                 continue
             # pseudo-sequences: at most MAX_QUERY_LEN queries, all in one tile t, which they
             # read from its stage slot (staged: it ends after c >= s - STAGE_LAST)
@@ -266,46 +315,57 @@ class StagePlanner:
             while a < s:
                 t = a // T
                 b = min(s, a + MAX_QUERY_LEN, (t + 1) * T)
-                pk_i, tail_i, prev_i = -(-b // T), -1, -1
+                pk_i, tail_i, prevs = -(-b // T), -1, []
                 if not null:
                     pk_i, tail_i = t, self.slot_of[tile_block[(r, t)]] * T
-                    prev_sl = self._prev_slot(r, t, tile_block, used)
-                    if prev_sl is not None:  # tile t - 1 from its slot, not packed
-                        pk_i, prev_i = t - 1, prev_sl * T
+                    prevs = self._prev_slots(r, t, tile_block, used)
+                    pk_i = t - len(prevs)  # tiles [t - len, t) from their slots, not packed
                 req.append(r)
                 tok0.append(q0 + a - c)
                 cu.append(cu[-1] + b - a)
                 sl_.append(b)
                 pk.append(pk_i)
-                sink.append(sink_sl * T if sink_sl is not None and pk_i >= 1 else -1)
+                sinks_i = [sl * T for sl in sink_sls[:pk_i]]  # sink tiles inside the packed range
+                sink.append(sinks_i + [-1] * (MAX_SINKS - len(sinks_i)))
                 tail.append(tail_i)
-                prev.append(prev_i)
+                prev.append([sl * T for sl in prevs] + [-1] * (MAX_PREV - len(prevs)))
                 max_q = max(max_q, b - a)
                 a = b
         i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+        i32w = lambda x, w: torch.tensor(x, dtype=torch.int32).reshape(len(x), w)  # noqa: E731
         i64 = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
         return StepPlan(
             stage_src=i64(st_src), stage_dst=i64(st_dst),
             pack_stage_rows=i32(p1r), pack_stage_blocks=i32(p1b),
             pack_new_rows=i32(p2r), pack_new_blocks=i32(p2b),
             req_index=i64(req), cu_seqlens_q=i32(cu), seq_lens=i32(sl_), packed_tiles=i32(pk),
-            sink_rows=i32(sink), tail_rows=i32(tail), prev_rows=i32(prev), max_query_len=max_q,
+            sink_tile_rows=i32w(sink, MAX_SINKS), tail_rows=i32(tail),
+            prev_tile_rows=i32w(prev, MAX_PREV), max_query_len=max_q,
             max_packed_tiles=max(pk, default=0), num_tokens=cu[-1] + sum(j.q_len for j in pre),
-            all_null=bool(nulls) and all(nulls), window=W, seq_tok0=tok0, prefill=pre)
+            all_null=bool(nulls) and all(nulls), window=W, sinks=NS, seq_tok0=tok0, prefill=pre)
 
-    def _prev_slot(self, r: int, t: int, tile_block: dict, used: set) -> int | None:
-        """Window 2: the live slot of tile t - 1 of request r (kept for this step), else None."""
-        if self.window < 2 or t < 1:
-            return None
-        sl = self.slot_of.get(tile_block.get((r, t - 1), -1))
-        if sl is not None:
+    def _prev_slots(self, r: int, t: int, tile_block: dict, used: set) -> list[int]:
+        """The live slots of the tiles before tile t that its window reads in fp16 (tiles
+        t - W + 1 .. t - 1 of request r), ascending and ending with tile t - 1: walking back from
+        t - 1, stopping at the first tile whose slot is gone (it and all before it are read
+        packed). Kept for this step."""
+        out: list[int] = []
+        for u in range(t - 1, max(t - self.window, -1), -1):
+            sl = self.slot_of.get(tile_block.get((r, u), -1))
+            if sl is None:
+                break
             used.add(sl)
             self.last_use[sl] = self.step
-        return sl
+            out.append(sl)
+        return out[::-1]
 
 
 # Rows of the fixed-size plan of a uniform batch (``uniform_rows``): int32 fields, in this order.
-DECODE_FIELDS = ("cu_seqlens_q", "seq_lens", "packed_tiles", "sink_rows", "tail_rows", "prev_rows",
+# The MAX_SINKS sink columns (sink_rows, sink_rows_1, ..) and the MAX_PREV previous-tile columns
+# (prev_rows, prev_rows_1, ..) are consecutive: ``fields[i:i + n].t()`` is the kernel's [rows, n].
+SINK_FIELDS = tuple("sink_rows" if j == 0 else f"sink_rows_{j}" for j in range(MAX_SINKS))
+PREV_FIELDS = tuple("prev_rows" if j == 0 else f"prev_rows_{j}" for j in range(MAX_PREV))
+DECODE_FIELDS = ("cu_seqlens_q", "seq_lens", "packed_tiles", *SINK_FIELDS, "tail_rows", *PREV_FIELDS,
                  "req_index", "pack_rows", "pack_blocks")
 
 
@@ -338,16 +398,19 @@ def uniform_rows(plan: StepPlan, q_len: int, num_tokens: int, max_tokens: int, t
     n_req, k = num_tokens // Q, rows_per_request(Q)
     width = 2 * max_tokens + 1
     # host lists, one tensor at the end (this runs on every step's host path)
-    out = {name: [-1 if name in ("sink_rows", "tail_rows", "prev_rows", "pack_blocks") else 0] * width
-           for name in DECODE_FIELDS}
+    neg = {*SINK_FIELDS, "tail_rows", *PREV_FIELDS, "pack_blocks"}
+    out = {name: [-1 if name in neg else 0] * width for name in DECODE_FIELDS}
     cu = plan.cu_seqlens_q.tolist()
     by_req: dict[int, list[int]] = {}
     for i, t0 in enumerate(plan.seq_tok0):
         by_req.setdefault(t0 // Q, []).append(i)
     if any(r >= n_req for r in by_req) or any(len(v) > k for v in by_req.values()):
         raise ValueError(bad)
-    fields = ("seq_lens", "packed_tiles", "sink_rows", "tail_rows", "prev_rows")
-    cols = {name: getattr(plan, name).tolist() for name in fields}
+    fields = ("seq_lens", "packed_tiles", *SINK_FIELDS, "tail_rows", *PREV_FIELDS)
+    cols = {name: getattr(plan, name).tolist() for name in ("seq_lens", "packed_tiles", "tail_rows")}
+    for names, tab in ((SINK_FIELDS, plan.sink_tile_rows), (PREV_FIELDS, plan.prev_tile_rows)):
+        for name, col in zip(names, tab.t().tolist()):
+            cols[name] = col
     bounds = [0]
     for r in range(n_req):
         entries = by_req.get(r, [])
@@ -437,8 +500,8 @@ def apply_attention(plan: StepPlan, q: torch.Tensor, out: torch.Tensor, cache: t
             q[t0:t1], cache, stage_k, stage_v, out[t0:t1],
             cu_seqlens_q=plan.cu_seqlens_q if whole else plan.cu_seqlens_q[i0:i1 + 1] - cu[i0],
             seq_lens=plan.seq_lens[i0:i1], packed_tiles=plan.packed_tiles[i0:i1],
-            sink_rows=plan.sink_rows[i0:i1], tail_rows=plan.tail_rows[i0:i1], ring=T,
-            prev_rows=plan.prev_rows[i0:i1],
+            sink_rows=plan.sink_tile_rows[i0:i1], tail_rows=plan.tail_rows[i0:i1], ring=T,
+            prev_rows=plan.prev_tile_rows[i0:i1],
             block_table=block_table[i0:i1], max_query_len=plan.max_query_len,
             softmax_scale=softmax_scale, preset=preset, tiles_per_page=tiles_per_page,
             max_packed_tiles=plan.max_packed_tiles)
@@ -447,7 +510,7 @@ def apply_attention(plan: StepPlan, q: torch.Tensor, out: torch.Tensor, cache: t
         t0, t1 = job.tok0, job.tok0 + job.q_len
         prefill(q[t0:t1], cache, stage_k, stage_v, out[t0:t1],
                 block_table_row=req_block_table[job.req], ctx_len=job.ctx, seq_len=job.seq,
-                packed_tiles=job.packed, sink_row=job.sink_row, tail_row=job.tail_row, ring=T,
-                fp16_window=plan.window, prev_row=job.prev_row,
+                packed_tiles=job.packed, sink_rows=job.sink_rows, tail_row=job.tail_row, ring=T,
+                fp16_window=plan.window, prev_rows=job.prev_rows,
                 new_k=key_rot[t0:t1], new_v=val_rot[t0:t1],
                 softmax_scale=softmax_scale, preset=preset, tiles_per_page=tiles_per_page)

@@ -9,7 +9,8 @@ the first accepted token). Per step the replay must equal an eager
 forward of the same step on a copy of the cache and stage bit for bit, and the float64
 reference under the read rule within the bf16 tolerance; the steps cross tile boundaries (tile 0
 of one request fills and becomes the sink, a middle tile of the other fills and is packed).
-Real geometry: k4v2_g128, 24 q / 4 kv heads of 256, pages of 2 tiles.
+Real geometry: k4v2_g128, 24 q / 4 kv heads of 256, pages of 2 tiles; read rules (fp16 window,
+sink tiles) (2, 1), the default, and (3, 2) (ONECARD_KVARN_WINDOW / ONECARD_KVARN_SINKS).
 Run: PYTHONPATH=<repo>:/var/tmp/site-kvarn:/var/tmp/site python3 -m pytest -m gpu tests/gpu/test_kvarn_graph.py
 """
 
@@ -30,18 +31,23 @@ DT, D, H, HQ, T, BS = "kvarn_k4v2_g128", 256, 4, 24, 128, 256
 PAD_REQS = 4  # requests of the captured batch: 2 + 2 padding
 
 
-def _reference(R, K, V, s, q, window):
+def _reference(R, K, V, s, q, window, sinks=1):
     kr = R.rotate(K[:s].half(), torch.float32).half()
     vr = R.rotate(V[:s].half(), torch.float32).half()
     kq, vq = R.quantized_view(kr, vr, DT)
     return R.own_tile_attention_f64(q.float(), R.rotate(kr), R.rotate(vr), R.rotate(kq),
-                                    R.rotate(vq), T, D ** -0.5, window=window)
+                                    R.rotate(vq), T, D ** -0.5, window=window, sinks=sinks)
 
 
+@pytest.mark.parametrize("rule", ["2,1", "3,2"])  # fp16 window, sink tiles (the server's env)
 @pytest.mark.parametrize("q_len", [1, 4])
-def test_uniform_rows_replay_equals_eager_and_reference(q_len):
+def test_uniform_rows_replay_equals_eager_and_reference(q_len, rule, monkeypatch):
     KA = pytest.importorskip("vllm.v1.attention.backends.kvarn_attn")
     from onecard.kvarn import reference as R
+
+    w, n = rule.split(",")
+    monkeypatch.setenv("ONECARD_KVARN_WINDOW", w)  # read by the builder and the impl below
+    monkeypatch.setenv("ONECARD_KVARN_SINKS", n)
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -60,7 +66,8 @@ def test_uniform_rows_replay_equals_eager_and_reference(q_len):
     bt_pad = torch.cat([bt, torch.zeros(PAD_REQS - 2, bt.shape[1], dtype=torch.int32, device=dev)])
     K = [torch.zeros(0, H, D, device=dev) for _ in range(2)]
     V = [torch.zeros(0, H, D, device=dev) for _ in range(2)]
-    window = builder.planner.window
+    window, sinks = builder.planner.window, builder.planner.sinks
+    assert (window, sinks) == (int(w), int(n))
 
     def cam_for(step, padded):
         cu = [0]
@@ -136,10 +143,10 @@ def test_uniform_rows_replay_equals_eager_and_reference(q_len):
         assert torch.equal(kv_cache, cache_copy), f"step {i}: replay wrote a different cache"
         for r, (c, m) in enumerate(step):
             rows = slice(r * q_len, (r + 1) * q_len)
-            ref = _reference(R, K[r].cpu(), V[r].cpu(), c + m, q[rows].view(m, HQ, D).cpu(), window)
+            ref = _reference(R, K[r].cpu(), V[r].cpu(), c + m, q[rows].view(m, HQ, D).cpu(), window, sinks)
             got = static_out[rows].view(m, HQ, D).double().cpu()
             assert torch.isfinite(got).all()
             worst = max(worst, float(((got - ref).abs() / ref.abs().clamp_min(1)).max()))
-    print(f"KVarN uniform rows (q_len {q_len}) graph: {len(decode_steps)} replays, worst rel. error vs "
+    print(f"KVarN uniform rows (q_len {q_len}, window {window}, sinks {sinks}) graph: {len(decode_steps)} replays, worst rel. error vs "
           f"float64 {worst:.2e}")
     assert worst < 3e-2
