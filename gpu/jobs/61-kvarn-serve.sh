@@ -59,35 +59,30 @@ if boot kvarn 130 --kv-cache-dtype kvarn_k4v2_g128; then
 else
   status=1
 fi
-if [ "${KVARN_W1:-1}" = 1 ]; then  # window 1 (the read rule before 2026-12-04), same server flags
-  if ONECARD_KVARN_WINDOW=1 boot kvarn-w1 130 --kv-cache-dtype kvarn_k4v2_g128; then
-    grep -E "fp16 window|GPU KV cache size" "$JOB_OUT/server-kvarn-w1.log" | head -2 | cut -c1-200 | tee -a "$summary"
-    timeout -k 5 60 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label kvarn-w1 \
-      --json "$JOB_OUT/kvq-kvarn-w1.json" 2>&1 | tail -2 | tee -a "$summary"
+# a further SmolLM2 KVarN arm: LABEL, its name in messages, NAME=VALUE settings for the server's
+# environment, --, the server's flags; its perplexity goes to kvq-LABEL.json
+quality_arm() {
+  local label=$1 what=$2; shift 2
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do local -x "$1"; shift; done  # exported for this call only
+  shift
+  if boot "$label" 130 "$@"; then
+    grep -E "KVARN|fp16 window|GPU KV cache size" "$JOB_OUT/server-$label.log" | head -3 | cut -c1-200 | tee -a "$summary"
+    timeout -k 5 60 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label "$label" \
+      --json "$JOB_OUT/kvq-$label.json" 2>&1 | tail -2 | tee -a "$summary"
     stop_server
   else
-    say "kvarn window 1: boot failed"
+    say "$what: boot failed"; return 1
   fi
+}
+if [ "${KVARN_W1:-1}" = 1 ]; then  # window 1 (the read rule before 2026-12-04), same server flags
+  quality_arm kvarn-w1 "kvarn window 1" ONECARD_KVARN_WINDOW=1 -- --kv-cache-dtype kvarn_k4v2_g128
 fi
 if [ "${KVARN_V4:-1}" = 1 ]; then  # the k4v4_g128 preset (launcher KVARN_PRESET=k4v4_g128), window 2
-  if boot kvarn-v4 130 --kv-cache-dtype kvarn_k4v4_g128; then
-    grep -E "KVARN|fp16 window|GPU KV cache size" "$JOB_OUT/server-kvarn-v4.log" | head -3 | cut -c1-200 | tee -a "$summary"
-    timeout -k 5 60 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label kvarn-v4 \
-      --json "$JOB_OUT/kvq-kvarn-v4.json" 2>&1 | tail -2 | tee -a "$summary"
-    stop_server
-  else
-    say "kvarn k4v4_g128: boot failed"; status=1
-  fi
+  quality_arm kvarn-v4 "kvarn k4v4_g128" -- --kv-cache-dtype kvarn_k4v4_g128 || status=1
 fi
 if [ "${KVARN_W3S2:-1}" = 1 ]; then  # fp16 window 3 + two sink tiles (launcher KVARN_WINDOW=3 KVARN_SINKS=2)
-  if ONECARD_KVARN_WINDOW=3 ONECARD_KVARN_SINKS=2 boot kvarn-w3s2 130 --kv-cache-dtype kvarn_k4v2_g128; then
-    grep -E "fp16 window|GPU KV cache size" "$JOB_OUT/server-kvarn-w3s2.log" | head -2 | cut -c1-200 | tee -a "$summary"
-    timeout -k 5 60 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label kvarn-w3s2 \
-      --json "$JOB_OUT/kvq-kvarn-w3s2.json" 2>&1 | tail -2 | tee -a "$summary"
-    stop_server
-  else
-    say "kvarn window 3 + sinks 2: boot failed"; status=1
-  fi
+  quality_arm kvarn-w3s2 "kvarn window 3 + sinks 2" ONECARD_KVARN_WINDOW=3 ONECARD_KVARN_SINKS=2 -- \
+    --kv-cache-dtype kvarn_k4v2_g128 || status=1
 fi
 # --- 1b. the bf16 baseline, before the 27B part (2026-12-03: booted after it, it never ran: the
 # huge boot used the time left, and the quality comparison had no pair). Only when job 32 is not

@@ -73,30 +73,25 @@ MAX_SINKS = max(SINK_TILES)  # columns of the per-row sink rows (kernels, stage.
 MAX_PREV = max(FP16_WINDOWS) - 1  # columns of the per-row previous-tile rows
 
 
-def window_from_env(environ=None) -> int:
-    """The fp16 window the server runs with: ``ONECARD_KVARN_WINDOW`` (1|2|3), default 2."""
+def _int_from_env(name: str, valid: tuple, default: int, environ=None) -> int:
     import os
 
-    raw = (os.environ if environ is None else environ).get(WINDOW_ENV, "").strip()
+    raw = (os.environ if environ is None else environ).get(name, "").strip()
     if not raw:
-        return DEFAULT_WINDOW
-    if raw not in {str(w) for w in FP16_WINDOWS}:
-        raise ValueError(f"{WINDOW_ENV}={raw!r} is not valid; valid: "
-                         f"{'|'.join(map(str, FP16_WINDOWS))}")
+        return default
+    if raw not in {str(w) for w in valid}:
+        raise ValueError(f"{name}={raw!r} is not valid; valid: {'|'.join(map(str, valid))}")
     return int(raw)
+
+
+def window_from_env(environ=None) -> int:
+    """The fp16 window the server runs with: ``ONECARD_KVARN_WINDOW`` (1|2|3), default 2."""
+    return _int_from_env(WINDOW_ENV, FP16_WINDOWS, DEFAULT_WINDOW, environ)
 
 
 def sinks_from_env(environ=None) -> int:
     """The fp16 sink tiles the server runs with: ``ONECARD_KVARN_SINKS`` (1|2), default 1."""
-    import os
-
-    raw = (os.environ if environ is None else environ).get(SINKS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_SINKS
-    if raw not in {str(w) for w in SINK_TILES}:
-        raise ValueError(f"{SINKS_ENV}={raw!r} is not valid; valid: "
-                         f"{'|'.join(map(str, SINK_TILES))}")
-    return int(raw)
+    return _int_from_env(SINKS_ENV, SINK_TILES, DEFAULT_SINKS, environ)
 
 
 @dataclass(frozen=True)
