@@ -6,9 +6,10 @@
 
 1. Correctness (gates the exit status): ``onecard.kernels.wide_verify`` vs the float64
    reference at 24 q / 4 kv heads, head_dim 256, ragged q_len 1..16, page sizes 16 and 544, for
-   bf16 / int8 / int4; the same inputs through stock ``unified_attention`` (sanity of the
-   inputs); and caches written by vLLM's own reshape-and-cache kernels (proves our reading of
-   the int8 / int4 formats).
+   bf16 / int8 / int4 (defaults at auto / 1 / 7 splits; ``head_split=2`` at tiles 16 and 32);
+   the same inputs through stock ``unified_attention`` (sanity of the inputs); and caches
+   written by vLLM's own reshape-and-cache kernels (proves our reading of the int8 / int4
+   formats).
 2. The table for the first ``--q-lens`` entry (default 16): contexts 8k / 32k / 72k / 128k,
    bf16 / int8 / int4, batch 1 / 4. Median time (triton.testing.do_bench), KV GB/s (K+V+scales
    read once), % of a device-to-device copy's bandwidth (read+write bytes / time) measured in the
@@ -16,7 +17,9 @@
    flatter. Each row records the launch config the defaults chose.
 3. A launch-config sweep at q=16, 32k, batch 1 per KV dtype (tile, stages, 1 vs 2 waves of
    splits), first row = the sm_90 default; int8 / int4 also tiles 32 and 64 at 2-4 stages, and
-   int8 at vLLM's serving page (1584 tokens, where tiles 32 / 64 leave the PAGE_TILES path).
+   int8 at vLLM's serving page (1584 tokens, where tiles 32 / 64 leave the PAGE_TILES path),
+   and int8 / int4 with ``head_split=2`` at tiles 16 / 32 / 64, 2-4 stages (bf16 once). Rows
+   past ``--budget-s`` + 20 s are skipped (except each dtype's default).
 4. The other q_len rows (default 8) while ``--budget-s`` lasts. The table is printed last.
 Benchmarks print figures; nothing here asserts on time.
 """
@@ -192,16 +195,25 @@ def correctness(device, gen, smoke: bool, have_stock: bool) -> list[dict]:
             ref = c.reference()
             row = {"kv": kv, "q_lens": sh["q_lens"], "seq_lens": sh["seq_lens"],
                    "block_size": sh["block_size"]}
-            for splits in (None, 1, 7):
+            # the defaults at 3 split counts, then the head_split=2 variant of the sweep (its
+            # default tile, and tile 32: the per-key path in pages of 16, PAGE_TILES in 544)
+            hs2_t32 = {"tile_n": 32, "num_warps": 8, "num_stages": 3} if not smoke else {
+                "tile_n": 32}
+            for key, kw in (("ours_splits_auto", {"num_splits": None}),
+                            ("ours_splits_1", {"num_splits": 1}),
+                            ("ours_splits_7", {"num_splits": 7}),
+                            ("ours_head_split2_splits_7", {"num_splits": 7, "head_split": 2}),
+                            ("ours_head_split2_tile32_splits_7",
+                             {"num_splits": 7, "head_split": 2, **hs2_t32})):
                 out = torch.full_like(c.q, float("nan"))
                 try:
-                    run_ours(c, out, num_splits=splits)
+                    run_ours(c, out, **kw)
                     e = rel_err(out, ref)
-                    row[f"ours_splits_{splits or 'auto'}"] = e
+                    row[key] = e
                     row.setdefault("nan", False)
                     row["nan"] = row["nan"] or bool(torch.isnan(out).any())
                 except Exception as exc:  # noqa: BLE001
-                    row[f"ours_splits_{splits or 'auto'}"] = f"ERROR {exc!r}"[:300]
+                    row[key] = f"ERROR {exc!r}"[:300]
                     traceback.print_exc()
             if have_stock:
                 out = torch.full_like(c.q, float("nan"))
@@ -434,7 +446,8 @@ def main(argv=None) -> int:
     if args.smoke:
         grid = [(4, 64, 1, kv) for kv in KV_DTYPES]
         sweep = {kv: [{"tile_n": 16, "num_warps": 4, "num_stages": 1},
-                      {"tile_n": 16, "num_warps": 4, "num_stages": 1, "lazy_rescale": True}]
+                      {"tile_n": 16, "num_warps": 4, "num_stages": 1, "lazy_rescale": True},
+                      {"tile_n": 16, "num_warps": 4, "num_stages": 1, "head_split": 2}]
                  for kv in KV_DTYPES}
         sweep_at = (4, 64, 1)
     else:
@@ -470,6 +483,16 @@ def main(argv=None) -> int:
         sweep["int8"] += [{"tile_n": 16, "num_warps": 8, "num_stages": 4, "block_size": 1584},
                           {**wide, "num_stages": 3, "block_size": 1584},
                           {"tile_n": 64, "num_warps": 8, "num_stages": 2, "block_size": 1584}]
+        # head_split=2 (2026-12-04, docs/wide-verify.md "head split"): the head dim in halves
+        # (two K dots summed, two 128 x 128 accumulators), so a tile's unpacked K / V is half as
+        # wide; sm_90 compile: int4 tile 16 244 -> 218 registers, tiles 32 / 64 fit like today's
+        # tile 16, but 9 instead of 5 barriers per tile. Tiles 16 / 32 / 64 at 4 / 3 / 2 stages
+        # for int8 and int4 (best guesses first); bf16 once, at its default.
+        hs2 = [{"tile_n": t, "num_warps": 8, "num_stages": s, "head_split": 2}
+               for t in (32, 16, 64) for s in (4, 3, 2)]
+        sweep["int8"] += hs2
+        sweep["int4"] += hs2
+        sweep["bf16"].append({**wide, "num_stages": 4, "head_split": 2})
         sweep_at = (16, 32768, 1)
 
     def table_rows(rows):
@@ -504,8 +527,13 @@ def main(argv=None) -> int:
     if not args.no_sweep:
         log("== 3. launch-config sweep (ours only)")
         from onecard.kernels.wide_verify import _sm_count, choose_num_splits
+        sweep_skipped = 0
         for kv in KV_DTYPES:
             for j, kw in enumerate(sweep[kv]):
+                if j and time.time() - t_start > args.budget_s + 20:
+                    # job 30 kills the bench at 195 s: past the budget only the defaults run
+                    sweep_skipped += 1
+                    continue
                 for waves in ((1.0, 2.0) if j == 0 else (1.0,)):
                     q, ctx, b = sweep_at
                     ns = choose_num_splits(ctx, b, NUM_KV_HEADS, _sm_count(device), waves=waves)
@@ -520,6 +548,10 @@ def main(argv=None) -> int:
                         f"{r['ours_ms'] * 1e3:.1f} us" if "ours_ms" in r else r.get("ours_error"))
                     if "ours_error" in r:
                         break  # other wave counts of a failing config fail the same way
+        if sweep_skipped:
+            log(f"{sweep_skipped} sweep rows skipped "
+                f"(over --budget-s {args.budget_s:.0f} + 20 s)")
+        result["skipped_sweep_rows_over_budget"] = sweep_skipped
         save()
     log("== 4. table, other q_len (within --budget-s)")
     skipped += table_rows([g for g in grid if g[0] != args.q_lens[0]])
@@ -543,6 +575,7 @@ def main(argv=None) -> int:
             log(f"  {r['kv']:>5} tile {kw.get('tile_n')} warps {kw.get('num_warps')} stages "
                 f"{kw.get('num_stages')} splits {kw.get('num_splits')} (waves {r['waves']})"
                 f"{' lazy' if kw.get('lazy_rescale') else ''}"
+                f"{' head_split %d' % kw['head_split'] if kw.get('head_split', 1) != 1 else ''}"
                 f"{'' if r['block_size'] == args.block_size else ' page %d' % r['block_size']}"
                 f": {t} {pct}")
     long_rows = [r for r in result["table"] if r["ctx"] >= 32768 and "ours_ms" in r

@@ -242,3 +242,98 @@ def test_lazy_rescale_matches_reference(kv_dtype, gen):
         for splits in (1, 3):
             _check(case, _run(case, num_splits=splits, tile_n=16, lazy_rescale=True, causal=causal),
                    gen.initial_seed(), causal=causal)
+
+
+# head_split=2 (an opt-in A/B of bench/kernel_verify.py's sweep): the head dim in two halves, two
+# Q.K^T dots summed and two P.V accumulators. Every format (int8 / int4 words 0..W/2 hold
+# elements 0..D/2), ragged lengths, page / block boundaries, splits, PAGE_TILES (tile divides the
+# page) and the per-key path ("q8-page48-tile32": tile 32 in pages of 48), vs float64.
+@inproc
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_head_split_matches_reference(kv_dtype, name, gen):
+    q_lens, seq_lens, (hq, hkv), bs, splits, tile = CASES[name]
+    case = ref_mod.make_verify_case(
+        q_lens=q_lens, seq_lens=seq_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=32,
+        block_size=bs, kv_dtype=kv_dtype, generator=gen)
+    _check(case, _run(case, num_splits=splits, tile_n=tile, head_split=2), gen.initial_seed())
+
+
+@inproc
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
+def test_head_split_halves_are_not_swapped(kv_dtype, gen):
+    # the two halves of K, V and the output must line up: zero the first half of every K row
+    # (codes / values; int4's zero point then gives a constant, still a valid input) and make V's
+    # second half large, so a half read from the wrong words, a K half dotted with the wrong Q
+    # half or an output half stored at the wrong offset all miss the reference by far; causal and
+    # non-causal, 1 and 3 splits, tiles 16 (PAGE_TILES) and 32 in pages of 48 (per-key path).
+    for bs, tile in ((16, 16), (48, 32)):
+        case = ref_mod.make_verify_case(
+            q_lens=[7, 2], seq_lens=[70, 33], num_q_heads=6, num_kv_heads=2, head_dim=32,
+            block_size=bs, kv_dtype=kv_dtype, generator=gen)
+        if kv_dtype == "bf16":
+            case.key_cache[..., :16] = 0
+            case.value_cache[..., 16:32] *= 8
+        else:
+            n = 16 if kv_dtype == "int8" else 8  # bytes of the first half of a row
+            case.key_cache[..., :n].view(torch.uint8).fill_(0)
+            case.value_cache[..., n:2 * n].view(torch.uint8).fill_(0x7F if kv_dtype == "int8"
+                                                                   else 0xF0)
+        for causal in (True, False):
+            for splits in (1, 3):
+                ref1 = _run(case, num_splits=splits, tile_n=tile, causal=causal)
+                out = _run(case, num_splits=splits, tile_n=tile, causal=causal, head_split=2)
+                _check(case, out, gen.initial_seed(), causal=causal)
+                assert (out.float() - ref1.float()).abs().max() <= 2e-2 * max(
+                    1.0, ref1.float().abs().max().item())
+
+
+@inproc
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_head_split_extreme_codes_and_slots_past_the_end(kv_dtype, gen):
+    # extreme codes in both halves (byte / nibble order, sign, zero point of each half's words),
+    # and NaN scales / 0xFF codes in the slots past seq_len that PAGE_TILES reads unmasked
+    case = ref_mod.make_verify_case(
+        q_lens=[3, 1, 7], seq_lens=[21, 5, 50], num_q_heads=4, num_kv_heads=2, head_dim=32,
+        block_size=16, kv_dtype=kv_dtype, generator=gen)
+    codes = torch.tensor([0x80, 0xFF, 0x00, 0x7F] if kv_dtype == "int8" else
+                         [0x00, 0xFF, 0x0F, 0xF0], dtype=torch.uint8)
+    n = 32 if kv_dtype == "int8" else 16
+    for half in (case.key_cache, case.value_cache):
+        data = half[..., :n].view(torch.uint8)
+        data.copy_(codes[torch.randint(0, 4, data.shape, generator=gen)])
+    for s, sl in enumerate(case.seq_lens.tolist()):
+        for p in range(sl, -(-sl // 16) * 16):
+            blk, slot = int(case.block_table[s, p // 16]), p % 16
+            for half, sc in ((case.key_cache, case.k_scale_cache),
+                             (case.value_cache, case.v_scale_cache)):
+                sc[blk, slot] = float("nan")
+                half[blk, slot].view(torch.uint8)[..., :n] = 0xFF
+    for splits in (1, 3):
+        _check(case, _run(case, num_splits=splits, tile_n=16, head_split=2), gen.initial_seed())
+
+
+@inproc
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
+def test_head_split_lazy_rescale_matches_reference(kv_dtype, gen):
+    # both accumulators rescaled by the same (lazy) decision: keys scaled up page by page
+    case = ref_mod.make_verify_case(
+        q_lens=[8, 3], seq_lens=[130, 61], num_q_heads=6, num_kv_heads=2, head_dim=32,
+        block_size=16, kv_dtype=kv_dtype, generator=gen)
+    halves = case.k_scale_cache if kv_dtype != "bf16" else case.key_cache
+    for s, sl in enumerate(case.seq_lens.tolist()):
+        for j in range(-(-sl // 16)):
+            halves[int(case.block_table[s, j])] *= 2.0 ** min(j, 4)
+    for splits in (1, 3):
+        _check(case, _run(case, num_splits=splits, tile_n=16, lazy_rescale=True, head_split=2),
+               gen.initial_seed())
+
+
+@inproc
+def test_head_split_bad_value(gen):
+    case = ref_mod.make_verify_case(
+        q_lens=[2], seq_lens=[20], num_q_heads=2, num_kv_heads=1, head_dim=32,
+        block_size=16, kv_dtype="int8", generator=gen)
+    for bad in (0, 3, 4):
+        with pytest.raises(ValueError, match="head_split=.* valid: 1, 2"):
+            _run(case, head_split=bad)

@@ -55,6 +55,14 @@ def _dot(a, b, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _dot_acc(a, b, acc, DOT_F32: tl.constexpr):
+    """acc + a @ b (the second head-dim half of a HEAD_SPLIT dot, accumulated in place)."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _hadamard_vec(x, D: tl.constexpr, LOG2_D: tl.constexpr):
     """Unnormalized Sylvester Walsh-Hadamard transform of a [D] float32 vector: the butterfly
     of vLLM's ``fast_hadamard_transform`` (torch tier: pairs h apart -> (a + b, a - b))."""
@@ -162,6 +170,7 @@ def _wide_verify_split_kernel(
     PAGE_TILES: tl.constexpr = False,
     CAUSAL: tl.constexpr = True,
     LAZY_RESCALE: tl.constexpr = False,
+    HEAD_SPLIT: tl.constexpr = 1,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -198,12 +207,21 @@ def _wide_verify_split_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    offs_d = tl.arange(0, HEAD_DIM)
+    # HEAD_SPLIT == 2 (opt-in, bench/kernel_verify.py's sweep; docs/wide-verify.md): the head
+    # dim in two halves of DH. Q.K^T = Q_0.K_0^T + Q_1.K_1^T (two dots into one S), P.V into two
+    # [BLOCK_M, DH] accumulators, so a tile's unpacked K / V is [TILE_N, DH] at a time. int8 /
+    # int4 words 0..WORDS-1 hold elements 0..DH-1 in both formats (half 1: words WORDS.., DH..).
+    # HEAD_SPLIT == 1 (default) is the whole head in one piece: q / acc / offs_d / WORDS as before.
+    DH: tl.constexpr = HEAD_DIM // HEAD_SPLIT
+    offs_d = tl.arange(0, DH)
     q = tl.load(q_ptr + q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DH], dtype=tl.float32)
+    if HEAD_SPLIT == 2:
+        q1 = tl.load(q_ptr + q_row + DH + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        acc1 = tl.zeros([BLOCK_M, DH], dtype=tl.float32)
     # int8 / int4 caches are read as int32 words (rows are 4-byte aligned, not 16: 260 / 132
-    # byte rows), 4 bytes / 8 nibbles per word
-    WORDS: tl.constexpr = HEAD_DIM // 4 if KV_MODE == 2 else HEAD_DIM // 8
+    # byte rows), 4 bytes / 8 nibbles per word; WORDS per head-dim part
+    WORDS: tl.constexpr = (HEAD_DIM // 4 if KV_MODE == 2 else HEAD_DIM // 8) // HEAD_SPLIT
     offs_w = tl.arange(0, WORDS)
 
     # The block-table entries of tile t + 1 are loaded during tile t (software prefetch), so the
@@ -256,10 +274,21 @@ def _wide_verify_split_kernel(
                 + kvh * stride_k_head + offs_d[:, None],
                 mask=kv_ok[None, :], other=0.0,
             )
-            s = _dot(q, kt.to(q.dtype), DOT_F32) * qk_scale
+            s = _dot(q, kt.to(q.dtype), DOT_F32)
+            if HEAD_SPLIT == 2:
+                kt1 = tl.load(
+                    k_ptr + blk[None, :] * stride_k_blk + slot[None, :] * stride_k_slot
+                    + kvh * stride_k_head + DH + offs_d[:, None],
+                    mask=kv_ok[None, :], other=0.0,
+                )
+                s = _dot_acc(q1, kt1.to(q.dtype), s, DOT_F32)
+            s = s * qk_scale
         else:
             if PAGE_TILES:
                 kw = tl.load(k_head + (blk * stride_k_blk + slot0 * stride_k_slot) + k_rows)
+                if HEAD_SPLIT == 2:
+                    kw1 = tl.load(k_head + (blk * stride_k_blk + slot0 * stride_k_slot + WORDS)
+                                  + k_rows)
                 k_sc = tl.load(ks_head + (blk * stride_ks_blk + slot0 * stride_ks_slot)
                                + ks_rows)
             else:
@@ -268,6 +297,12 @@ def _wide_verify_split_kernel(
                     + kvh * stride_k_head + offs_w[None, :],
                     mask=kv_ok[:, None], other=0,
                 )
+                if HEAD_SPLIT == 2:
+                    kw1 = tl.load(
+                        k_ptr + blk[:, None] * stride_k_blk + slot[:, None] * stride_k_slot
+                        + kvh * stride_k_head + WORDS + offs_w[None, :],
+                        mask=kv_ok[:, None], other=0,
+                    )
                 k_sc = tl.load(
                     ks_ptr + blk * stride_ks_blk + slot * stride_ks_slot + kvh * stride_ks_head,
                     mask=kv_ok, other=0.0,
@@ -278,9 +313,13 @@ def _wide_verify_split_kernel(
                 k_sc = (kbits & -16).to(tl.float32, bitcast=True)
             else:
                 k_off = tl.zeros([TILE_N], dtype=tl.float32)
-            k = _unpack_words(kw, k_off, KV_MODE, TILE_N, HEAD_DIM).to(q.dtype)
+            k = _unpack_words(kw, k_off, KV_MODE, TILE_N, DH).to(q.dtype)
             # per-token scale: a column scale of the scores, the tile itself is only converted
-            s = _dot(q, tl.trans(k), DOT_F32) * (qk_scale * k_sc[None, :])
+            s = _dot(q, tl.trans(k), DOT_F32)
+            if HEAD_SPLIT == 2:
+                k1 = _unpack_words(kw1, k_off, KV_MODE, TILE_N, DH).to(q.dtype)
+                s = _dot_acc(q1, tl.trans(k1), s, DOT_F32)
+            s = s * (qk_scale * k_sc[None, :])
         if PAGE_TILES:
             s = tl.where(pos[None, :] < lim_hi[:, None], s, float("-inf"))
         else:
@@ -295,6 +334,8 @@ def _wide_verify_split_kernel(
                 m_new = tl.maximum(m_i, m_tile)
                 alpha = tl.math.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
                 acc = acc * alpha[:, None]
+                if HEAD_SPLIT == 2:
+                    acc1 = acc1 * alpha[:, None]
                 l_i = l_i * alpha
                 m_i = m_new
             p = tl.math.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
@@ -312,14 +353,29 @@ def _wide_verify_split_kernel(
                 + kvh * stride_v_head + offs_d[None, :],
                 mask=kv_ok[:, None], other=0.0,
             )
-            pv = _dot(p.to(q.dtype), vt.to(q.dtype), DOT_F32)
+            pb = p.to(q.dtype)
+            pv = _dot(pb, vt.to(q.dtype), DOT_F32)
             if LAZY_RESCALE:
                 acc = acc + pv
             else:
                 acc = acc * alpha[:, None] + pv
+            if HEAD_SPLIT == 2:
+                vt1 = tl.load(
+                    v_ptr + blk[:, None] * stride_v_blk + slot[:, None] * stride_v_slot
+                    + kvh * stride_v_head + DH + offs_d[None, :],
+                    mask=kv_ok[:, None], other=0.0,
+                )
+                pv1 = _dot(pb, vt1.to(q.dtype), DOT_F32)
+                if LAZY_RESCALE:
+                    acc1 = acc1 + pv1
+                else:
+                    acc1 = acc1 * alpha[:, None] + pv1
         else:
             if PAGE_TILES:
                 vw = tl.load(v_head + (blk * stride_v_blk + slot0 * stride_v_slot) + v_rows)
+                if HEAD_SPLIT == 2:
+                    vw1 = tl.load(v_head + (blk * stride_v_blk + slot0 * stride_v_slot + WORDS)
+                                  + v_rows)
                 v_sc = tl.load(vs_head + (blk * stride_vs_blk + slot0 * stride_vs_slot)
                                + vs_rows)
             else:
@@ -328,6 +384,12 @@ def _wide_verify_split_kernel(
                     + kvh * stride_v_head + offs_w[None, :],
                     mask=kv_ok[:, None], other=0,
                 )
+                if HEAD_SPLIT == 2:
+                    vw1 = tl.load(
+                        v_ptr + blk[:, None] * stride_v_blk + slot[:, None] * stride_v_slot
+                        + kvh * stride_v_head + WORDS + offs_w[None, :],
+                        mask=kv_ok[:, None], other=0,
+                    )
                 v_sc = tl.load(
                     vs_ptr + blk * stride_vs_blk + slot * stride_vs_slot + kvh * stride_vs_head,
                     mask=kv_ok, other=0.0,
@@ -338,27 +400,41 @@ def _wide_verify_split_kernel(
                 v_sc = (vbits & -16).to(tl.float32, bitcast=True)
             else:
                 v_off = tl.zeros([TILE_N], dtype=tl.float32)
-            v = _unpack_words(vw, v_off, KV_MODE, TILE_N, HEAD_DIM).to(q.dtype)
+            v = _unpack_words(vw, v_off, KV_MODE, TILE_N, DH).to(q.dtype)
             # per-token scale folded into P (a row scale of V = a column scale of P)
             if PAGE_TILES:
                 # keys past hi were read unmasked (same page, finite codes); their scale may be
                 # any float32 (NaN): zero it so that 0 * NaN never reaches the accumulator
                 v_sc = tl.where(kv_ok, v_sc, 0.0)
-            pv = _dot((p * v_sc[None, :]).to(q.dtype), v, DOT_F32)
+            pb = (p * v_sc[None, :]).to(q.dtype)
+            pv = _dot(pb, v, DOT_F32)
             if LAZY_RESCALE:
                 acc = acc + pv
             else:
                 acc = acc * alpha[:, None] + pv
+            if HEAD_SPLIT == 2:
+                v1 = _unpack_words(vw1, v_off, KV_MODE, TILE_N, DH).to(q.dtype)
+                pv1 = _dot(pb, v1, DOT_F32)
+                if LAZY_RESCALE:
+                    acc1 = acc1 + pv1
+                else:
+                    acc1 = acc1 * alpha[:, None] + pv1
         pos = pos_next
     if DIRECT:
         inv = tl.where(l_i > 0.0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
         o_row = q_tok[:, None] * stride_o_t + q_head[:, None] * stride_o_h
         tl.store(out_ptr + o_row + offs_d[None, :],
                  (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if HEAD_SPLIT == 2:
+            tl.store(out_ptr + o_row + DH + offs_d[None, :],
+                     (acc1 * inv[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         ml_idx = (q_tok * NUM_Q_HEADS + q_head) * num_splits + split
         tl.store(part_o_ptr + ml_idx[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=row_ok[:, None])
+        if HEAD_SPLIT == 2:
+            tl.store(part_o_ptr + ml_idx[:, None] * HEAD_DIM + DH + offs_d[None, :], acc1,
+                     mask=row_ok[:, None])
         tl.store(part_m_ptr + ml_idx, m_i, mask=row_ok)
         tl.store(part_l_ptr + ml_idx, l_i, mask=row_ok)
 
@@ -523,12 +599,16 @@ def wide_verify_attention(
     max_partial_bytes: int = 64 << 20,
     causal: bool = True,
     lazy_rescale: bool = False,
+    head_split: int = 1,
 ) -> torch.Tensor:
     """Verify attention over vLLM's paged cache; writes ``out`` [T, Hq, D] and returns it.
     ``causal`` (default): query i of a sequence sees keys p < seq_len - q_len + i + 1; False: every
     query sees all seq_len keys (a DFlash drafter's non-causal block of 1 + k rows).
     ``lazy_rescale`` (off by default; an A/B option of bench/kernel_verify.py's sweep): rescale the
     accumulator only when a running max grows by more than 2^8 (docs/wide-verify.md).
+    ``head_split`` (1 by default; 2 is an A/B option of the sweep, any kv_mode): the head dim in
+    two halves, two Q.K^T dots summed and two P.V accumulators of head_dim / 2, so that a tile's
+    unpacked K / V is half as wide in registers (docs/wide-verify.md, "head split").
 
     q: [T, Hq, D] (bf16/fp16), T = cu_seqlens_q[-1]; every sequence has 1..16 query tokens and
     ``max_query_len`` bounds them. ``num_splits`` None picks from ``max_seq_len`` (or the cache
@@ -548,6 +628,9 @@ def wide_verify_attention(
     if d_store < need or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
         raise ValueError(f"cache last dim {d_store} (stride {key_cache.stride(3)}) cannot hold "
                          f"{need} contiguous elements for kv_mode {kv_mode!r}")
+    if head_split not in (1, 2) or head_dim // head_split < 16:
+        raise ValueError(f"head_split={head_split} is not valid for head_dim {head_dim}; "
+                         "valid: 1, 2 (head_dim / head_split >= 16)")
     if mode and (k_scale_cache is None or v_scale_cache is None):
         raise ValueError("int8/int4 KV needs k_scale_cache and v_scale_cache")
     if mode == 0:
@@ -621,7 +704,7 @@ def wide_verify_attention(
         HEAD_DIM=head_dim, TILE_N=tile_n, KV_MODE=mode, DIRECT=direct,
         DOT_F32=q.device.type != "cuda",  # CPU tensors only run under TRITON_INTERPRET
         PAGE_TILES=mode != 0 and page % tile_n == 0, CAUSAL=bool(causal),
-        LAZY_RESCALE=bool(lazy_rescale),
+        LAZY_RESCALE=bool(lazy_rescale), HEAD_SPLIT=int(head_split),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
