@@ -62,15 +62,20 @@ CASES = {
 }
 
 
+# head_split=2 (an opt-in A/B of bench/kernel_verify.py's sweep): the head dim in two halves, two
+# Q.K^T dots summed and two P.V accumulators. Every format (int8 / int4 words 0..W/2 hold
+# elements 0..D/2), ragged lengths, page / block boundaries, splits, PAGE_TILES (tile divides the
+# page) and the per-key path ("q8-page48-tile32": tile 32 in pages of 48), vs float64.
 @inproc
+@pytest.mark.parametrize("head_split", [1, 2])
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_reference(kv_dtype, name, gen):
+def test_matches_reference(kv_dtype, name, head_split, gen):
     q_lens, seq_lens, (hq, hkv), bs, splits, tile = CASES[name]
     case = ref_mod.make_verify_case(
         q_lens=q_lens, seq_lens=seq_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=32,
         block_size=bs, kv_dtype=kv_dtype, generator=gen)
-    _check(case, _run(case, num_splits=splits, tile_n=tile), gen.initial_seed())
+    _check(case, _run(case, num_splits=splits, tile_n=tile, head_split=head_split), gen.initial_seed())
 
 
 @inproc
@@ -174,14 +179,19 @@ def test_extreme_codes_unpack_exactly(kv_dtype, gen):
     case = ref_mod.make_verify_case(
         q_lens=[6], seq_lens=[37], num_q_heads=4, num_kv_heads=2, head_dim=32,
         block_size=16, kv_dtype=kv_dtype, generator=gen)
+    _fill_extreme_codes(case, kv_dtype, gen)
+    _check(case, _run(case, num_splits=2, tile_n=16), gen.initial_seed())
+
+
+def _fill_extreme_codes(case, kv_dtype, gen) -> int:
+    """Every data byte of K and V an extreme code; returns the data bytes per row."""
     codes = torch.tensor([0x80, 0xFF, 0x00, 0x7F] if kv_dtype == "int8" else
                          [0x00, 0xFF, 0x0F, 0xF0], dtype=torch.uint8)
     n = 32 if kv_dtype == "int8" else 16
     for half in (case.key_cache, case.value_cache):
         data = half[..., :n].view(torch.uint8)
-        pick = torch.randint(0, 4, data.shape, generator=gen)
-        data.copy_(codes[pick])
-    _check(case, _run(case, num_splits=2, tile_n=16), gen.initial_seed())
+        data.copy_(codes[torch.randint(0, 4, data.shape, generator=gen)])
+    return n
 
 
 @inproc
@@ -224,8 +234,9 @@ def test_non_causal_block_sees_every_key(kv_dtype, gen):
 
 
 @inproc
+@pytest.mark.parametrize("head_split", [1, 2])  # 2: both accumulators take the same lazy decision
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
-def test_lazy_rescale_matches_reference(kv_dtype, gen):
+def test_lazy_rescale_matches_reference(kv_dtype, head_split, gen):
     # the lazy-rescale option (an A/B of the sweep, off by default): the running max moves only
     # when a row's tile max grows by > 2^8. Keys scaled up page by page (x 2^j, exact for every
     # cache format, int4's zero point included: a power of two leaves the mantissa bits alone) make
@@ -240,23 +251,8 @@ def test_lazy_rescale_matches_reference(kv_dtype, gen):
             halves[int(case.block_table[s, j])] *= 2.0 ** min(j, 4)
     for causal in (True, False):
         for splits in (1, 3):
-            _check(case, _run(case, num_splits=splits, tile_n=16, lazy_rescale=True, causal=causal),
-                   gen.initial_seed(), causal=causal)
-
-
-# head_split=2 (an opt-in A/B of bench/kernel_verify.py's sweep): the head dim in two halves, two
-# Q.K^T dots summed and two P.V accumulators. Every format (int8 / int4 words 0..W/2 hold
-# elements 0..D/2), ragged lengths, page / block boundaries, splits, PAGE_TILES (tile divides the
-# page) and the per-key path ("q8-page48-tile32": tile 32 in pages of 48), vs float64.
-@inproc
-@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
-@pytest.mark.parametrize("name", list(CASES))
-def test_head_split_matches_reference(kv_dtype, name, gen):
-    q_lens, seq_lens, (hq, hkv), bs, splits, tile = CASES[name]
-    case = ref_mod.make_verify_case(
-        q_lens=q_lens, seq_lens=seq_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=32,
-        block_size=bs, kv_dtype=kv_dtype, generator=gen)
-    _check(case, _run(case, num_splits=splits, tile_n=tile, head_split=2), gen.initial_seed())
+            _check(case, _run(case, num_splits=splits, tile_n=16, lazy_rescale=True, causal=causal,
+                              head_split=head_split), gen.initial_seed(), causal=causal)
 
 
 @inproc
@@ -296,12 +292,7 @@ def test_head_split_extreme_codes_and_slots_past_the_end(kv_dtype, gen):
     case = ref_mod.make_verify_case(
         q_lens=[3, 1, 7], seq_lens=[21, 5, 50], num_q_heads=4, num_kv_heads=2, head_dim=32,
         block_size=16, kv_dtype=kv_dtype, generator=gen)
-    codes = torch.tensor([0x80, 0xFF, 0x00, 0x7F] if kv_dtype == "int8" else
-                         [0x00, 0xFF, 0x0F, 0xF0], dtype=torch.uint8)
-    n = 32 if kv_dtype == "int8" else 16
-    for half in (case.key_cache, case.value_cache):
-        data = half[..., :n].view(torch.uint8)
-        data.copy_(codes[torch.randint(0, 4, data.shape, generator=gen)])
+    n = _fill_extreme_codes(case, kv_dtype, gen)
     for s, sl in enumerate(case.seq_lens.tolist()):
         for p in range(sl, -(-sl // 16) * 16):
             blk, slot = int(case.block_table[s, p // 16]), p % 16
@@ -311,22 +302,6 @@ def test_head_split_extreme_codes_and_slots_past_the_end(kv_dtype, gen):
                 half[blk, slot].view(torch.uint8)[..., :n] = 0xFF
     for splits in (1, 3):
         _check(case, _run(case, num_splits=splits, tile_n=16, head_split=2), gen.initial_seed())
-
-
-@inproc
-@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
-def test_head_split_lazy_rescale_matches_reference(kv_dtype, gen):
-    # both accumulators rescaled by the same (lazy) decision: keys scaled up page by page
-    case = ref_mod.make_verify_case(
-        q_lens=[8, 3], seq_lens=[130, 61], num_q_heads=6, num_kv_heads=2, head_dim=32,
-        block_size=16, kv_dtype=kv_dtype, generator=gen)
-    halves = case.k_scale_cache if kv_dtype != "bf16" else case.key_cache
-    for s, sl in enumerate(case.seq_lens.tolist()):
-        for j in range(-(-sl // 16)):
-            halves[int(case.block_table[s, j])] *= 2.0 ** min(j, 4)
-    for splits in (1, 3):
-        _check(case, _run(case, num_splits=splits, tile_n=16, lazy_rescale=True, head_split=2),
-               gen.initial_seed())
 
 
 @inproc
