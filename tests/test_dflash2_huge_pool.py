@@ -9,18 +9,25 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm.v1.core.kv_cache_utils")
+from onecard import memory
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("dflash2_huge_pool", ROOT / "scripts" / "dflash2_huge_pool.py")
-P = importlib.util.module_from_spec(_spec)
-sys.modules["dflash2_huge_pool"] = P  # its dataclass needs its module registered
-_spec.loader.exec_module(P)
-
-from onecard import memory  # noqa: E402
-
 GEOM = replace(memory.ModelGeometry(), ssm_state_bytes=4)  # the 27B geometry checkpoint (fp32 GDN state)
 PIN, HUGE = memory.LONG_KV_MEM, 245_760
+P = None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _script():
+    """Load the script (and vLLM, hence Triton) when these tests run, not at collection: the
+    kernel test modules must turn Triton's interpreter on before its first import
+    (tests/interpret.py)."""
+    global P
+    pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    spec = importlib.util.spec_from_file_location("dflash2_huge_pool", ROOT / "scripts" / "dflash2_huge_pool.py")
+    P = importlib.util.module_from_spec(spec)
+    sys.modules["dflash2_huge_pool"] = P  # its dataclass needs its module registered
+    spec.loader.exec_module(P)
 
 
 def run(design, k=7, max_len=HUGE, **kw):

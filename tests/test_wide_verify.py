@@ -133,6 +133,7 @@ def test_choose_num_splits():
     assert wv.choose_num_splits(1000, 1, 4, 82) == 4  # capped by min chunk
 
 
+@inproc
 def test_reduce_launch_buckets_and_no_value_specialization():
     """Few compiles for any split count (a drafter's split count follows the live context): the
     reduce kernel pads to 16 or 64 splits, its warps follow the bucket, and neither kernel is
