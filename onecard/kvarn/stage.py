@@ -289,16 +289,7 @@ class StagePlanner:
             # slots while they live (a prefix: a lost sink tile is read packed, and so is every
             # later one), and the other earlier tiles packed -- the same for prefill, verify and
             # decode.
-            sink_sls: list[int] = []
-            for j in range(NS if not null else 0):
-                if s < (j + 1) * T:
-                    break
-                sl = self.slot_of.get(tile_block.get((r, j), -1))
-                if sl is None:
-                    break
-                used.add(sl)
-                self.last_use[sl] = self.step
-                sink_sls.append(sl)
+            sink_sls = self._live_slots(r, range(min(NS, s // T)) if not null else (), tile_block, used)
             if q_len > MAX_QUERY_LEN or (prefill_min_q is not None and q_len >= prefill_min_q):
                 # own tiles of a chunk: this step's rows, plus the first tile's earlier rows
                 head_sl = self.slot_of.get(tile_block[(r, c // T)]) if c % T and not null else None
@@ -349,15 +340,20 @@ class StagePlanner:
         t - W + 1 .. t - 1 of request r), ascending and ending with tile t - 1: walking back from
         t - 1, stopping at the first tile whose slot is gone (it and all before it are read
         packed). Kept for this step."""
+        return self._live_slots(r, range(t - 1, max(t - self.window, -1), -1), tile_block, used)[::-1]
+
+    def _live_slots(self, r: int, tiles, tile_block: dict, used: set) -> list[int]:
+        """The slots of request r's ``tiles``, in that order, up to the first tile whose slot is
+        gone (a run: it and every later one are read packed). Kept for this step."""
         out: list[int] = []
-        for u in range(t - 1, max(t - self.window, -1), -1):
+        for u in tiles:
             sl = self.slot_of.get(tile_block.get((r, u), -1))
             if sl is None:
                 break
             used.add(sl)
             self.last_use[sl] = self.step
             out.append(sl)
-        return out[::-1]
+        return out
 
 
 # Rows of the fixed-size plan of a uniform batch (``uniform_rows``): int32 fields, in this order.
