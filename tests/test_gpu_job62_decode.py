@@ -74,11 +74,13 @@ def test_decode_skips_arms_without_time(tmp_path, monkeypatch, capsys):
 
 def test_decode_arms_are_validated():
     mod = _load()
-    assert mod.parse_arms("a:huge:1, b:long:0") == [("a", "huge", "1", "auto"), ("b", "long", "0", "auto")]
-    assert mod.parse_arms("i:long:1:64:64:8:2") == [("i", "long", "1", "64:64:8:2")]
-    assert mod.parse_arms("s:long:1:stock") == [("s", "long", "1", "stock")]
+    assert mod.parse_arms("a:huge:1, b:long:0") == [("a", "huge", "1", "auto", {}), ("b", "long", "0", "auto", {})]
+    assert mod.parse_arms("i:long:1:64:64:8:2") == [("i", "long", "1", "64:64:8:2", {})]
+    assert mod.parse_arms("s:long:1:stock") == [("s", "long", "1", "stock", {})]
+    assert mod.parse_arms("w:huge:1:KVARN_WINDOW=3:KVARN_SINKS=2") == [
+        ("w", "huge", "1", "auto", {"KVARN_WINDOW": "3", "KVARN_SINKS": "2"})]
     for bad in ("a:huge", "a:tiny:1", "a:huge:2", "a:huge:1,a:long:1", "", "a:long:1:64:64", "a:long:1:x:64:8:2",
-                "a:long:1:fast"):
+                "a:long:1:fast", "a:huge:1:kvarn_window=3", "a:huge:1:KVARN_WINDOW="):
         try:
             mod.parse_arms(bad)
         except ValueError as e:

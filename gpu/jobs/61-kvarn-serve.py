@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -305,21 +306,25 @@ def huge(a) -> int:
 DECODE_ARMS = "kvarn:huge:1,kvarn-pw:huge:0,int8:long:1"
 
 
-def parse_arms(text: str) -> list[tuple[str, str, str, str]]:
-    """'label:ctx:graphs[:auto|stock|BLOCK_M:TILE:WARPS:STAGES],...' (graphs: KVARN_GRAPHS, 1 or 0;
-    the optional last field: the launcher's PREFILL_LAUNCH, patch 0083) ->
-    [(label, ctx, graphs, prefill_launch)] ('auto', the launcher's default, when not given)."""
+def parse_arms(text: str) -> list[tuple[str, str, str, str, dict]]:
+    """'label:ctx:graphs[:auto|stock|BLOCK_M:TILE:WARPS:STAGES][:KNOB=VALUE...],...' (graphs:
+    KVARN_GRAPHS, 1 or 0; then the launcher's PREFILL_LAUNCH, patch 0083; then any launcher knobs
+    for this arm only, e.g. KVARN_WINDOW=3:KVARN_SINKS=2) -> [(label, ctx, graphs, prefill_launch,
+    knobs)] ('auto', the launcher's default, when no launch is given)."""
     arms = []
+    valid = "label:huge|long|fast:0|1[:auto|stock|BLOCK_M:TILE:WARPS:STAGES][:KNOB=VALUE...]"
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
-        parts = item.split(":")
+        fields = item.split(":")
+        knobs = dict(f.split("=", 1) for f in fields if "=" in f)
+        parts = [f for f in fields if "=" not in f]
         if len(parts) not in (3, 4, 7) or parts[1] not in ("huge", "long", "fast") or parts[2] not in ("0", "1") \
                 or not parts[0] or (len(parts) == 4 and parts[3] not in ("auto", "stock")) \
-                or (len(parts) == 7 and not all(p.isdigit() for p in parts[3:])):
-            raise ValueError(f"decode arm {item!r} is not valid; valid: "
-                             f"label:huge|long|fast:0|1[:auto|stock|BLOCK_M:TILE:WARPS:STAGES]")
-        arms.append((parts[0], parts[1], parts[2], ":".join(parts[3:]) or "auto"))
+                or (len(parts) == 7 and not all(p.isdigit() for p in parts[3:])) \
+                or not all(re.fullmatch(r"[A-Z][A-Z0-9_]*", k) and v for k, v in knobs.items()):
+            raise ValueError(f"decode arm {item!r} is not valid; valid: {valid}")
+        arms.append((parts[0], parts[1], parts[2], ":".join(parts[3:]) or "auto", knobs))
     if len({a[0] for a in arms}) != len(arms) or not arms:
         raise ValueError(f"decode arms {text!r}: labels must be distinct and at least one given")
     return arms
@@ -336,8 +341,8 @@ def decode(a) -> int:
     arms = parse_arms(a.arms)
     common = {"MODEL": str(geom), "GDN_PREFILL": "triton", "HOST": "127.0.0.1", "TOOLS": "0",
               "SPEC": "off", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "EXTRA_ARGS": "--seed 0"}
-    recs: dict = {"depths": depths, "arms": [list(x) for x in arms]}
-    for arm, ctx, graphs, launch in arms:
+    recs: dict = {"depths": depths, "arms": [[*x[:4], x[4]] for x in arms]}
+    for arm, ctx, graphs, launch, knobs in arms:
         if a.deadline - time.time() < 150:
             print(f"{arm}: skipped ({a.deadline - time.time():.0f} s left, a 27B boot needs ~150 s)")
             continue
@@ -353,7 +358,7 @@ def decode(a) -> int:
                       + (f" ERROR {r['error']}" if r.get("error") else ""), flush=True)
 
         log = out / f"server-decode-{arm}.log"
-        rec = _serve({**common, "CTX": ctx, "KVARN_GRAPHS": graphs, "PREFILL_LAUNCH": launch},
+        rec = _serve({**common, "CTX": ctx, "KVARN_GRAPHS": graphs, "PREFILL_LAUNCH": launch, **knobs},
                      log, a.deadline - 20, measure)
         recs[arm] = rec
         print(f"{arm}: pool {rec.get('pool_tokens')} (predicted {(rec.get('prediction') or {}).get('pool_tokens')}), "

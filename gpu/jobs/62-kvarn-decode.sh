@@ -4,7 +4,7 @@
 # decode rows (tests/gpu/test_kvarn_graph.py: capture once, replay == eager bit for bit, vs the
 # float64 reference). Then on the 27B-geometry checkpoint (job 20), through `python3 -m
 # onecard.launch`, SPEC=off, 3090 KV_MEM pins, one boot per arm (ARMS62, default
-# kvarn:huge:1,kvarn-pw:huge:0,int8:long:1 -- label:CTX:ONECARD_KVARN_GRAPHS[:PREFILL_LAUNCH], the
+# kvarn:huge:1,kvarn-pw:huge:0,int8:long:1 -- label:CTX:ONECARD_KVARN_GRAPHS[:PREFILL_LAUNCH][:KNOB=VALUE...], the
 # launch auto (the launcher's default) unless given, e.g. int8-stock:long:1:stock): KVarN
 # kvarn_k4v2_g128 with full decode graphs, KVarN piecewise only (the behaviour before
 # 2026-12-04), int8_per_token_head; C1 greedy decode of 128 tokens at prompts of 8k / 32k / 120k
