@@ -238,3 +238,18 @@ def test_run_against_fake_servers_failures(tmp_path, monkeypatch, models, capsys
     assert rec["failures"] == ["int8-mtp did not boot (" + rec["servers"]["int8-mtp"]["error"] + ")",
                                "int4-d2k7 vs int4-off pass2-cached: 1 real divergences"]
     assert "boot int8-mtp: FAILED" in text and "[quant] FAIL" in text
+
+
+def test_spec_kv_knobs_reach_every_server_of_the_suite(monkeypatch):
+    """SPEC_KV_KNOBS lays launcher knobs over the suite's base (job 63 with KVARN_DRAFT_HOST=1):
+    an exported ONECARD_* variable would be overwritten by the plan's child environment."""
+    sys.path.insert(0, str(DRIVER.parent))
+    import spec_kv_sweep as sk
+
+    st = sk.suite("kvarn", environ={"SPEC_KV_KNOBS": "KVARN_DRAFT_HOST=1  KVARN_WINDOW=3"})
+    assert st["base"]["KVARN_DRAFT_HOST"] == "1" and st["base"]["KVARN_WINDOW"] == "3"
+    assert st["base"]["CTX"] == "huge"
+    assert "KVARN_DRAFT_HOST" not in sk.suite("kvarn", environ={})["base"]
+    for bad in ("KVARN_DRAFT_HOST", "kvarn_window=3", "X=", "=1"):
+        with pytest.raises(ValueError, match="valid: KNOB=VALUE"):
+            sk.suite("kvarn", environ={"SPEC_KV_KNOBS": bad})

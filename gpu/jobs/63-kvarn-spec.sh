@@ -7,7 +7,9 @@
 # tests/gpu/spec_kv_sweep.py --suite kvarn boots through the launcher's plan, CTX=huge (KVarN),
 # MAX_LEN 4096 (tiny KVarN block B = 1,024: a hit under speculation needs prompts > 2B), KV_MEM
 # 1G, MAX_SEQS 16, prefix caching on, CUDA graphs (KVARN itself runs eager: piecewise graphs):
-#   kvarn-off and kvarn-mtp (k 3).
+#   kvarn-off and kvarn-mtp (k 3). SPEC_KV_KNOBS='KNOB=VALUE ...' lays launcher knobs over both
+#   servers (e.g. 'KVARN_DRAFT_HOST=1 KVARN_WINDOW=3 KVARN_SINKS=2'; an exported ONECARD_* is
+#   overwritten by the plan).
 # No dflash2 server: the DFlash2 drafter's attention is non-causal and KVARN has none, and keeping
 # the drafter's layers in bf16 (--kv-cache-dtype-skip-layers) fails at vLLM 0.27.1's KV-cache setup
 # (CPU reproduction: docs/results/2026-12-03-huge-dflash2-cpu); the launcher refuses both.

@@ -51,6 +51,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -75,10 +76,30 @@ WARM_MAX_S, WARM_RESERVE_S, SWEEP_RESERVE_S = 240, 160, 60
 KV_SHORT = {"int8_per_token_head": "int8", "int4_per_token_head": "int4"}
 
 
-def suite(name: str, model: Path | None = None) -> dict:
+def knob_overrides(text: str) -> dict:
+    """SPEC_KV_KNOBS ('KNOB=VALUE KNOB=VALUE', launcher knobs, e.g. 'KVARN_DRAFT_HOST=1
+    KVARN_WINDOW=3') -> {knob: value}, laid over a suite's base knobs for every server of the run.
+    Exported ONECARD_* variables cannot do this: the launcher's plan sets them from its knobs."""
+    out = {}
+    for word in text.split():
+        k, sep, v = word.partition("=")
+        if not sep or not v or not re.fullmatch(r"[A-Z][A-Z0-9_]*", k):
+            raise ValueError(f"SPEC_KV_KNOBS word {word!r} is not valid; valid: KNOB=VALUE words, "
+                             f"e.g. 'KVARN_DRAFT_HOST=1 KVARN_WINDOW=3'")
+        out[k] = v
+    return out
+
+
+def suite(name: str, model: Path | None = None, environ=os.environ) -> dict:
     """The server table of a suite: {"servers": {name: knobs (+ "EXTRA": [words])},
-    "base": base knobs, "pairs": [(spec server, off server)], "base_len", "info": set of
-    informational servers, "warm_first"}."""
+    "base": base knobs (+ SPEC_KV_KNOBS), "pairs": [(spec server, off server)], "base_len",
+    "info": set of informational servers, "warm_first"}."""
+    st = _suite(name, model)
+    st["base"] = {**st["base"], **knob_overrides(environ.get("SPEC_KV_KNOBS", ""))}
+    return st
+
+
+def _suite(name: str, model: Path | None = None) -> dict:
     if name == "quant":
         servers, pairs = {}, []
         for kv, short in KV_SHORT.items():
