@@ -11,7 +11,7 @@ def test_ring_holds_window_block_and_newest_row():
     assert ring.ring_blocks(2048, 15) == 129            # 2064 rows -> 129 blocks of 16
     assert ring.ring_blocks(2048, 7) == 129             # 2056 rows -> 129
     assert ring.ring_blocks(64, 7) == 5                 # tiny drafter: 72 rows -> 80
-    assert ring.ring_blocks(2047, 0 + 1) == 128         # exactly 2048 rows
+    assert ring.ring_blocks(2046, 1) == 128             # exactly 2048 rows
     assert ring.ring_total_blocks(2, 2048, 7) == 2 * 129 + 1
 
 
