@@ -124,19 +124,22 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("GDN_SHARED_META", "1", "0|1", "1: one GDN attention-metadata build per step serves every GDN KV cache "
          "group (patch 0082; 10 groups beside a DFlash2 drafter, 3 otherwise); 0: stock, a build per group. "
          "Passed to the server as ONECARD_GDN_SHARED_META", BOOL),
-    Knob("KVARN_WINDOW", "2", "1|2|3", "KVarN KV (CTX=huge): tiles each query reads in fp16 up to its own (2: its own "
-         "and the previous one, +1 fp16 tile per sequence, kvarn/README.md; 1: its own only; 3: two previous tiles, "
-         "CPU-tested, not yet served). Passed to the server as ONECARD_KVARN_WINDOW", ("1", "2", "3")),
-    Knob("KVARN_SINKS", "1", "1|2", "KVarN KV (CTX=huge): leading tiles kept in fp16 as attention sinks (1: tile 0; "
-         "2: tiles 0 and 1, +1 fp16 tile per sequence; with KVARN_WINDOW=3 the CPU model's +0.29 % ppl vs +0.58 % "
-         "at the default, not yet served, kvarn/README.md). Passed to the server as ONECARD_KVARN_SINKS", ("1", "2")),
+    Knob("KVARN_WINDOW", "3", "1|2|3", "KVarN KV (CTX=huge): tiles each query reads in fp16 up to its own (3: its own "
+         "and the two previous ones; with KVARN_SINKS=2 served at +0.41 % perplexity vs bf16 on SmolLM2, H200, "
+         "2026-12-04, against +0.65 % for 2 and 1; 2: its own and the previous one; 1: its own only; each step "
+         "costs one fp16 tile per sequence in the stage, kvarn/README.md). Passed to the server as "
+         "ONECARD_KVARN_WINDOW", ("1", "2", "3")),
+    Knob("KVARN_SINKS", "2", "1|2", "KVarN KV (CTX=huge): leading tiles kept in fp16 as attention sinks (2: tiles 0 "
+         "and 1; 1: tile 0 only, one fp16 tile per sequence less; kvarn/README.md). Passed to the server as "
+         "ONECARD_KVARN_SINKS", ("1", "2")),
     Knob("KVARN_GRAPHS", "1", "0|1", "KVarN KV (CTX=huge): 1: single-token decode steps run as full CUDA graphs "
          "(the GDN layers too; 1.37x / 1.21x / 1.09x piecewise at 8k / 32k / 120k on the H200, 2026-12-04 session "
          "15); 0: piecewise graphs only, KVarN attention eager. Passed to the server as ONECARD_KVARN_GRAPHS", BOOL),
-    Knob("KVARN_DRAFT_HOST", "0", "0|1", "KVarN KV (CTX=huge) with SPEC=mtp: 1: the MTP drafter's KVarN builds "
-         "reuse the step's exact host seq_lens (2 device-to-host copies per step instead of 7; CPU-tested, not "
-         "yet run on a GPU, hence off); 0: every drafter build copies seq_lens from the device. Passed to the "
-         "server as ONECARD_KVARN_DRAFT_HOST", BOOL),
+    Knob("KVARN_DRAFT_HOST", "1", "0|1", "KVarN KV (CTX=huge) with SPEC=mtp: 1: the MTP drafter's KVarN builds "
+         "reuse the step's exact host seq_lens (2 device-to-host copies per step instead of 7; H200, 27B geometry, "
+         "8k, 2026-12-04: 19.7 vs 24.5 ms per step, SPEC=mtp output still equal to SPEC=off on the tiny model); "
+         "0: every drafter build copies seq_lens from the device. Passed to the server as "
+         "ONECARD_KVARN_DRAFT_HOST", BOOL),
     Knob("PREFILL_LAUNCH", "auto", "auto|stock|BLOCK_M:TILE:WARPS:STAGES", "prefill launch of vLLM's Triton "
          "attention (TRITON_ATTN with int8 or bf16 KV) for query runs of >= 64 tokens (patch 0083): auto = the "
          "measured launch at head_dim 256 (128:32:8:1 int8, 64:32:4:2 bf16; CTX=long int8 TTFT at 120k tokens "

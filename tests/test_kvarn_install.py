@@ -289,9 +289,10 @@ def _run_glue(site, geometry: str, steps: str, window: str | None = None, pad: i
 def test_backend_glue_against_reference(site):
     """KvarnMetadataBuilder.build + KvarnAttentionImpl.forward (as vLLM calls them, padded
     batch, bf16) over three steps: prefill chunk / decode / verify, 2 requests, at fp16 window 1
-    chosen through the server's environment (ONECARD_KVARN_WINDOW=1: 3 x 2 + 4 stage slots)."""
+    chosen through the server's environment (ONECARD_KVARN_WINDOW=1 with ONECARD_KVARN_SINKS=1:
+    3 x 2 + 4 stage slots)."""
     out = _run_glue(site, '"kvarn_k4v2_g64", 64, 2, 4, 64, 128',
-                    "([(0, 150), (0, 40)], [(150, 1), (40, 4)], [(151, 4), (42, 16)])", window="1")
+                    "([(0, 150), (0, 40)], [(150, 1), (40, 4)], [(151, 4), (42, 16)])", window="1", sinks="1")
     assert (out["window"], out["slots"], out["impl_slots"]) == (1, 9, 28)  # impl: no config, 8 seqs
     assert out["shape"] == [8, 2, 2, fmt.get_preset("k4v2_g64").layout(64).block_bytes]
     assert out["prefill_jobs"] == 2  # 150 and 40 queries: the prefill kernel
@@ -302,12 +303,12 @@ def test_backend_long_prefill_in_chunks_against_reference(site):
     """A 700-token prompt in scheduler chunks of 256 / 256 / 188 through the installed backend
     (the default preset k4v2_g128, pages of 2 tiles, GQA 4 kv x 6 heads), another request
     prefilling and decoding in the same batches, then decode: equals the float64 reference
-    under the read rule (each query's fp16 window -- its own and the previous tile, the
-    default -- and the sink fp16, older tiles quantized)."""
+    under the read rule (the default since session 17: each query's fp16 window of its own and
+    the two previous tiles, the two sink tiles fp16, older tiles quantized)."""
     out = _run_glue(site, '"kvarn_k4v2_g128", 64, 4, 24, 128, 256',
                     "([(0, 256), (0, 40)], [(256, 256), (40, 1)], [(512, 188), (41, 1)],"
                     " [(700, 1), (42, 1)])")
-    assert (out["window"], out["slots"], out["impl_slots"]) == (2, 13, 44)  # impl: no config, 8 seqs
+    assert (out["window"], out["slots"], out["impl_slots"]) == (3, 17, 60)  # impl: no config, 8 seqs
     assert out["prefill_jobs"] == 4  # chunks 256, 40, 256, 188; the decodes stay split-KV
     assert out["finite"] and max(out["errs"]) < 3e-2, out["errs"]
 

@@ -196,19 +196,20 @@ def test_planner_evicts_sinks_first():
 
 
 def test_planner_errors_and_release():
-    p = S.StagePlanner(PRESET, 2)
+    p = S.StagePlanner(PRESET, 2, window=2, sinks=1)
     tb = {(0, t): 10 + t for t in range(8)}
     plan = p.plan([0], [T + 5], [0], tb)  # tiles 0 (sink) and 1 (partial)
     assert plan.pack_stage_blocks.tolist() == [10] and set(p.slot_of) == {10, 11}
     with pytest.raises(S.StageExhausted, match="valid:"):
         p.plan([T + 5, 0], [T + 6, 2 * T + 1], [0, 1], {**tb, **{(1, t): 20 + t for t in range(4)}})
-    q = S.StagePlanner(PRESET, 3)
+    q = S.StagePlanner(PRESET, 3, window=2, sinks=1)
     q.plan([0], [10], [0], tb)
     with pytest.raises(S.StageExhausted, match="evicted"):
         q.plan([10], [11], [0], {(0, 0): 99})  # mid-tile write whose rows were never staged
-    assert S.default_num_slots(2) == 14 and S.default_num_slots(2, window=1) == 10
-    # window 3 + two sink tiles: 2 + 3 + 2 slots per request
-    assert S.default_num_slots(2, window=3, sinks=2) == 18 and S.default_num_slots(2, 3) == 16
+    assert S.default_num_slots(2, window=2, sinks=1) == 14 and S.default_num_slots(2, window=1, sinks=1) == 10
+    # window 3 + two sink tiles (the default since session 17): 2 + 3 + 2 slots per request
+    assert S.default_num_slots(2, window=3, sinks=2) == 18 == S.default_num_slots(2)
+    assert S.default_num_slots(2, 3, sinks=1) == 16
     with pytest.raises(ValueError, match="valid: 1, 2, 3"):
         S.default_num_slots(2, window=4)
     with pytest.raises(ValueError, match="valid: 1, 2$"):
@@ -238,7 +239,7 @@ def test_planner_null_page_dummy_runs():
 
 @pytest.mark.parametrize("window", [1, 2])
 def test_planner_prefill_jobs(window):
-    p = S.StagePlanner(PRESET, 12, window=window)
+    p = S.StagePlanner(PRESET, 12, window=window, sinks=1)
     tb = {(r, t): 10 * r + t for r in range(2) for t in range(8)}
     plan = p.plan([0, 0], [3 * T + 5, 40], [0, 3 * T + 5], tb, prefill_min_q=17)
     a, b = plan.prefill
@@ -262,7 +263,7 @@ def test_planner_prefill_jobs(window):
     # a verify block crossing a tile boundary: one pseudo-sequence per tile, each reading its
     # own tile from its slot (the full one too, packed by this step's write); window 2: the
     # previous tile from its slot too (tile 0's slot is the sink)
-    p = S.StagePlanner(PRESET, 12, window=window)
+    p = S.StagePlanner(PRESET, 12, window=window, sinks=1)
     p.plan([0], [2 * T - 3], [0], tb, prefill_min_q=17)
     plan = p.plan([2 * T - 3], [2 * T + 4], [0], tb, prefill_min_q=17)
     assert plan.cu_seqlens_q.tolist() == [0, 3, 7] and plan.seq_lens.tolist() == [2 * T, 2 * T + 4]
@@ -281,7 +282,7 @@ def test_planner_window2_keeps_and_releases_the_previous_tile():
     """Window 2: the previous tile's slot lives while a query (up to STAGE_LAST before the
     context) can read it, then is released; when it is gone (a prefix-cache hit past it) the
     tile is read packed."""
-    p = S.StagePlanner(PRESET, 12, window=2)
+    p = S.StagePlanner(PRESET, 12, window=2, sinks=1)
     tb = {(0, t): 10 + t for t in range(8)}
     p.plan([0], [2 * T + 3], [0], tb, prefill_min_q=17)
     assert {11, 12} <= set(p.slot_of)  # tile 1 (previous of 2) and tile 2 (own)
@@ -302,15 +303,17 @@ def test_memory_model_stage_reserve():
     from onecard import memory
 
     g = memory.QWEN38_27B
-    # 17 layers x (5*2+4) slots x 128 rows x 4 heads x 256 x K,V x fp16 (fp16 window 2)
-    assert memory.kvarn_stage_bytes(g, "kvarn", 2) == 17 * 14 * 128 * 4 * 256 * 4 == 124_780_544
-    # window 1: 3*2+4 slots
-    assert memory.kvarn_stage_bytes(g, "kvarn", 2, window=1) == 17 * 10 * 128 * 4 * 256 * 4 == 89_128_960
+    # 17 layers x (7*2+4) slots x 128 rows x 4 heads x 256 x K,V x fp16 (the default: fp16
+    # window 3, two sink tiles)
+    assert memory.kvarn_stage_bytes(g, "kvarn", 2) == 17 * 18 * 128 * 4 * 256 * 4 == 160_432_128
+    # window 2, one sink: 5*2+4 slots; window 1, one sink: 3*2+4 slots
+    assert memory.kvarn_stage_bytes(g, "kvarn", 2, window=2, sinks=1) == 17 * 14 * 128 * 4 * 256 * 4 == 124_780_544
+    assert memory.kvarn_stage_bytes(g, "kvarn", 2, window=1, sinks=1) == 17 * 10 * 128 * 4 * 256 * 4 == 89_128_960
     # the prefill scratch, once per process: fp16 K/V window 16k x 4 x 256 x 2 x 2 B + one
     # 2048-query group's fp16 queries and fp32 state (24 heads x (256 x 2 + 256 x 4 + 8) B)
     win = 16384 * 4 * 256 * 2 * 2
     assert memory.kvarn_prefill_scratch_bytes(g) == win + 2048 * 24 * 1544 == 142_999_552
-    assert memory.kvarn_reserve_bytes(g, "kvarn", 2) == 124_780_544 + 142_999_552
+    assert memory.kvarn_reserve_bytes(g, "kvarn", 2) == 160_432_128 + 142_999_552
 
 
 def _run_schedule(steps, k, v, q, gen, num_slots=14, tiles_per_page=1, window=2, sinks=1):

@@ -298,15 +298,16 @@ def test_kvarn_preset(root, features):
 def test_kvarn_window_and_sinks_reach_the_server_and_size_the_stage(root, features):
     """KVARN_WINDOW (1|2|3) and KVARN_SINKS (1|2) reach the server as ONECARD_KVARN_WINDOW /
     ONECARD_KVARN_SINKS; the prediction's stage is sized for the same read rule (window 3 +
-    two sinks: 7 slots per request instead of 5); bad values are one-line errors."""
+    two sinks, the default since session 17: 7 slots per request; window 2 + one sink: 5); bad
+    values are one-line errors."""
     from onecard import memory
 
-    default = mk({"CTX": "huge"}, root)
-    assert default.child_env["ONECARD_KVARN_WINDOW"] == "2" and default.child_env["ONECARD_KVARN_SINKS"] == "1"
-    w3 = mk({"CTX": "huge", "KVARN_WINDOW": "3", "KVARN_SINKS": "2"}, root)
+    w3 = mk({"CTX": "huge"}, root)
     assert w3.child_env["ONECARD_KVARN_WINDOW"] == "3" and w3.child_env["ONECARD_KVARN_SINKS"] == "2"
+    w2 = mk({"CTX": "huge", "KVARN_WINDOW": "2", "KVARN_SINKS": "1"}, root)
+    assert w2.child_env["ONECARD_KVARN_WINDOW"] == "2" and w2.child_env["ONECARD_KVARN_SINKS"] == "1"
     seqs = int(w3.get("MAX_SEQS"))
-    grow = w3.prediction["vram"]["kvarn_stage"] - default.prediction["vram"]["kvarn_stage"]
+    grow = w3.prediction["vram"]["kvarn_stage"] - w2.prediction["vram"]["kvarn_stage"]
     slot = 128 * 4 * 256 * 2 * 2  # one tile of K and V, fp16, 27B geometry
     assert grow > 0 and grow % (2 * seqs * slot) == 0  # two more slots per request and layer
     g = memory.QWEN38_27B

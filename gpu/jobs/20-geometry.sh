@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# timeout: 480
+# timeout: 620
 # prejit: no-wait   (builds checkpoints; its boot figures are informational: runs beside the pre-JIT)
 # 20-geometry: build the Qwen3.8-27B-geometry random W4A16 checkpoint ON the GPU into
 # $MODELS/qwen38-27b-geom (kept for later jobs), print its size and build time, then boot it
@@ -74,8 +74,11 @@ if [ "${GEOM_SERVE:-1}" = "0" ] && [ $rc_build -eq 0 ]; then
   echo "== serve skipped (GEOM_SERVE=0)"; rc_serve=0
 elif [ $rc_build -eq 0 ]; then
   echo "== serve (patched vLLM, --language-model-only, eager, 4k context)"
-  # the first request JIT-compiles the eager GDN kernels: over 60 s beside job 63 (session 16)
-  timeout 340 python3 gpu/lib/serve_probe.py --model "$M" --out "$JOB_OUT/serve.json" --request-timeout 120 \
+  # the first request JIT-compiles the eager GDN kernels: over 60 s beside job 63 (session 16),
+  # over 120 s beside jobs 63 + 61 (session 17: JIT at +45 s, no answer at +120 s); in a group
+  # the request gets 300 s
+  req_s=120; [ "${GPU_SHARED:-1}" -gt 1 ] && req_s=300
+  timeout $(( 240 + req_s )) python3 gpu/lib/serve_probe.py --model "$M" --out "$JOB_OUT/serve.json" --request-timeout $req_s \
       --log "$JOB_OUT/serve.log" --pidfile "$JOB_OUT/server.pid" --port 8321 --boot-timeout 220 --max-tokens 16 ${PROBE_EXTRA:-} -- \
       --max-model-len 4096 --enforce-eager --language-model-only --max-num-seqs 4 \
       --gpu-memory-utilization 0.5 --additional-config '{"gdn_prefill_backend":"triton"}'
