@@ -34,14 +34,20 @@ What:     SpeculativeConfig accepts method "dflash2" (served by 0.27.1's DFlash 
           rows), positions past the block from the lookup lane (dflash2_lane.py), all handed
           to vLLM's verify + rejection sampler unchanged. Adds vllm/dflash2_installed.txt (the
           launcher's SPEC=dflash2 marker). qwen3_dflash.py gains two class hooks
-          (decoder_layer_cls, model_cls) so the DFlash2 classes reuse it.
+          (decoder_layer_cls, model_cls) so the DFlash2 classes reuse it. Ring mode
+          (ONECARD_DFLASH_RING=1, the launcher's DFLASH_RING; CTX=huge): the drafter's layers
+          get no KV-cache spec and keep their K/V in per-request bf16 rings of their sliding
+          window outside vLLM's pool (DFlash2Proposer: slot map, ring block table, -1 for
+          context rows the ring cannot hold; docs/dflash2-huge.md section 3).
 Why:      DFlash2 drafters (architectures DFlash2DraftModel) do not load in stock 0.27.1, and
-          DFLASH_TOKENS 8..15 (verify width past the drafter's block) needs the lookup lane.
+          DFLASH_TOKENS 8..15 (verify width past the drafter's block) needs the lookup lane;
+          the KVarN pool (CTX=huge) cannot hold the drafter's non-causal layers.
 Test:     tests/dflash/test_patch.py (applies/reverts on the series, generated == committed,
           config accepts/rejects, the shipped walk/lane/conv equal onecard.dflash's reference on
           CPU); gpu/jobs/70-dflash2.sh + tests/gpu/test_dflash2.py (greedy == SPEC=off for
           DFLASH_TOKENS 7 and 15 over 128 prompt-length residues, sampled chi-square, lookup
-          tokens/step from /metrics).
+          tokens/step from /metrics); ring mode: tests/dflash/test_ring_mode.py (float64 ring ==
+          dense windowed attention across wraps, slot map, -1 filter) and test_patch.py::test_ring_mode.
 Upstream: not upstream (vLLM 0.27.1 has DFlash v1 only). Drop when vLLM loads DFlash2 drafters
           and decouples the verify width from the drafter block.
 Generated: python -m onecard.dflash.make_patch (from onecard/dflash/patch_src/)

@@ -323,6 +323,232 @@ def model_forward():
     return [type(m.model).__name__, m.model.layers[0].block_rows, loaded, worst, prop_state]
 
 
+class _KernelStandIn:
+    """copy_and_expand_dflash_inputs_kernel in plain torch (no Triton on this CPU): the same
+    per-request loops over context and query rows, for DFlashProposer.set_inputs_first_pass."""
+
+    def __getitem__(self, grid):
+        return self.run
+
+    @staticmethod
+    def run(*, next_token_ids_ptr, target_positions_ptr, out_input_ids_ptr,
+            out_context_positions_ptr, out_query_positions_ptr, out_context_slot_mapping_ptr,
+            out_query_slot_mapping_ptr, out_token_indices_ptr, block_table_ptr,
+            block_table_stride, query_start_loc_ptr, num_rejected_tokens_ptr,
+            parallel_drafting_token_id, block_size, num_query_per_req, num_speculative_tokens,
+            total_input_tokens, BLOCK_SIZE, HAS_NUM_REJECTED):
+        b = query_start_loc_ptr.shape[0] - 1
+        for r in range(b):
+            c0, c1 = int(query_start_loc_ptr[r]), int(query_start_loc_ptr[r + 1])
+            rej = int(num_rejected_tokens_ptr[r]) if HAS_NUM_REJECTED else 0
+            last = int(target_positions_ptr[c1 - rej - 1])
+
+            def slot(pos):
+                blk = min(pos // block_size, block_table_stride - 1)
+                return int(block_table_ptr[r, blk]) * block_size + pos % block_size
+
+            for i in range(c0, c1):
+                pos = int(target_positions_ptr[i])
+                out_context_positions_ptr[i] = pos
+                out_context_slot_mapping_ptr[i] = slot(pos)
+            for j in range(num_query_per_req):
+                out = r * num_query_per_req + j
+                out_query_positions_ptr[out] = last + 1 + j
+                out_query_slot_mapping_ptr[out] = slot(last + 1 + j)
+                out_input_ids_ptr[out] = (int(next_token_ids_ptr[r]) if j == 0
+                                          else parallel_drafting_token_id)
+                if j > 0:
+                    out_token_indices_ptr[r * num_speculative_tokens + j - 1] = out
+
+
+def ring_mode():
+    """ONECARD_DFLASH_RING=1 on the tiny pair: the model's layers (spec None, window, cache
+    dtype "auto"), the proposer's geometry, rings in FlashAttention's layout, the slot map, and
+    set_inputs_first_pass (vLLM's own, with a torch stand-in for its Triton kernel) reading the
+    ring block table and filtering context slots."""
+    import os
+
+    import vllm.config.device as device
+
+    device.DeviceConfig.__post_init__ = lambda self: None
+    import vllm.model_executor.models.qwen3_dflash as q
+    import vllm.v1.spec_decode.dflash as dflash_mod
+    import vllm.v1.spec_decode.llm_base_proposer as lbp
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config.parallel import ParallelConfig
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    out = {}
+    os.environ["ONECARD_DFLASH_RING"] = "1"
+    try:
+        tgt = ModelConfig(model=ARGS["target"], skip_tokenizer_init=True, max_model_len=2048)
+        sc = SpeculativeConfig(method="dflash2", model=ARGS["drafter"], num_speculative_tokens=7,
+                               target_model_config=tgt, target_parallel_config=ParallelConfig())
+        vc = VllmConfig(model_config=tgt, speculative_config=sc)
+        vc.cache_config.cache_dtype = "fp8"       # the target's cache: not the drafter's
+        seen = []
+
+        class Recorder(torch.nn.Module):
+            def __init__(self, num_heads, head_size, scale, num_kv_heads=None,
+                         cache_config=None, per_layer_sliding_window=None, prefix="", **kw):
+                super().__init__()
+                seen.append([prefix, per_layer_sliding_window, cache_config.cache_dtype])
+
+            def get_kv_cache_spec(self, vllm_config):
+                return "A SPEC"
+
+        real_attention = q.Attention
+        q.Attention = Recorder
+        try:
+            from vllm.model_executor.models.qwen3_dflash2 import DFlash2Qwen3ForCausalLM
+
+            # ring off first (ONECARD_DFLASH_RING=0): today's layers, on a config of its own
+            os.environ["ONECARD_DFLASH_RING"] = "0"
+            sc0 = SpeculativeConfig(method="dflash2", model=ARGS["drafter"],
+                                    num_speculative_tokens=7, target_model_config=tgt,
+                                    target_parallel_config=ParallelConfig())
+            vc0 = VllmConfig(model_config=tgt, speculative_config=sc0)
+            vc0.cache_config.cache_dtype = "fp8"
+            with set_current_vllm_config(vc0):
+                m0 = DFlash2Qwen3ForCausalLM(vllm_config=vc0, prefix="offdraft")
+            off_seen, seen[:] = list(seen), []
+            out["ring_off"] = [off_seen, [type(layer.self_attn.attn).__name__
+                                          for layer in m0.model.layers],
+                               "use_swa" in sc0.draft_model_config.hf_config.dflash_config]
+            os.environ["ONECARD_DFLASH_RING"] = "1"
+            with set_current_vllm_config(vc):
+                m = DFlash2Qwen3ForCausalLM(vllm_config=vc, prefix="ringdraft")
+        finally:
+            q.Attention = real_attention
+        attns = [layer.self_attn.attn for layer in m.model.layers]
+        dc = sc.draft_model_config.hf_config.dflash_config
+        out["model"] = [seen, [type(a).__name__ for a in attns],
+                        [a.get_kv_cache_spec(vc) for a in attns],
+                        [getattr(a, "dflash2_ring", False) for a in attns],
+                        vc.cache_config.cache_dtype, dc.get("use_swa"), dc.get("swa_window_size")]
+
+        lbp.PIN_MEMORY = False
+        vc.scheduler_config.max_num_seqs = 3
+        runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=[]),
+                                       requests={})
+        from vllm.v1.spec_decode.dflash2 import DFlash2Proposer
+
+        with set_current_vllm_config(vc):
+            prop = DFlash2Proposer(vc, torch.device("cpu"), runner=runner)
+        out["geometry"] = [prop.ring_mode, prop.ring_window, prop.ring_k, prop.ring_slots,
+                           prop.ring_blocks_per_slot, prop.ring_rows, prop.ring_num_blocks,
+                           prop.ring_width]
+        out["validate_noop"] = prop.validate_same_kv_cache_group(None) is None
+
+        # rings in FlashAttention's layout, bound to (stand-in) layers
+        cfg = DrafterConfig.load(ARGS["drafter"])
+        nkv, hd = cfg.num_kv_heads, cfg.head_dim
+        fake_layers = {f"l{i}": types.SimpleNamespace(num_kv_heads=nkv, head_size=hd,
+                                                      kv_cache_torch_dtype=torch.bfloat16)
+                       for i in range(2)}
+        for layer in fake_layers.values():
+            layer.bind_kv_cache = (lambda lay: lambda t: setattr(lay, "kv_cache", t))(layer)
+        prop._ring_allocate(fake_layers, sorted(fake_layers), FlashAttentionBackend)
+        cache = fake_layers["l0"].kv_cache
+        out["rings"] = [list(cache.shape), cache.dtype == torch.bfloat16,
+                        cache.permute(0, 2, 1, 3).is_contiguous(),
+                        cache is prop.ring_caches["l0"],
+                        fake_layers["l1"].kv_cache is not cache,
+                        list(prop._ring_table.shape)]
+        prop._ring_allocate(fake_layers, sorted(fake_layers), FlashAttentionBackend)
+        out["rings_kept"] = prop.ring_caches["l0"] is cache
+
+        # slot map through the runner's batch; a fresh slot is cleared
+        for t in prop.ring_caches.values():
+            t.fill_(1)
+        runner.input_batch.req_ids = ["a", "b"]
+        runner.requests = {"a": 1, "b": 1}
+        bt = prop._ring_block_table(2)
+        same = prop._ring_block_table(2) is bt
+        bps = prop.ring_blocks_per_slot
+        cleared = [bool((t[:2 * bps] == 0).all()) and bool((t[2 * bps:] == 1).all())
+                   for t in prop.ring_caches.values()]
+        padded = prop._ring_block_table(3)      # a batch padded past the runner's requests
+        out["slots"] = [bt[:, :7].tolist(), same, cleared, dict(prop.ring_book.owner),
+                        padded[:, :7].tolist()]
+
+        # initialize_attn_backend: one FA group on SlidingWindowSpec(16, window), the first
+        # attention group's id, block size 16, rings bound (the FA builder itself needs a GPU:
+        # create_metadata_builders is recorded, not run)
+        import vllm.config as vconfig
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+        from vllm.v1.worker.utils import AttentionGroup
+
+        for layer in fake_layers.values():
+            layer.get_attn_backend = lambda: FlashAttentionBackend
+        built = []
+        real_get, real_create = vconfig.get_layers_from_vllm_config, \
+            AttentionGroup.create_metadata_builders
+        vconfig.get_layers_from_vllm_config = lambda *a, **k: dict(fake_layers)
+        AttentionGroup.create_metadata_builders = \
+            lambda self, *a, **k: built.append((self.kv_cache_spec, a, k))
+        try:
+            prop._draft_attn_layer_names = set(fake_layers)
+            mamba = MambaSpec(block_size=16, shapes=((2, 2),), dtypes=(torch.float32,))
+            full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8,
+                                     dtype=torch.bfloat16)
+            kvc = types.SimpleNamespace(kv_cache_groups=[
+                types.SimpleNamespace(kv_cache_spec=mamba, layer_names=["t.0"]),
+                types.SimpleNamespace(kv_cache_spec=full, layer_names=["t.1"])])
+            prop.initialize_attn_backend(kvc, [16, 16])
+        finally:
+            vconfig.get_layers_from_vllm_config = real_get
+            AttentionGroup.create_metadata_builders = real_create
+        grp = prop.draft_attn_groups[0]
+        spec = built[0][0]
+        out["attn_backend"] = [len(prop.draft_attn_groups), grp.layer_names, grp.backend.get_name(),
+                               type(spec).__name__, spec.block_size, spec.sliding_window,
+                               spec.num_kv_heads == nkv, spec.head_size == hd,
+                               prop.kv_cache_gid, prop.block_size,
+                               fake_layers["l0"].kv_cache is prop.ring_caches["l0"]]
+
+        # set_inputs_first_pass: request a decodes (8 verify rows, 3 rejected) at position 300,
+        # request b prefills 150 rows from position 0 (longer than its 80-row ring)
+        dflash_mod.copy_and_expand_dflash_inputs_kernel = _KernelStandIn()
+        prop.num_speculative_tokens = 7
+        prop.block_size = 16          # initialize_attn_backend's (its FA builder needs a GPU)
+        pos = torch.cat([torch.arange(300, 308), torch.arange(0, 150)])
+        qsl = torch.tensor([0, 8, 158], dtype=torch.int32)
+        seq_lens = torch.tensor([308, 150], dtype=torch.int32)
+        rejected = torch.tensor([3, 0], dtype=torch.int32)
+        target_bt = torch.full((2, 64), 7, dtype=torch.int32)
+        cad = CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens,
+            num_reqs=2, num_actual_tokens=158, max_query_len=150, max_seq_len=308,
+            block_table_tensor=target_bt, slot_mapping=torch.zeros(158, dtype=torch.int64),
+            causal=False, seq_lens_cpu_upper_bound=seq_lens.clone())
+        n, _, new_cad = prop.set_inputs_first_pass(
+            target_token_ids=torch.zeros(158, dtype=torch.int32),
+            next_token_ids=torch.tensor([11, 12]), target_positions=pos,
+            target_hidden_states=torch.zeros(158, 4), token_indices_to_sample=None, cad=cad,
+            num_rejected_tokens_gpu=rejected)
+        ctx_slots = prop._context_slot_mapping_buffer[:158].tolist()
+        qslots = new_cad.slot_mapping.tolist()
+        rows = prop.ring_rows
+        want_a = [(0 * bps + (p // 16) % bps) * 16 + p % 16 for p in range(300, 308)]
+        keep_b = [p for p in range(150) if p >= 150 + 7 + 1 - rows]
+        want_b = [((1 * bps + (p // 16) % bps) * 16 + p % 16) if p in keep_b else -1
+                  for p in range(150)]
+        want_q = ([(0 * bps + (p // 16) % bps) * 16 + p % 16 for p in range(305, 313)]
+                  + [(1 * bps + (p // 16) % bps) * 16 + p % 16 for p in range(150, 158)])
+        out["first_pass"] = [n, new_cad.block_table_tensor is prop._ring_bt
+                             and torch.equal(new_cad.block_table_tensor, bt),
+                             cad.block_table_tensor is target_bt,
+                             ctx_slots[:8] == want_a, ctx_slots[8:] == want_b,
+                             qslots == want_q, len(keep_b),
+                             new_cad.seq_lens.tolist()]
+    finally:
+        os.environ.pop("ONECARD_DFLASH_RING", None)
+    return out
+
+
 check("walk_equal", walk_equal)
 check("lane_mismatches", lane_equal)
 check("lanebook", lanebook)
@@ -333,4 +559,5 @@ check("proposer_sample", proposer_sample)
 if ARGS.get("target"):
     check("spec_config", spec_config)
     check("model_forward", model_forward)
+    check("ring_mode", ring_mode)
 print("PATCH_CHECK " + json.dumps(R, default=str))

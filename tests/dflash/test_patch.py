@@ -183,3 +183,44 @@ def test_speculative_config_dflash2(checks):
     # and the GPU job's d2k15 server
     assert sc["configs"][:-1] == [["dflash", True, 7, True, "greedy"]] * 2
     assert sc["configs"][-1] == ["dflash", True, 15, True, "probabilistic"]
+
+
+def test_ring_mode(checks):
+    """ONECARD_DFLASH_RING=1 (docs/dflash2-huge.md §3 (d)) in the patched vLLM on CPU: drafter
+    layers with no KV-cache spec, the drafter's window and an unquantized cache dtype; the
+    proposer's ring geometry, rings in FlashAttention's layout, the slot map, and vLLM's own
+    set_inputs_first_pass reading the ring block table with the -1 context filter."""
+    r = checks["ring_mode"]
+    assert isinstance(r, dict), r
+    # ONECARD_DFLASH_RING=0: the layers as before (the tiny drafter's top-level
+    # use_sliding_window gives no window in 0.27.1, the target's cache dtype passes through)
+    off_seen, off_names, off_use_swa = r["ring_off"]
+    assert off_seen and all(w is None and dt == "fp8" for _, w, dt in off_seen)
+    assert set(off_names) == {"Recorder"} and off_use_swa is False
+    seen, names, specs, flags, target_dtype, use_swa, swa = r["model"]
+    layers = len(seen)                       # the tiny drafter's 2 layers
+    assert layers >= 2 and all(w == 64 and dt == "auto" for _, w, dt in seen)
+    assert all(n.startswith("DFlash2Ring") for n in names)
+    assert specs == [None] * layers and flags == [True] * layers
+    assert target_dtype == "fp8" and use_swa is True and swa == 64
+    # window 64, k 7, max_num_seqs 3 slots x 5 blocks (80 rows), + 1 spare; table width
+    # cdiv(2048 + 7 + 2, 16) + 1
+    assert r["geometry"] == [True, 64, 7, 3, 5, 80, 16, 130]
+    assert r["validate_noop"] is True
+    shape, bf16, nhd_contiguous, bound, separate, table = r["rings"]
+    assert shape[0] == 16 and shape[2] == 16 and bf16 and nhd_contiguous and bound and separate
+    assert table == [4, 130]                 # 3 slots + the spare row for padding rows
+    assert r["rings_kept"] is True
+    bt, same, cleared, owner, padded = r["slots"]
+    assert bt == [[0, 1, 2, 3, 4, 0, 1], [5, 6, 7, 8, 9, 5, 6]] and same
+    assert cleared == [True, True] and owner == {"a": 0, "b": 1}
+    assert padded == bt + [[15] * 7]         # the padding row reads/writes the spare block
+    # the drafter's attention group: FlashAttention over SlidingWindowSpec(16, window 64), the
+    # first attention KV group's id (group 0 is a GDN/mamba group here), block size 16
+    assert r["attn_backend"] == [1, ["l0", "l1"], "FLASH_ATTN", "SlidingWindowSpec", 16, 64,
+                                 True, True, 1, 16, True]
+    n, ring_table, target_table_kept, ctx_a, ctx_b, query, kept_b, seq_lens = r["first_pass"]
+    assert n == 16 and ring_table and target_table_kept
+    assert ctx_a and ctx_b and query
+    assert kept_b == 72                      # the 150-row chunk keeps its last 80 - 8 rows
+    assert seq_lens == [305 + 8, 150 + 8]

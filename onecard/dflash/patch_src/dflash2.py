@@ -12,11 +12,22 @@ The [B, k] ids (and the q rows: the walk's, one-hot for lookup/fill tokens) go t
 verify forward and rejection sampler unchanged, which is what keeps greedy and sampled output
 exact. Per-position acceptance is vLLM's own ``spec_decode_num_accepted_tokens_per_pos``
 (positions 0..k-1).
+
+Ring mode (ONECARD_DFLASH_RING=1, docs/dflash2-huge.md §3 design (d)): the drafter's layers
+have no KV-cache spec (qwen3_dflash2.py), so vLLM's pool and its groups hold the target only.
+The proposer then keeps the drafter's K/V itself: one FlashAttention-layout ring tensor per
+drafter layer (``max_num_seqs`` slots of ``ring_blocks(window, k)`` blocks of 16 rows, plus a
+spare block), a request id -> slot map, a block table per batch gathered from the slots' ring
+rows, and one attention group of its own on a synthetic ``SlidingWindowSpec(block_size=16)``.
+Context rows the ring cannot hold in one step are given slot -1 (skipped by the cache write).
+A slot handed to a new request is cleared, so rows it never wrote (positions a prefix-cache hit
+skipped) read as zeros until the window moves past them: drafts only, verification is exact.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from copy import copy
 
 import torch
 from typing_extensions import override
@@ -26,10 +37,19 @@ from vllm.logger import init_logger
 from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.dflash2_lane import (
     GREEDY_EPS,
+    RING_BLOCK,
     LaneBook,
+    RingSlots,
     assemble_block,
     candidate_probs_to_rows,
     one_hot_rows,
+    ring_block_table,
+    ring_blocks,
+    ring_filter_context_slots,
+    ring_mode_enabled,
+    ring_rows_table,
+    ring_total_blocks,
+    ring_window,
     selector_walk,
 )
 
@@ -72,6 +92,9 @@ class DFlash2Proposer(DFlashProposer):
             min(k, self.block_rows), max(0, k - self.block_rows),
             "on" if self.lookup_enabled else "off", self.selector_top_k,
         )
+        self.ring_mode = ring_mode_enabled()
+        if self.ring_mode:
+            self._ring_init()
         if importlib.util.find_spec("flashinfer") is None:
             logger.warning(
                 "DFlash2: FlashInfer is NOT installed - vLLM's sampler (top-k/top-p of "
@@ -199,6 +222,183 @@ class DFlash2Proposer(DFlashProposer):
             probs = candidate_probs_to_rows(cand.view(b, rows, -1), cprobs,
                                             logits.shape[-1]).view(b * rows, -1)
         return tokens.view(-1), probs
+
+    # ------------------------------------------------------------------ ring mode
+    def _ring_init(self) -> None:
+        """Ring geometry (onecard/dflash/ring.py's formula) and the slot map; the tensors come
+        with initialize_attn_backend, once the KV cache is configured."""
+        self.ring_window = ring_window(self.draft_model_config.hf_config)
+        if self.ring_window <= self.block_rows:
+            # FlashAttention makes the window symmetric for the non-causal block: a window
+            # narrower than the block would hide block rows from each other
+            raise ValueError(
+                f"DFlash2 ring mode: sliding window {self.ring_window} is not wider than the "
+                f"drafter's {self.block_rows} block rows; valid: a window > {self.block_rows}")
+        self.ring_k = int(self.num_speculative_tokens)         # k = DFLASH_TOKENS
+        self.ring_slots = int(self.vllm_config.scheduler_config.max_num_seqs)
+        self.ring_blocks_per_slot = ring_blocks(self.ring_window, self.ring_k)
+        self.ring_rows = self.ring_blocks_per_slot * RING_BLOCK
+        self.ring_num_blocks = ring_total_blocks(self.ring_slots, self.ring_window, self.ring_k)
+        # the table covers every position a request can reach (its query block included): the
+        # input kernel clamps a block index to the table's width
+        self.ring_width = -(-(self.max_model_len + self.ring_k + 2) // RING_BLOCK) + 1
+        self.ring_book = RingSlots(self.ring_slots)
+        self.ring_caches: dict[str, torch.Tensor] = {}
+        self._ring_table: torch.Tensor | None = None
+        self._ring_key: tuple | None = None
+        self._ring_bt: torch.Tensor | None = None
+        logger.info(
+            "DFlash2 ring mode: drafter K/V outside vLLM's pool, window %d, k %d, %d slots x "
+            "%d blocks of %d rows (+1 spare) per layer", self.ring_window, self.ring_k,
+            self.ring_slots, self.ring_blocks_per_slot, RING_BLOCK,
+        )
+
+    @override
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        if not self.ring_mode:
+            return
+        # the base class keeps only layers with a KV-cache spec; ring layers have none
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase)
+        names = {n for n, layer in layers.items() if getattr(layer, "dflash2_ring", False)}
+        if not names:
+            raise RuntimeError(
+                "DFlash2 ring mode: the drafter has no ring attention layers; valid: a "
+                "DFlash2 drafter built with ONECARD_DFLASH_RING=1 in the server environment")
+        self._draft_attn_layer_names = names
+
+    @override
+    def validate_same_kv_cache_group(self, kv_cache_config) -> None:
+        if not self.ring_mode:
+            super().validate_same_kv_cache_group(kv_cache_config)
+        # ring mode: the drafter's layers are in no KV-cache group
+
+    @override
+    def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
+        if not self.ring_mode:
+            super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
+            return
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+        from vllm.v1.kv_cache_interface import AttentionSpec, SlidingWindowSpec
+        from vllm.v1.worker.utils import AttentionGroup
+
+        layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase)
+        names = sorted(self._draft_attn_layer_names)
+        first = layers[names[0]]
+        backend = first.get_attn_backend()
+        for n in names:
+            layer = layers[n]
+            same = (layer.get_attn_backend() is backend
+                    and (layer.num_kv_heads, layer.head_size, layer.kv_cache_torch_dtype)
+                    == (first.num_kv_heads, first.head_size, first.kv_cache_torch_dtype))
+            if not same:
+                raise ValueError(
+                    f"DFlash2 ring mode: drafter layer {n} differs from {names[0]} in backend "
+                    "or K/V shape; valid: one backend, head count, head size and dtype for "
+                    "every drafter layer")
+        spec = SlidingWindowSpec(
+            block_size=RING_BLOCK, num_kv_heads=first.num_kv_heads,
+            head_size=first.head_size, dtype=first.kv_cache_torch_dtype,
+            sliding_window=self.ring_window,
+        )
+        # the runner hands the proposer the common metadata of group kv_cache_gid: any group
+        # carries the batch's query_start_loc / seq_lens; the block table is replaced per step
+        groups = kv_cache_config.kv_cache_groups
+        self.kv_cache_gid = next(
+            (g for g, grp in enumerate(groups) if isinstance(grp.kv_cache_spec, AttentionSpec)),
+            0)
+        group = AttentionGroup(backend=backend, layer_names=names, kv_cache_spec=spec,
+                               kv_cache_group_id=self.kv_cache_gid)
+        group.create_metadata_builders(self.vllm_config, self.device)
+        self.draft_attn_groups = [group]
+        self.block_size = RING_BLOCK
+        self._ring_allocate(layers, names, backend)
+
+    def _ring_allocate(self, layers, names, backend) -> None:
+        """One zeroed ring per drafter layer, in the backend's KV-cache layout (as the runner
+        lays out its own pages), bound as the layer's kv_cache. Kept across a second call."""
+        from vllm.config import set_current_vllm_config
+
+        first = layers[names[0]]
+        shape = backend.get_kv_cache_shape(self.ring_num_blocks, RING_BLOCK,
+                                           first.num_kv_heads, first.head_size,
+                                           cache_dtype_str="auto")
+        try:
+            with set_current_vllm_config(self.vllm_config):
+                order = tuple(backend.get_kv_cache_stride_order())
+            assert len(order) == len(shape)
+        except (AttributeError, NotImplementedError):
+            order = tuple(range(len(shape)))
+        physical = tuple(shape[i] for i in order)
+        inverse = [order.index(i) for i in range(len(order))]
+        for n in names:
+            cache = self.ring_caches.get(n)
+            if cache is None or tuple(cache.shape) != tuple(shape):
+                cache = torch.zeros(physical, dtype=first.kv_cache_torch_dtype,
+                                    device=self.device).permute(*inverse)
+                self.ring_caches[n] = cache
+            layers[n].bind_kv_cache(cache)
+        if self._ring_table is None:
+            # row ``ring_slots`` maps every block to the spare block: the batch's padding rows
+            self._ring_table = ring_rows_table(self.ring_slots, self.ring_blocks_per_slot,
+                                               self.ring_width, device=self.device,
+                                               spare_row=True)
+        total = sum(t.numel() * t.element_size() for t in self.ring_caches.values())
+        logger.info("DFlash2 ring mode: %d ring tensors %s, %.1f MiB beside the KV pool",
+                    len(names), tuple(shape), total / 2**20)
+
+    def _ring_clear(self, slot: int) -> None:
+        lo, hi = slot * self.ring_blocks_per_slot, (slot + 1) * self.ring_blocks_per_slot
+        for cache in self.ring_caches.values():
+            cache[lo:hi].zero_()   # dim 0 is the block in every backend's logical shape
+
+    def _ring_block_table(self, batch_size: int) -> torch.Tensor:
+        """This batch's drafter block table, [batch_size, width]: each request's slot rows, and
+        the spare row for padding rows past the runner's requests (the runner may pad the batch
+        for CUDA graphs). Slots are (re)assigned only when the batch's request ids change
+        (arrivals, finishes, reorders; one small host-to-device copy then, none in steady
+        decoding); fresh slots are cleared first."""
+        if self.runner is None or self._ring_table is None:
+            raise RuntimeError("DFlash2 ring mode: no runner or no rings yet; valid: propose "
+                               "after the runner's KV-cache initialization")
+        req_ids = tuple(self.runner.input_batch.req_ids[:batch_size])
+        key = (req_ids, batch_size)
+        if key != self._ring_key or self._ring_bt is None:
+            requests = self.runner.requests
+            slots, fresh = self.ring_book.assign(list(req_ids), alive=lambda r: r in requests)
+            for slot in fresh:
+                self._ring_clear(slot)
+            slots += [self.ring_slots] * (batch_size - len(slots))   # the spare row
+            slot_ids = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+            self._ring_bt = ring_block_table(self._ring_table, slot_ids)
+            self._ring_key = key
+        return self._ring_bt
+
+    @override
+    def set_inputs_first_pass(self, target_token_ids, next_token_ids, target_positions,
+                              target_hidden_states, token_indices_to_sample, cad,
+                              num_rejected_tokens_gpu):
+        if not self.ring_mode:
+            return super().set_inputs_first_pass(
+                target_token_ids, next_token_ids, target_positions, target_hidden_states,
+                token_indices_to_sample, cad, num_rejected_tokens_gpu)
+        batch_size = cad.batch_size()
+        cad = copy(cad)
+        cad.block_table_tensor = self._ring_block_table(batch_size)
+        out = super().set_inputs_first_pass(
+            target_token_ids, next_token_ids, target_positions, target_hidden_states,
+            token_indices_to_sample, cad, num_rejected_tokens_gpu)
+        num_context = target_token_ids.shape[0]
+        ring_filter_context_slots(
+            self._context_slot_mapping_buffer[:num_context],
+            self._context_positions_buffer[:num_context], cad.query_start_loc,
+            self.positions, batch_size, 1 + self.num_speculative_tokens, self.ring_k,
+            self.ring_rows)
+        return out
 
     # ------------------------------------------------------------------ boot
     @override

@@ -222,3 +222,174 @@ def assemble_block(
     row = list(drafts[:k]) + list(lookup[: max(0, k - len(drafts))])
     fill = row[-1] if row else 0
     return row + [fill] * (k - len(row))
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring mode (ONECARD_DFLASH_RING=1, docs/dflash2-huge.md §3 design (d)): the drafter's K/V live
+# in one private paged tensor per drafter layer instead of vLLM's KV pool. Each live request owns
+# a slot of ``blocks_per_slot`` blocks of RING_BLOCK rows; its logical block j sits at physical
+# block ``slot * blocks_per_slot + j % blocks_per_slot``. A sliding-window drafter never reads a
+# position more than ``window - 1`` behind its newest query, so the wrap is invisible while a slot
+# holds window + k_max + 1 rows. The geometry below is the formula of onecard/dflash/ring.py,
+# duplicated because the vLLM side cannot import onecard; tests/dflash/test_ring_mode.py checks
+# the two agree.
+
+RING_ENV = "ONECARD_DFLASH_RING"
+RING_BLOCK = 16  # rows per ring block: FlashAttention's paged KV needs a multiple of 16
+SLIDING_ATTENTION = "sliding_attention"
+
+
+def ring_mode_enabled(environ: dict | None = None) -> bool:
+    """ONECARD_DFLASH_RING: "1" keeps the drafter's K/V in per-request rings, "0"/unset in vLLM's
+    pool (the default)."""
+    import os
+
+    value = (os.environ if environ is None else environ).get(RING_ENV, "0").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{RING_ENV}={value!r} is not valid; valid: 0 (drafter K/V in vLLM's "
+                         "pool, the default) or 1 (per-request rings)")
+    return value == "1"
+
+
+def ring_blocks(window: int, k_max: int) -> int:
+    """Blocks of RING_BLOCK rows per request slot (onecard/dflash/ring.py ring_blocks)."""
+    return -(-(window + k_max + 1) // RING_BLOCK)
+
+
+def ring_total_blocks(slots: int, window: int, k_max: int) -> int:
+    """Physical blocks of one layer's ring: every slot plus one spare block
+    (onecard/dflash/ring.py ring_total_blocks)."""
+    return slots * ring_blocks(window, k_max) + 1
+
+
+def physical_block(slot: int, logical_block: int, blocks_per_slot: int) -> int:
+    """Where a request's logical block lands (onecard/dflash/ring.py physical_block)."""
+    return slot * blocks_per_slot + logical_block % blocks_per_slot
+
+
+def ring_window(hf_config) -> int:
+    """The drafter's sliding window, refusing a drafter whose layers are not all sliding-window.
+
+    All layers slide when ``dflash_config.use_swa`` or the top-level ``use_sliding_window`` is
+    true (onecard.dflash.config's reading of the published drafters; transformers may fill
+    ``layer_types`` with "full_attention" from ``max_window_layers`` then, which is ignored), or
+    when ``layer_types`` lists only "sliding_attention". The window is
+    ``dflash_config.swa_window_size``, else the top-level ``sliding_window``.
+    """
+    dc = getattr(hf_config, "dflash_config", None) or {}
+    layer_types = list(getattr(hf_config, "layer_types", None) or [])
+    flagged = bool(dc.get("use_swa", False)) or bool(getattr(hf_config, "use_sliding_window",
+                                                               False))
+    all_sliding = bool(layer_types) and all(t == SLIDING_ATTENTION for t in layer_types)
+    mixed = SLIDING_ATTENTION in layer_types and not all_sliding
+    if mixed or not (flagged or all_sliding):
+        raise ValueError(
+            f"{RING_ENV}=1 needs a drafter whose every layer is sliding-window, but this one has "
+            f"use_sliding_window={getattr(hf_config, 'use_sliding_window', None)!r}, "
+            f"dflash_config.use_swa={dc.get('use_swa')!r}, layer_types={layer_types or None!r}; "
+            "valid: use_sliding_window true (or dflash_config.use_swa true, or layer_types all "
+            f"{SLIDING_ATTENTION}) with sliding_window >= 1, or {RING_ENV}=0")
+    window = dc.get("swa_window_size", getattr(hf_config, "sliding_window", None))
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(
+            f"{RING_ENV}=1: the drafter's sliding window is {window!r}; valid: "
+            "dflash_config.swa_window_size or sliding_window, an int >= 1")
+    return window
+
+
+def ring_rows_table(slots: int, blocks_per_slot: int, width: int,
+                    device: torch.device | str | None = None,
+                    spare_row: bool = False) -> torch.Tensor:
+    """[slots, width] int32: row s is slot s's block table (physical_block for j = 0..width-1).
+    ``spare_row``: one more row (index ``slots``) pointing every block at the spare block
+    ``slots * blocks_per_slot``, for the batch's padding rows (their writes land there)."""
+    if slots < 1 or blocks_per_slot < 1 or width < 1:
+        raise ValueError(f"ring table slots={slots}, blocks_per_slot={blocks_per_slot}, "
+                         f"width={width}; valid: each an int >= 1")
+    j = torch.arange(width, dtype=torch.int64, device=device)
+    s = torch.arange(slots + int(spare_row), dtype=torch.int64, device=device)
+    table = s[:, None] * blocks_per_slot + j[None, :] % blocks_per_slot
+    if spare_row:
+        table[slots] = slots * blocks_per_slot
+    return table.to(torch.int32)
+
+
+def ring_block_table(rows_table: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """The drafter's block table for a batch: the ring rows of each request's slot, [B, width]."""
+    return rows_table.index_select(0, slot_ids.to(device=rows_table.device, dtype=torch.long))
+
+
+class RingSlots:
+    """Request id -> ring slot, for at most ``slots`` live requests (slots = max_num_seqs).
+
+    ``assign`` gives every request of a batch a slot, keeping the one it had. A new request takes
+    a free slot; when none is free, slots of requests that are no longer alive (finished: not in
+    the runner's requests) are freed first, then slots of requests outside this batch (their rows
+    are lost: drafts only). It returns the slots in batch order and the slots handed out fresh,
+    whose rows the caller clears.
+    """
+
+    def __init__(self, slots: int):
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"ring slots={slots!r} is not valid; valid: max_num_seqs, an int >= 1")
+        self.slots = slots
+        self.owner: dict[str, int] = {}
+        self.free_slots: list[int] = list(range(slots - 1, -1, -1))  # pop() gives 0 first
+
+    def free(self, req_id: str) -> None:
+        slot = self.owner.pop(req_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+
+    def _reclaim(self, keep: Callable[[str], bool]) -> None:
+        for rid in [r for r in self.owner if not keep(r)]:
+            self.free(rid)
+
+    def assign(self, req_ids: Sequence[str],
+               alive: Callable[[str], bool] | None = None) -> tuple[list[int], list[int]]:
+        if len(set(req_ids)) > self.slots:
+            raise ValueError(
+                f"ring slots exhausted: {len(set(req_ids))} requests in one batch, "
+                f"{self.slots} slots; valid: at most max_num_seqs={self.slots} requests")
+        batch = set(req_ids)
+        fresh: list[int] = []
+        out: list[int] = []
+        for rid in req_ids:
+            slot = self.owner.get(rid)
+            if slot is None:
+                if not self.free_slots and alive is not None:
+                    self._reclaim(lambda r: alive(r) or r in batch)
+                if not self.free_slots:
+                    self._reclaim(lambda r: r in batch)
+                slot = self.free_slots.pop()
+                self.owner[rid] = slot
+                fresh.append(slot)
+            out.append(slot)
+        return out, fresh
+
+
+def ring_filter_context_slots(slot_mapping: torch.Tensor, context_positions: torch.Tensor,
+                              query_start_loc: torch.Tensor, query_positions: torch.Tensor,
+                              batch_size: int, query_rows: int, k_max: int,
+                              ring_rows: int) -> torch.Tensor:
+    """Set to -1 (in place) the context slots a request's ring cannot hold this step.
+
+    A request whose query block starts at position S writes context rows up to S + k_max - 1
+    (rejected verify rows included) and query rows S..S + query_rows - 1 <= S + k_max; its ring
+    holds ``ring_rows`` >= window + k_max + 1 distinct rows, so keeping only context positions
+    >= S + k_max + 1 - ring_rows makes every write of the step land on a distinct ring row (a
+    prefill chunk longer than the ring would otherwise write two positions to one row in the same
+    kernel) while keeping all rows the window reads (>= S - window + 1). Rows past the batch's
+    last request get -1 too. Cache writes skip negative slots. No host sync.
+    """
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return slot_mapping
+    qsl = query_start_loc[1:batch_size + 1]
+    idx = torch.arange(n, device=slot_mapping.device, dtype=qsl.dtype)
+    req = torch.searchsorted(qsl.contiguous(), idx, right=True)
+    inside = req < batch_size
+    first_q = query_positions[req.clamp(max=batch_size - 1).long() * query_rows]
+    keep = inside & (context_positions.long() >= first_q.long() + (k_max + 1 - ring_rows))
+    slot_mapping.masked_fill_(~keep, -1)
+    return slot_mapping

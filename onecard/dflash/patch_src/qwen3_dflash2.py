@@ -12,21 +12,65 @@ Per layer: h = LN(x); (c_in, c_out) = base_kernel + kernel_projection(h) (dynami
 by each group of conv_group_size channels); x += conv(attn(conv(h, c_in)), c_out); the same
 around the MLP. conv(x, c)_t = sum_j c_{t,j} * x_{t-j}, inside one request's query block only:
 the query rows of a request are contiguous (anchor + mask rows), ``block_rows`` per request.
+
+Ring mode (ONECARD_DFLASH_RING=1, docs/dflash2-huge.md §3): every drafter attention layer is
+built with the drafter's sliding window, an unquantized cache dtype ("auto": FlashAttention, the
+target may be KVarN) and no KV-cache spec, so vLLM's pool leaves it out; the proposer
+(v1/spec_decode/dflash2.py) gives it a private ring as its kv_cache. A drafter whose layers are
+not all sliding-window is refused.
 """
 
 from __future__ import annotations
+
+import copy
+import functools
 
 import torch
 from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.v1.spec_decode.dflash2_lane import ring_mode_enabled, ring_window
 
 from .qwen3_dflash import (
     DFlashQwen3DecoderLayer,
     DFlashQwen3ForCausalLM,
     DFlashQwen3Model,
 )
+
+
+@functools.cache
+def ring_attention_class(cls: type) -> type:
+    """``cls`` (vLLM's Attention) with no KV-cache spec: the runner skips layers whose spec is
+    None (gpu_model_runner.get_kv_cache_spec), so the pool and its groups leave them out."""
+
+    def get_kv_cache_spec(self, vllm_config):
+        return None
+
+    return type(f"DFlash2Ring{cls.__name__}", (cls,),
+                {"get_kv_cache_spec": get_kv_cache_spec, "dflash2_ring": True})
+
+
+def prepare_ring_drafter(hf_config) -> int:
+    """Ring mode: check the drafter slides on every layer and make 0.27.1's per-layer rule
+    (qwen3_dflash._resolve_layer_attention) give that window to every layer. Returns it."""
+    window = ring_window(hf_config)
+    dc = dict(getattr(hf_config, "dflash_config", None) or {})
+    dc["use_swa"] = True
+    dc["swa_window_size"] = window
+    hf_config.dflash_config = dc
+    return window
+
+
+def ring_cache_config(cache_config):
+    """A copy of the cache config whose dtype is "auto" (the model dtype, bf16): the drafter's
+    attention takes FlashAttention whatever the target's KV cache is (KVarN, int8, fp8)."""
+    if cache_config is None:
+        return None
+    cc = copy.copy(cache_config)
+    cc.cache_dtype = "auto"
+    cc.calculate_kv_scales = False
+    return cc
 
 
 def dflash2_query_rows(vllm_config: VllmConfig) -> int:
@@ -105,9 +149,15 @@ class DFlash2CandidateSelector(nn.Module):
 class DFlash2DecoderLayer(DFlashQwen3DecoderLayer):
     def __init__(self, vllm_config: VllmConfig, *, config, layer_idx: int,
                  cache_config=None, quant_config=None, prefix: str = "") -> None:
+        ring = ring_mode_enabled()
+        if ring:
+            cache_config = ring_cache_config(cache_config)
         super().__init__(vllm_config, config=config, layer_idx=layer_idx,
                          cache_config=cache_config, quant_config=quant_config,
                          prefix=prefix)
+        if ring:
+            attn = self.self_attn.attn
+            attn.__class__ = ring_attention_class(type(attn))
         dc = config.dflash_config
         dtype = vllm_config.model_config.dtype
         h = config.hidden_size
@@ -144,6 +194,8 @@ class DFlash2Qwen3Model(DFlashQwen3Model):
 
     def __init__(self, *, vllm_config: VllmConfig, start_layer_id: int = 0,
                  prefix: str = "") -> None:
+        if ring_mode_enabled():
+            prepare_ring_drafter(vllm_config.speculative_config.draft_model_config.hf_config)
         super().__init__(vllm_config=vllm_config, start_layer_id=start_layer_id,
                          prefix=prefix)
         dc = self.config.dflash_config
