@@ -645,9 +645,9 @@ def predict_tp(geom: ModelGeometry, tp: int, weights: TPWeights, kv: str, max_le
 #
 # With a KV_MEM pin vLLM carves exactly that many bytes for the KV pool; everything else must fit
 # beside it on the card: the target's weights, a drafter's weights, the draft head of patch 0012,
-# KVarN's fp16 stage, the activation/graph/context reserves. ``vram_budget`` adds them up; the
-# preflight compares the sum with a 24 GiB card (it never refuses on it: --dry-run does not know
-# the card, and the reserves are estimates).
+# KVarN's fp16 stage, the DFlash2 drafter's K/V rings (DFLASH_RING=1), the activation/graph/context
+# reserves. ``vram_budget`` adds them up; the preflight compares the sum with a 24 GiB card (it
+# never refuses on it: --dry-run does not know the card, and the reserves are estimates).
 
 # The published 27B DFlash2 drafter (z-lab/Qwen3.8-27B-DFlash2, config quoted in docs/dflash2.md
 # and tests/dflash/dflash_helpers.PUBLISHED): hidden 5120, 5 layers (32 q / 8 kv heads x 128,
@@ -676,10 +676,11 @@ def drafter_param_count(cfg) -> int:
 @dataclass
 class DrafterVRAM:
     weight_bytes: int
-    attn_layers: int  # attention layers whose KV lives in the same pool (the pin)
+    attn_layers: int  # attention layers whose KV lives in the same pool (the pin); 0 in ring mode
     source: str
     kv_heads: int = DFLASH2_27B_KV_HEADS  # per drafter attention layer (its KV page)
     head_dim: int = DFLASH2_27B_HEAD_DIM
+    ring: bool = False  # DFLASH_RING=1: the drafter's K/V live in rings beside the pool (dflash2_ring_bytes)
 
     def pool_kw(self) -> dict:
         """predict_pool's keywords for a pool shared with this drafter (no MTP layer is built)."""
@@ -687,9 +688,13 @@ class DrafterVRAM:
                 "draft_kv_heads": self.kv_heads, "draft_head_dim": self.head_dim}
 
 
-def dflash_drafter_vram(draft_dir: str | os.PathLike | None) -> DrafterVRAM:
+def dflash_drafter_vram(draft_dir: str | os.PathLike | None, ring: bool = False) -> DrafterVRAM:
     """The DFlash2 drafter's weights and KV layers: safetensors headers of DRAFT when it has them
     (as the target's), else its config's shape in bf16, else the published 27B drafter.
+
+    ``ring`` (DFLASH_RING=1, docs/dflash2-huge.md section 3): the drafter's layers hand vLLM no
+    KV-cache spec, so none of them shares the pool (``attn_layers`` 0); their K/V take
+    ``dflash2_ring_bytes`` beside the pin instead.
 
     KV layers: vLLM 0.27.1 builds every drafter layer as an attention layer with its own KV cache
     in the same pool as the target's. FullAttentionSpec.merge requires equal KV heads and head
@@ -707,14 +712,48 @@ def dflash_drafter_vram(draft_dir: str | os.PathLike | None) -> DrafterVRAM:
             cfg = DrafterConfig.load(d)
         except (DrafterConfigError, OSError, ValueError):
             why = "DRAFT has no DFlash2 config that parses"
-    layers = cfg.num_layers if cfg else DFLASH2_27B_LAYERS
+    layers = 0 if ring else cfg.num_layers if cfg else DFLASH2_27B_LAYERS
     shape = {"kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim} if cfg else {}
     if d is not None and d.is_dir() and any(d.glob("*.safetensors")):
-        return DrafterVRAM(weight_bytes(d), layers, "drafter safetensors headers", **shape)
+        return DrafterVRAM(weight_bytes(d), layers, "drafter safetensors headers", **shape, ring=ring)
     if cfg is not None:
-        return DrafterVRAM(drafter_param_count(cfg) * 2, layers, "drafter config shape, bf16", **shape)
-    return DrafterVRAM(DFLASH2_27B_PARAMS * 2, DFLASH2_27B_LAYERS,
-                       f"estimate: the published 27B DFlash2 drafter, bf16 ({why})")
+        return DrafterVRAM(drafter_param_count(cfg) * 2, layers, "drafter config shape, bf16", **shape, ring=ring)
+    return DrafterVRAM(DFLASH2_27B_PARAMS * 2, layers,
+                       f"estimate: the published 27B DFlash2 drafter, bf16 ({why})", ring=ring)
+
+
+@dataclass(frozen=True)
+class RingDrafter:
+    """What sizes the DFlash2 drafter's K/V rings (DFLASH_RING=1): its attention layers, sliding
+    window and per-layer KV heads x head size."""
+
+    layers: int
+    window: int
+    kv_heads: int
+    head_dim: int
+    source: str
+
+
+def ring_drafter(cfg, source: str) -> RingDrafter:
+    """The ring geometry of a parsed drafter config (``onecard.dflash.config.DrafterConfig``).
+    Raises ValueError (one line) when a layer is full attention: a ring holds only the window."""
+    from onecard.dflash.config import FULL
+
+    full = [i for i, t in enumerate(cfg.layer_types) if t == FULL]
+    if full or cfg.sliding_window is None:
+        raise ValueError(f"layers {full} of {cfg.num_layers} are full attention; ring mode needs a sliding-window "
+                         f"drafter; valid: a drafter config with use_sliding_window true (or layer_types all "
+                         f"sliding_attention) and sliding_window >= 1")
+    return RingDrafter(cfg.num_layers, cfg.sliding_window, cfg.num_kv_heads, cfg.head_dim, source)
+
+
+def dflash2_ring_bytes(drafter: RingDrafter, max_seqs: int, k_max: int) -> int:
+    """VRAM of the drafter's K/V rings beside the KV pin (DFLASH_RING=1): every drafter layer's bf16
+    ring of ``max_seqs`` request slots of window + k_max + 1 rows (onecard.dflash.ring; 84,869,120 B
+    for the published 27B drafter at MAX_SEQS 2, DFLASH_TOKENS 7)."""
+    from onecard.dflash import ring
+
+    return ring.ring_bytes(drafter.layers, max_seqs, drafter.window, k_max, drafter.kv_heads, drafter.head_dim)
 
 
 def draft_vocab_file(model_dir: str | os.PathLike, draft_vocab_env: str | None) -> Path | None:
@@ -783,11 +822,13 @@ RESERVES = CUDA_GRAPH_RESERVE + ACTIVATION_HEADROOM + CUDA_CONTEXT
 
 
 def vram_budget(kv_pin: int, target_weights: int, drafter_weights: int = 0, draft_lm_head: int = 0,
-                kvarn_stage: int = 0, reserves: int = RESERVES, card_bytes: int = CARD_24G) -> dict:
+                kvarn_stage: int = 0, reserves: int = RESERVES, card_bytes: int = CARD_24G,
+                dflash2_ring_bytes: int = 0) -> dict:
     """Everything one GPU holds at a KV_MEM pin, term by term, and whether it fits ``card_bytes``.
     ``kv_max`` is the largest pin that would fit beside the other terms."""
     terms = {"weights": target_weights, "drafter_weights": drafter_weights, "draft_lm_head": draft_lm_head,
-             "kvarn_stage": kvarn_stage, "reserves": reserves, "kv_pin": kv_pin}
+             "kvarn_stage": kvarn_stage, "dflash2_ring_bytes": dflash2_ring_bytes, "reserves": reserves,
+             "kv_pin": kv_pin}
     total = sum(terms.values())
     return {**terms, "total": total, "card_bytes": card_bytes, "fits": total <= card_bytes,
             "kv_max": max(card_bytes - (total - kv_pin), 0)}

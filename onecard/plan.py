@@ -317,18 +317,7 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
     if "--api-key" in extra or any(a.startswith("--api-key=") for a in extra):
         raise PlanError("EXTRA_ARGS must not carry --api-key (it would show in the process list); valid: set VLLM_API_KEY instead")
     plan.set("EXTRA_ARGS", extra, plan.values["EXTRA_ARGS"].source)
-    if ctx.name == "huge" and spec.name == "dflash2":
-        # The DFlash2 drafter's attention is non-causal and the KVARN backend has none, so its
-        # layers cannot live in KVarN. Keeping them in bf16 (--kv-cache-dtype-skip-layers) dies in
-        # vLLM 0.27.1's KV-cache setup (unify_kv_cache_spec_page_size: the bf16 drafter page is
-        # not a multiple of KVarN's and KVarN pages cannot be padded), after the model load and
-        # the profiling run; with that fixed, the bf16 drafter (20,480 B/token) outweighs all 16
-        # KVarN layers (13,440 B/token) and the CTX=huge pin holds ~74k tokens on the 27B, about
-        # CTX=long's. CPU reproduction with vLLM's own code: docs/results/2026-12-03-huge-dflash2-cpu.
-        raise PlanError("CTX=huge with SPEC=dflash2 does not boot on vLLM 0.27.1: the DFlash2 drafter's "
-                        "attention is non-causal and KVarN has none, and keeping its layers in bf16 "
-                        "fails at KV-cache setup (docs/results/2026-12-03-huge-dflash2-cpu); valid: "
-                        "CTX=huge with SPEC=off|mtp, or SPEC=dflash2 with CTX=fast|long")
+    _resolve_dflash_ring(plan, ctx, spec)
 
     # tensor parallel: the TP knob or --tensor-parallel-size/-tp in EXTRA_ARGS, decided here only
     valid_tp = "|".join(profiles.KNOBS["TP"].choices)
@@ -346,6 +335,62 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
         n, why = visible_gpus(environ, probe=probe_gpus)
         plan.set("GPUS", n if n is not None else "unknown", "env" if n is not None else "default", why)
     return plan
+
+
+def _resolve_dflash_ring(plan: ServePlan, ctx: profiles.CtxProfile, spec: profiles.SpecProfile) -> None:
+    """DFLASH_RING: auto -> "1" exactly with CTX=huge SPEC=dflash2, else "0"; "1" needs SPEC=dflash2
+    and a drafter that is sliding-window on every layer (ring_drafter).
+
+    Why CTX=huge needs the rings: the DFlash2 drafter's attention is non-causal and the KVARN
+    backend has none, so its layers cannot live in KVarN; keeping them in bf16 in the pool
+    (--kv-cache-dtype-skip-layers) dies in vLLM 0.27.1's KV-cache setup (unify_kv_cache_spec_page_size:
+    the bf16 drafter page is not a multiple of KVarN's and KVarN pages cannot be padded), and with
+    that fixed the bf16 drafter outweighs all 16 KVarN layers and the CTX=huge pin holds ~74k tokens
+    (docs/results/2026-12-03-huge-dflash2-cpu). In rings (patch 0080's proposer reads
+    ONECARD_DFLASH_RING) the drafter's layers hand vLLM no KV-cache spec at all: the pool is the
+    target's alone and the drafter keeps bf16 FLASH_ATTN (docs/dflash2-huge.md section 3)."""
+    rv = plan.values["DFLASH_RING"]
+    if spec.name != "dflash2":
+        if rv.value == "1":
+            raise PlanError(f"DFLASH_RING=1 needs SPEC=dflash2; valid with SPEC={spec.name}: DFLASH_RING=auto|0")
+        plan.set("DFLASH_RING", "0", rv.source, f"SPEC={spec.name}: no DFlash2 drafter")
+        return
+    if rv.value == "auto":
+        plan.set("DFLASH_RING", "1" if ctx.name == "huge" else "0", "profile", f"auto with CTX={ctx.name} SPEC=dflash2")
+    if plan.get("DFLASH_RING") == "0":
+        if ctx.name == "huge":
+            raise PlanError("CTX=huge with SPEC=dflash2 needs DFLASH_RING=1: the DFlash2 drafter's attention is "
+                            "non-causal and KVarN has none, and keeping its layers in bf16 in the pool fails at "
+                            "vLLM 0.27.1's KV-cache setup (docs/results/2026-12-03-huge-dflash2-cpu); valid: "
+                            "DFLASH_RING=auto|1 with CTX=huge, or DFLASH_RING=0 with CTX=fast|long")
+        return
+    rd = ring_drafter(str(plan.get("DRAFT")))
+    rv = plan.values["DFLASH_RING"]
+    geometry = f"{rd.layers} drafter layers, window {rd.window} ({rd.source})"
+    rv.reason = f"{rv.reason}; {geometry}" if rv.reason else geometry
+    if ctx.name != "huge":
+        plan.notes.append(f"DFLASH_RING=1 with CTX={ctx.name}: the drafter's K/V in rings outside the KV pool "
+                          f"(docs/dflash2-huge.md section 3 step 5); CPU-tested only, not yet run on a GPU")
+
+
+def ring_drafter(draft: str) -> memory.RingDrafter:
+    """The ring geometry of DRAFT (DFLASH_RING=1): its config.json, or the tiny drafter's spec for
+    DRAFT=tiny (built at launch with onecard.dflash.tiny_drafter.DEFAULT_DRAFTER). PlanError (one
+    line) when the config does not parse or a layer is full attention."""
+    from onecard.dflash.config import DrafterConfig, DrafterConfigError
+
+    if draft == TINY_DRAFT:
+        from onecard.dflash.tiny_drafter import DEFAULT_DRAFTER as t
+
+        return memory.RingDrafter(t.layers, t.sliding_window, t.kv_heads, t.head_dim,
+                                  "the tiny DFlash2 drafter's spec")
+    try:
+        return memory.ring_drafter(DrafterConfig.load(draft), "DRAFT config.json")
+    except DrafterConfigError as e:
+        raise PlanError(f"DFLASH_RING=1 reads the drafter's layer_types / sliding_window, but DRAFT={draft}: "
+                        f"{e}") from None
+    except ValueError as e:
+        raise PlanError(f"DFLASH_RING=1 with DRAFT={draft}: {e}, or DFLASH_RING=0 with CTX=fast|long") from None
 
 
 def _tp_in_extra(extra: list[str]) -> int | None:
@@ -541,6 +586,10 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     plan.child_env["ONECARD_GDN_SHARED_META"] = str(plan.get("GDN_SHARED_META"))
     # PREFILL_LAUNCH's only reader is patch 0083 (triton_unified_attention.py), checked in resolve
     plan.child_env["ONECARD_PREFILL_LAUNCH"] = str(plan.get("PREFILL_LAUNCH"))
+    # DFLASH_RING's reader is patch 0080's DFlash2 drafter (the drafter's K/V in rings outside the
+    # pool); the preflight sized the pool without the drafter's layers and the rings beside the pin
+    if plan.get("SPEC") == "dflash2":
+        plan.child_env["ONECARD_DFLASH_RING"] = str(plan.get("DFLASH_RING"))
     # KVARN_WINDOW's reader is the KVarN backend (onecard.kvarn.format.window_from_env); the
     # preflight sized the stage for the same value
     if str(plan.get("KV")).startswith("kvarn"):

@@ -26,8 +26,9 @@ Checks, in order:
 9. What the KV pin does not cover (onecard.memory.vram_budget): the target's weights,
    SPEC=dflash2's drafter weights (DRAFT's safetensors headers, else its config shape, else the
    published 27B drafter: 3.58 GiB bf16), SPEC=mtp's draft_lm_head of patch 0012
-   (MODEL/draft_vocab.json unless ONECARD_DRAFT_VOCAB=0), CTX=huge's KVarN fp16 stage, the
-   reserves; when a drafter / draft-head / stage term is what pushes it over, the note names it.
+   (MODEL/draft_vocab.json unless ONECARD_DRAFT_VOCAB=0), CTX=huge's KVarN fp16 stage,
+   DFLASH_RING=1's drafter K/V rings (memory.dflash2_ring_bytes at MAX_SEQS and DFLASH_TOKENS), the
+   reserves; when a drafter / draft-head / stage / ring term is what pushes it over, the note names it.
    The card: CARD_GIB, else nvidia-smi's memory.total of the first visible GPU at a real launch
    (plan.card_memory), else a 24 GiB card as a note only (--dry-run, no nvidia-smi).
    9a (before step 4): with the card known and VRAM_CHECK=1 (default), a plan that cannot fit
@@ -36,7 +37,8 @@ Checks, in order:
    the largest that fits by the estimate (the pool and MAX_LEN follow from it), an explicit
    KV_MEM is refused naming that pin; VRAM_CHECK=0 makes it a note again. A plan over the card
    only by the estimated reserves keeps its pin and gets step 9's note. The DFlash2 drafter's own attention
-   layers share the pool: step 4 predicts with them and its cap says so.
+   layers share the pool: step 4 predicts with them and its cap says so; with DFLASH_RING=1 they hold no
+   pool pages (predicted without them) and a note gives their rings' bytes.
 """
 from __future__ import annotations
 
@@ -164,13 +166,29 @@ def _gib(n: int) -> str:
     return f"{n / memory.GiB:.2f}"
 
 
+def _ring(plan: ServePlan) -> bool:
+    """DFLASH_RING=1 (plan.resolve allows it only with SPEC=dflash2): the drafter's K/V in rings."""
+    return plan.get("SPEC") == "dflash2" and plan.get("DFLASH_RING") == "1"
+
+
 def _drafter(plan: ServePlan) -> memory.DrafterVRAM | None:
     """SPEC=dflash2's drafter (weights, KV layers); None otherwise and for the tiny drafter."""
     from onecard.plan import TINY_DRAFT
 
     if plan.get("SPEC") != "dflash2" or str(plan.get("DRAFT")) == TINY_DRAFT:
         return None
-    return memory.dflash_drafter_vram(str(plan.get("DRAFT")))
+    return memory.dflash_drafter_vram(str(plan.get("DRAFT")), ring=_ring(plan))
+
+
+def _ring_bytes(plan: ServePlan) -> int:
+    """DFLASH_RING=1: the drafter's K/V rings beside the pin (memory.dflash2_ring_bytes) at the
+    plan's MAX_SEQS and DFLASH_TOKENS; 0 otherwise."""
+    if not _ring(plan):
+        return 0
+    from onecard.plan import ring_drafter
+
+    return memory.dflash2_ring_bytes(ring_drafter(str(plan.get("DRAFT"))), int(plan.get("MAX_SEQS")),
+                                     int(plan.get("SPEC_K")))
 
 
 def _card(plan: ServePlan) -> tuple[int, bool]:
@@ -208,8 +226,10 @@ def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: mem
         stage = memory.kvarn_reserve_bytes(geom, kv, int(plan.get("MAX_SEQS")), attn_layers,
                                            int(plan.get("KVARN_WINDOW")) if "KVARN_WINDOW" in plan.values else None,
                                            int(plan.get("KVARN_SINKS")) if "KVARN_SINKS" in plan.values else None)
+    ring = _ring_bytes(plan)
     card, _ = _card(plan)
-    b = memory.vram_budget(kv_mem, weights, drafter.weight_bytes if drafter else 0, head, stage, card_bytes=card)
+    b = memory.vram_budget(kv_mem, weights, drafter.weight_bytes if drafter else 0, head, stage, card_bytes=card,
+                           dflash2_ring_bytes=ring)
     b["certain"] = b["total"] - b["reserves"] + memory.CUDA_CONTEXT
     b["sources"] = {"weights": wsrc, "drafter_weights": drafter.source if drafter else "",
                     "draft_lm_head": hsrc}
@@ -224,6 +244,10 @@ def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: mem
     if stage:
         parts.append(f"KVarN fp16 stage + prefill scratch {_gib(stage)} (MAX_SEQS={plan.get('MAX_SEQS')})")
         added["the KVarN fp16 stage and prefill scratch"] = stage
+    if ring:
+        parts.append(f"DFlash2 drafter K/V rings {_gib(ring)} (DFLASH_RING=1, MAX_SEQS={plan.get('MAX_SEQS')}, "
+                     f"DFLASH_TOKENS={plan.get('SPEC_K')})")
+        added["the DFlash2 drafter's K/V rings"] = ring
     parts += [f"reserves {_gib(b['reserves'])}", f"KV pin {_gib(kv_mem)}"]
     return b, f"{' + '.join(parts)} = {_gib(b['total'])} GiB", added
 
@@ -298,6 +322,26 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
     plan.notes.append(f"{line}: {why}; {fix}, or a larger card (reserves are 3090 estimates)")
 
 
+def _ring_note(plan: ServePlan) -> None:
+    """DFLASH_RING=1: the rings into plan.prediction["dflash2_ring_bytes"] and one note (also for the
+    tiny drafter, whose VRAM budget is not predicted)."""
+    if not _ring(plan):
+        return
+    from onecard.dflash import ring as dring
+    from onecard.plan import ring_drafter
+
+    rd = ring_drafter(str(plan.get("DRAFT")))
+    seqs, k = int(plan.get("MAX_SEQS")), int(plan.get("SPEC_K"))
+    nbytes = memory.dflash2_ring_bytes(rd, seqs, k)
+    plan.prediction["dflash2_ring_bytes"] = nbytes
+    plan.notes.append(
+        f"DFLASH_RING=1: the DFlash2 drafter's {rd.layers} attention layers keep no KV in the pool (predicted "
+        f"without them); their K/V live in bf16 rings beside the KV pin: {rd.layers} layers x "
+        f"{dring.ring_total_blocks(seqs, rd.window, k)} blocks of {dring.RING_BLOCK} rows (MAX_SEQS={seqs} slots "
+        f"of window {rd.window} + DFLASH_TOKENS {k} + 1, + 1 spare) x {rd.kv_heads} x {rd.head_dim} x K,V = "
+        f"{nbytes:,} B ({nbytes / 1e6:.1f} MB); CPU-tested only, not yet run on a GPU")
+
+
 def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, environ=None) -> ServePlan:
     """``environ``: the launch environment (ONECARD_DRAFT_VOCAB, read by patch 0012 in the server)."""
     import dataclasses
@@ -350,9 +394,13 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
     prefix = plan.get("PREFIX_CACHE") == "1"
     max_len = int(plan.get("MAX_LEN"))
     drafter = _drafter(plan)
-    # DFlash2: no MTP layer is built; the drafter's own attention layers share the pool instead
+    # DFlash2: no MTP layer is built; the drafter's own attention layers share the pool instead,
+    # unless they live in rings outside it (DFLASH_RING=1: attn_layers 0)
     pool_kw = drafter.pool_kw() if drafter else {}
     attn_layers = geom.num_full_attention + (drafter.attn_layers if drafter else (geom.mtp_layers if k > 0 else 0))
+    if _ring(plan):  # also for the tiny drafter: no pool pages, and bf16 FLASH_ATTN (no KVarN stage slots)
+        pool_kw = {**pool_kw, "mtp_in_pool": False, "draft_attn_layers": 0}
+        attn_layers = geom.num_full_attention
     # 9a. the card, when known: a profile pin that does not fit is lowered before the pool is sized
     weights = _weights(plan, geom, environ) if str(plan.get("MODEL")) != "tiny" else (None, "", 0, "")
     _fit_card(plan, geom, drafter, weights, attn_layers)
@@ -369,7 +417,7 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
     if one_seq < max_len:
         capped = one_seq // 256 * 256 or one_seq
         why = f"predicted pool holds {one_seq:,} tokens for one sequence (< {max_len:,})"
-        if drafter:
+        if drafter and drafter.attn_layers:
             bare = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), max_len, k, prefix, mtp_in_pool=False)
             bare_seq = bare.one_sequence_tokens()
             why += (f"; the DFlash2 drafter's {drafter.attn_layers} attention layers hold KV in the same pool, in "
@@ -381,6 +429,7 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
         plan.cap("MAX_SEQS", pred.num_blocks,
                  f"vLLM refuses max_num_seqs > Mamba cache blocks ({pred.num_blocks}) with FULL graphs")
     plan.prediction = pred.as_dict()
+    _ring_note(plan)
     resident_full = int(pred.max_concurrency)
     resident_short = pred.num_blocks // (pred.state_slots_per_seq + 1)
     if int(plan.get("MAX_SEQS")) > resident_short:

@@ -87,6 +87,13 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("DFLASH_TOKENS", "", "7..15", "DFlash2 block size (draft tokens), default 7"),
     Knob("LOOKUP", "1", "0|1", "DFlash2 lookup lane: with DFLASH_TOKENS 8..15, positions past the drafter's 7 "
          "come from suffix matches in prompt + generated text (0: the last draft repeated)", BOOL),
+    Knob("DFLASH_RING", "auto", "auto|0|1", "SPEC=dflash2: 1: the drafter's attention K/V live in per-request "
+         "rings of its sliding window outside vLLM's KV pool (84.9 MB beside the pin for the 27B drafter at "
+         "MAX_SEQS 2), so the pool is the target's alone (docs/dflash2-huge.md section 3); needs a drafter whose "
+         "layers are all sliding-window; 0: the drafter's layers hold KV for the whole context in the pool; "
+         "auto: 1 with CTX=huge (whose KVarN pool cannot take the drafter's layers), else 0. CPU-tested only, "
+         "not yet run on a GPU. No effect with SPEC=off|mtp. Passed to the server as ONECARD_DFLASH_RING",
+         ("auto", "0", "1")),
     Knob("KV", "", "bf16|fp8|int8_per_token_head|int4_per_token_head", "override the profile's KV cache dtype",
          ("bf16", "fp8", "int8_per_token_head", "int4_per_token_head")),
     Knob("SSM_DTYPE", "auto", "auto|bfloat16|float32",

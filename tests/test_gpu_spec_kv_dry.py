@@ -105,7 +105,7 @@ def test_kvarn_dry_run(tmp_path, patched_site, kvarn_site, models):
     if not (patched_site / "vllm" / "dflash2_installed.txt").is_file():
         pytest.skip("patches/series does not list 0080-dflash2.patch")
     d = _dry("kvarn", kvarn_site, models, tmp_path)
-    names = {"kvarn-off", "kvarn-mtp"}   # dflash2: refused by the launcher (tests/test_plan.py)
+    names = {"kvarn-off", "kvarn-mtp", "kvarn-d2k7"}
     assert set(d["parsed"]) == names
     for n in names:
         a = json.loads(d["parsed"][n])
@@ -117,9 +117,19 @@ def test_kvarn_dry_run(tmp_path, patched_site, kvarn_site, models):
         assert int(d["block"][n]) == 1024, n   # prompts of 2,176.. > 2B
         be = json.loads(d["backends"][n])
         assert be["target"]["ok"] == ["KVARN"] and be["target"]["head_dim"] == 256, n
-    # the known gap (KVARN has no non-causal attention for the drafter's block; the bf16-drafter
-    # route fails at vLLM's KV-cache setup, docs/results/2026-12-03-huge-dflash2-cpu) is why the
-    # launcher refuses CTX=huge + SPEC=dflash2. When KVARN gains it, add a dflash2 server here.
+        child = json.loads(d["child_env"][n])
+        sc = a["speculative_config"]
+        if n == "kvarn-d2k7":
+            # KVARN has no non-causal attention for the drafter's block, and bf16 skip layers fail at
+            # vLLM's KV-cache setup (docs/results/2026-12-03-huge-dflash2-cpu): the drafter's layers
+            # live in rings outside the pool instead (DFLASH_RING=1), bf16 on FLASH_ATTN
+            assert sc["method"] == "dflash2" and sc["num_speculative_tokens"] == 7, n
+            assert sc["model"] == str(models / "qwen35-tiny-dflash2"), n
+            assert child["ONECARD_DFLASH_RING"] == "1", n
+            assert be["drafter"]["non_causal"] and be["drafter"]["kv"] == "auto", n
+            assert "FLASH_ATTN" in be["drafter"]["ok"] and "KVARN" not in be["drafter"]["ok"], n
+        else:
+            assert "ONECARD_DFLASH_RING" not in child and "drafter" not in be, n
 
 
 # ----------------------------------------------------------------------------- fake servers

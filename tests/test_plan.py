@@ -39,14 +39,18 @@ def mk(env, root, **kw):
     return P.make_plan(env, root, python="python3", **kw)
 
 
+# huge + dflash2 (DFLASH_RING=1) reads a real sliding-window drafter config, which `features`'s
+# DRAFT lacks: its argv is checked in tests/test_plan_dflash2_ring.py
 COMBOS = [(c, s) for c in ("fast", "long", "huge") for s in ("off", "mtp", "dflash2") if (c, s) != ("huge", "dflash2")]
 
 
-def test_huge_with_dflash2_is_refused_before_boot(root, features):
+def test_huge_with_dflash2_without_rings_is_refused_before_boot(root, features):
+    # DFLASH_RING=1 (auto with CTX=huge) is the only way: tests/test_plan_dflash2_ring.py
     for extra in ("", "--kv-cache-dtype-skip-layers 64 65 66 67 68"):  # the bf16-drafter route dies too
         with pytest.raises(P.PlanError, match="non-causal") as e:
-            mk({"CTX": "huge", "SPEC": "dflash2", "DRAFT": str(features), "EXTRA_ARGS": extra}, root)
-        assert "valid: CTX=huge with SPEC=off|mtp" in str(e.value) and "\n" not in str(e.value)
+            mk({"CTX": "huge", "SPEC": "dflash2", "DFLASH_RING": "0", "DRAFT": str(features), "EXTRA_ARGS": extra},
+               root)
+        assert "valid: DFLASH_RING=auto|1 with CTX=huge" in str(e.value) and "\n" not in str(e.value)
         assert "huge-dflash2-cpu" in str(e.value)
 
 

@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
 # timeout: 600
-# 63-kvarn-spec (issue 9): SPEC=mtp on the KVarN KV cache (kvarn_k4v2_g128) vs SPEC=off, on the
-# tiny model (+ its tiny DFlash2 drafter; head_dim 256 target / 64 drafter: both powers of two
-# >= 64, which the KVARN backend supports). KVarN goes into a private view of the patched tree
-# (/var/tmp/site-kvarn-63) exactly as job 61 does (61-kvarn-serve.py setup), put first on PYTHONPATH.
+# 63-kvarn-spec (issue 9): SPEC=mtp and SPEC=dflash2 on the KVarN KV cache (kvarn_k4v2_g128) vs
+# SPEC=off, on the tiny model (+ its tiny DFlash2 drafter; head_dim 256 target / 64 drafter). KVarN
+# goes into a private view of the patched tree (/var/tmp/site-kvarn-63) exactly as job 61 does
+# (61-kvarn-serve.py setup), put first on PYTHONPATH.
 # tests/gpu/spec_kv_sweep.py --suite kvarn boots through the launcher's plan, CTX=huge (KVarN),
 # MAX_LEN 4096 (tiny KVarN block B = 1,024: a hit under speculation needs prompts > 2B), KV_MEM
 # 1G, MAX_SEQS 16, prefix caching on, CUDA graphs (KVARN itself runs eager: piecewise graphs):
-#   kvarn-off and kvarn-mtp (k 3). SPEC_KV_KNOBS='KNOB=VALUE ...' lays launcher knobs over both
-#   servers (e.g. 'KVARN_DRAFT_HOST=1 KVARN_WINDOW=3 KVARN_SINKS=2'; an exported ONECARD_* is
-#   overwritten by the plan).
-# No dflash2 server: the DFlash2 drafter's attention is non-causal and KVARN has none, and keeping
-# the drafter's layers in bf16 (--kv-cache-dtype-skip-layers) fails at vLLM 0.27.1's KV-cache setup
-# (CPU reproduction: docs/results/2026-12-03-huge-dflash2-cpu); the launcher refuses both.
+#   kvarn-off, kvarn-mtp (k 3) and kvarn-d2k7 (DFLASH_TOKENS 7). SPEC_KV_KNOBS='KNOB=VALUE ...'
+#   lays launcher knobs over every server (e.g. 'KVARN_DRAFT_HOST=1 KVARN_WINDOW=3 KVARN_SINKS=2';
+#   an exported ONECARD_* is overwritten by the plan).
+# kvarn-d2k7 runs with DFLASH_RING=1 (auto with CTX=huge; ONECARD_DFLASH_RING=1 in the server): the
+# drafter's layers hand vLLM no KV-cache spec and keep their K/V in per-request bf16 rings beside
+# the pool, on FLASH_ATTN (docs/dflash2-huge.md section 3). In the pool they cannot work: the
+# drafter's attention is non-causal and KVARN has none, and bf16 skip layers fail at vLLM 0.27.1's
+# KV-cache setup (docs/results/2026-12-03-huge-dflash2-cpu). The tiny drafter's window is 64: its
+# ring (80 rows) wraps ~30 times per prompt. Not yet run on a GPU.
 # Checks: greedy, 128 prompts of 2,176..2,303 tokens (every residue mod 128 = the KVarN tile), 32
 # tokens, two passes (2nd hits the prefix cache; hit tokens printed), all servers at once; each
 # spec server == kvarn-off token for token (bf16 near-tie rule), reported per pair and pass.
-# Expected wall: 200-450 s. Exit 0 only if kvarn-off/-mtp booted and no pair diverged.
+# Expected wall: 200-450 s (two servers; a third boots beside them). Exit 0 only if kvarn-off,
+# -mtp and -d2k7 booted and no pair diverged.
 # Writes $JOB_OUT/{kvarn.json,run.txt,server-*.log,summary.txt}. CPU dry run:
 # python3 tests/gpu/spec_kv_sweep.py --suite kvarn --dry-run (tests/test_gpu_spec_kv_dry.py).
 set -u

@@ -13,9 +13,10 @@ Suites (``--suite``):
          under speculation on every server (vLLM 0.27.1 drops one block per hit under
          speculation: a hit needs L > 2B; B = 400/416 int8, 768..800 int4; docs/prefix-cache.md).
   kvarn  (job 63) CTX=huge (KVarN kvarn_k4v2_g128, installed into a private view by the job),
-         servers off and mtp (the launcher refuses CTX=huge + SPEC=dflash2, see below).
-         MAX_LEN 4096 (B = 1,024 on the tiny model: a spec hit needs L > 2,048);
-         prompts of 2,176..2,303 tokens.
+         servers off, mtp and d2k7 (SPEC=dflash2 DFLASH_TOKENS=7, the tiny DFlash2 drafter with
+         its K/V in rings outside the pool: DFLASH_RING=1, see below). MAX_LEN 4096 (B = 1,024
+         on the tiny model: a spec hit needs L > 2,048); prompts of 2,176..2,303 tokens: the
+         tiny drafter's window is 64, so its 80-row ring wraps ~30 times per prompt.
 
 Every server: the launcher's plan (onecard.plan.make_plan, MODEL=tiny), prefix caching on (+
 --mamba-cache-mode align), vLLM's default CUDA graphs, GDN_PREFILL=triton, KV_MEM 1 GiB, MAX_SEQS
@@ -33,12 +34,13 @@ server the /metrics spec-decode counters (drafts, tokens/step: random drafters, 
 
 Exit 0 only when every gating server booted and no pair has a real divergence. A server marked
 informational (a suite's "info" set; none today) does not gate on its boot, but a real
-divergence after it booted still fails. Known gap: the DFlash2 drafter's attention is non-causal
-and the KVARN backend has no non-causal attention, so a kvarn dflash2 server would fail at boot
-("non-causal attention not supported"); keeping the drafter's layers in bf16
-(``--kv-cache-dtype-skip-layers``) fails later, at vLLM 0.27.1's KV-cache setup (CPU
-reproduction: docs/results/2026-12-03-huge-dflash2-cpu). The launcher refuses both before boot
-(onecard/plan.py).
+divergence after it booted still fails. CTX=huge + SPEC=dflash2: the DFlash2 drafter's attention
+is non-causal and the KVARN backend has none, and keeping the drafter's layers in bf16 in the
+pool (``--kv-cache-dtype-skip-layers``) fails at vLLM 0.27.1's KV-cache setup (CPU reproduction:
+docs/results/2026-12-03-huge-dflash2-cpu). So the launcher runs kvarn-d2k7 with DFLASH_RING=1
+(auto with CTX=huge; the server gets ONECARD_DFLASH_RING=1): the drafter's layers hand vLLM no
+KV-cache spec, their K/V live in per-request bf16 rings beside the pool, on FLASH_ATTN
+(docs/dflash2-huge.md section 3; not yet run on a GPU).
 
 ``--dry-run``: builds the tiny pair, prints every argv, parses each with the vLLM on the path's
 own serve parser (the fields that matter as JSON), predicts each server's attention backends
@@ -110,11 +112,12 @@ def _suite(name: str, model: Path | None = None) -> dict:
         return {"servers": servers, "pairs": pairs, "info": set(), "warm_first": "int8-off",
                 "base": {**COMMON, "CTX": "long", "MAX_LEN": "2048"}, "base_len": 1664}
     if name == "kvarn":
-        # no dflash2 server: the launcher refuses CTX=huge + SPEC=dflash2 (onecard/plan.py), also
-        # with the drafter's layers kept in bf16 (dies at KV-cache setup on vLLM 0.27.1:
-        # docs/results/2026-12-03-huge-dflash2-cpu)
-        servers = {"kvarn-off": {"SPEC": "off"}, "kvarn-mtp": {"SPEC": "mtp"}}
-        pairs = [("kvarn-mtp", "kvarn-off")]
+        # kvarn-d2k7: the drafter's K/V in rings outside the KVarN pool (DFLASH_RING=auto is 1 with
+        # CTX=huge; in the pool it dies at KV-cache setup on vLLM 0.27.1:
+        # docs/results/2026-12-03-huge-dflash2-cpu, docs/dflash2-huge.md)
+        servers = {"kvarn-off": {"SPEC": "off"}, "kvarn-mtp": {"SPEC": "mtp"},
+                   "kvarn-d2k7": {"SPEC": "dflash2", "DFLASH_TOKENS": "7"}}
+        pairs = [("kvarn-mtp", "kvarn-off"), ("kvarn-d2k7", "kvarn-off")]
         return {"servers": servers, "pairs": pairs, "info": set(),
                 "warm_first": "kvarn-off",
                 "base": {**COMMON, "CTX": "huge", "MAX_LEN": "4096"}, "base_len": 2176}
@@ -398,10 +401,11 @@ def parse_argv(argv: list[str]) -> dict:
             "additional_config": a.additional_config, "host": ns.host, "max_num_seqs": a.max_num_seqs}
 
 
-def predict_backends(parsed: dict, model: Path) -> dict:
+def predict_backends(parsed: dict, model: Path, child_env: dict | None = None) -> dict:
     """Which attention backends accept this server's layers (vLLM's own validate_configuration
     of the backends on the path): the target's full-attention layers and, with dflash2, the
-    drafter's (non-causal per its config; kv dtype 'auto' when its layers are skipped)."""
+    drafter's (non-causal per its config; kv dtype 'auto' when its layers are skipped or live in
+    rings outside the pool: ONECARD_DFLASH_RING=1 in ``child_env``)."""
     import torch
     from vllm.platforms.interface import DeviceCapability
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -419,7 +423,8 @@ def predict_backends(parsed: dict, model: Path) -> dict:
 
         non_causal = dflash_has_any_non_causal(SimpleNamespace(**dcfg))
         skipped = bool(parsed["kv_cache_dtype_skip_layers"])
-        layers["drafter"] = (dcfg.get("head_dim"), "auto" if skipped else kv, non_causal)
+        in_ring = (child_env or {}).get("ONECARD_DFLASH_RING") == "1"
+        layers["drafter"] = (dcfg.get("head_dim"), "auto" if skipped or in_ring else kv, non_causal)
     names = ["TRITON_ATTN", "FLASH_ATTN", "FLASHINFER"]
     if kv.startswith("kvarn"):
         names = ["KVARN", *names]
@@ -465,7 +470,7 @@ def dry_run(suite_name: str, out: Path) -> int:
             ok = False
             continue
         try:
-            pred = predict_backends(parsed, model)
+            pred = predict_backends(parsed, model, child)
             print(f"{tag} backends {name}: {json.dumps(pred, sort_keys=True)}", flush=True)
         except Exception as e:  # noqa: BLE001 - a prediction, not a check
             print(f"{tag} backends {name}: not predicted ({type(e).__name__}: {str(e)[:200]})",
