@@ -5,6 +5,7 @@ import importlib.util
 import re
 import shutil
 import subprocess
+import types
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,30 @@ def _no_real_warmup(monkeypatch):
     calls: list = []
     monkeypatch.setattr(warmup, "fork_warmup", lambda *a, **k: calls.append((a, k)) or True)
     return calls
+
+
+@pytest.fixture
+def fake_features(tmp_path, monkeypatch) -> Path:
+    """Pretend every optional feature (KVarN, DFlash2, ...) is installed into vLLM: marker files
+    in a fake vllm dir that importlib finds (KVarN's marker: the current installer's text)."""
+    from onecard import profiles
+    from onecard.kvarn.installer import marker_text
+
+    d = tmp_path / "fakevllm"
+    d.mkdir()
+    for name, marker in profiles.FEATURE_MARKERS.items():
+        (d / marker).write_text(marker_text() if name == "kvarn" else "1")
+    fake = types.SimpleNamespace(submodule_search_locations=[str(d)])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: fake)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """The tiny Qwen3.5 target and its tiny DFlash2 drafter, built once per module."""
+    from onecard.dflash.tiny_drafter import build_tiny_drafter
+    from onecard.prepare.tiny import build_tiny_model
+
+    d = tmp_path_factory.mktemp("pair")
+    target = build_tiny_model(d / "qwen35-tiny")
+    return target, build_tiny_drafter(target, d / "qwen35-tiny-dflash2")

@@ -2,13 +2,11 @@
 import importlib.util
 import os
 import shlex
-import types
 from pathlib import Path
 
 import pytest
 
 from onecard import plan as P
-from onecard import profiles
 
 GOLDEN = Path(__file__).parent / "golden" / "launch"
 
@@ -19,16 +17,8 @@ def root(tmp_path):
 
 
 @pytest.fixture
-def features(tmp_path, monkeypatch):
-    """Pretend KVarN and DFlash2 are installed (marker files in a fake vllm dir)."""
-    d = tmp_path / "fakevllm"
-    d.mkdir()
-    from onecard.kvarn.installer import marker_text
-
-    for name, marker in profiles.FEATURE_MARKERS.items():
-        (d / marker).write_text(marker_text() if name == "kvarn" else "1")  # kvarn's: current
-    fake = types.SimpleNamespace(submodule_search_locations=[str(d)])
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: fake)
+def features(fake_features, tmp_path):
+    """Pretend KVarN and DFlash2 are installed (conftest.fake_features); a drafter dir too."""
     draft = tmp_path / "drafter"
     draft.mkdir()
     (draft / "config.json").write_text("{}")

@@ -4,9 +4,7 @@ pool predicted without the drafter's layers and the rings' bytes beside the pin.
 vLLM import."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import types
 from pathlib import Path
 
 import pytest
@@ -18,17 +16,9 @@ from onecard.dflash import ring
 
 
 @pytest.fixture
-def features(tmp_path, monkeypatch):
-    """KVarN and DFlash2 'installed' (marker files in a fake vllm dir, as tests/test_plan.py)."""
-    from onecard.kvarn.installer import marker_text
-
-    d = tmp_path / "fakevllm"
-    d.mkdir()
-    for name, marker in profiles.FEATURE_MARKERS.items():
-        (d / marker).write_text(marker_text() if name == "kvarn" else "1")
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name: types.SimpleNamespace(submodule_search_locations=[str(d)]))
-    return d
+def features(fake_features):
+    """KVarN and DFlash2 'installed' (conftest.fake_features)."""
+    return fake_features
 
 
 @pytest.fixture
@@ -166,15 +156,6 @@ def test_drafter_vram_in_ring_mode_holds_no_pool_layers(drafter_27b):
     assert d.ring and d.attn_layers == 0 and d.pool_kw()["draft_attn_layers"] == 0
     assert d.weight_bytes == memory.dflash_drafter_vram(str(drafter_27b)).weight_bytes
 
-
-@pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
-    from onecard.dflash.tiny_drafter import build_tiny_drafter
-    from onecard.prepare.tiny import build_tiny_model
-
-    d = tmp_path_factory.mktemp("pair")
-    target = build_tiny_model(d / "qwen35-tiny")
-    return target, build_tiny_drafter(target, d / "qwen35-tiny-dflash2")
 
 
 def test_tiny_drafter_ring_bytes(tmp_path, features, tiny_pair):

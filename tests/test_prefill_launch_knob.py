@@ -1,13 +1,10 @@
 """PREFILL_LAUNCH and KVARN_GRAPHS: launcher knobs that reach the server only as environment
 variables (ONECARD_PREFILL_LAUNCH, read by patch 0083; ONECARD_KVARN_GRAPHS, read by the KVarN
 backend); bad values are refused before the boot with one line naming what is valid."""
-import importlib.util
-import types
 
 import pytest
 
 from onecard import plan as P
-from onecard import profiles
 
 
 def mk(env, root):
@@ -15,15 +12,8 @@ def mk(env, root):
 
 
 @pytest.fixture
-def kvarn_installed(tmp_path, monkeypatch):
-    d = tmp_path / "fakevllm"
-    d.mkdir()
-    from onecard.kvarn.installer import marker_text
-
-    for name, marker in profiles.FEATURE_MARKERS.items():
-        (d / marker).write_text(marker_text() if name == "kvarn" else "1")
-    fake = types.SimpleNamespace(submodule_search_locations=[str(d)])
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: fake)
+def kvarn_installed(fake_features):
+    return fake_features
 
 
 def test_prefill_launch_default_auto_and_env_only(tmp_path):

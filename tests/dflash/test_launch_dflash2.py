@@ -67,15 +67,6 @@ def test_lookup_default_is_not_an_error_without_dflash2(tmp_path):
     assert "dflash2_lookup" not in " ".join(plan.argv)
 
 
-@pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
-    from onecard.dflash.tiny_drafter import build_tiny_drafter
-    from onecard.prepare.tiny import build_tiny_model
-
-    d = tmp_path_factory.mktemp("pair")
-    target = build_tiny_model(d / "qwen35-tiny")
-    return target, build_tiny_drafter(target, d / "qwen35-tiny-dflash2")
-
 
 def test_drafter_checked_at_launch(tmp_path, installed, tiny_pair):
     target, drafter = tiny_pair
