@@ -734,17 +734,13 @@ class RingDrafter:
     source: str
 
 
-def ring_drafter(cfg, source: str) -> RingDrafter:
-    """The ring geometry of a parsed drafter config (``onecard.dflash.config.DrafterConfig``).
+def ring_drafter(cfg, raw: dict, source: str) -> RingDrafter:
+    """The ring geometry of a parsed drafter config (``onecard.dflash.config.DrafterConfig``) and
+    its raw config.json (the window by the server's rule, ``onecard.dflash.ring.window_from_config``).
     Raises ValueError (one line) when a layer is full attention: a ring holds only the window."""
-    from onecard.dflash.config import FULL
+    from onecard.dflash import ring
 
-    full = [i for i, t in enumerate(cfg.layer_types) if t == FULL]
-    if full or cfg.sliding_window is None:
-        raise ValueError(f"layers {full} of {cfg.num_layers} are full attention; ring mode needs a sliding-window "
-                         f"drafter; valid: a drafter config with use_sliding_window true (or layer_types all "
-                         f"sliding_attention) and sliding_window >= 1")
-    return RingDrafter(cfg.num_layers, cfg.sliding_window, cfg.num_kv_heads, cfg.head_dim, source)
+    return RingDrafter(cfg.num_layers, ring.window_from_config(raw), cfg.num_kv_heads, cfg.head_dim, source)
 
 
 def dflash2_ring_bytes(drafter: RingDrafter, max_seqs: int, k_max: int) -> int:

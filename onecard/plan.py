@@ -385,7 +385,9 @@ def ring_drafter(draft: str) -> memory.RingDrafter:
         return memory.RingDrafter(t.layers, t.sliding_window, t.kv_heads, t.head_dim,
                                   "the tiny DFlash2 drafter's spec")
     try:
-        return memory.ring_drafter(DrafterConfig.load(draft), "DRAFT config.json")
+        cfg = DrafterConfig.load(draft)
+        raw = json.loads((Path(draft) / "config.json" if Path(draft).is_dir() else Path(draft)).read_text())
+        return memory.ring_drafter(cfg, raw, "DRAFT config.json")
     except DrafterConfigError as e:
         raise PlanError(f"DFLASH_RING=1 reads the drafter's layer_types / sliding_window, but DRAFT={draft}: "
                         f"{e}") from None

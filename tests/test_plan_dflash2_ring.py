@@ -98,7 +98,7 @@ def test_ring_off_with_huge_is_refused(tmp_path, features, drafter_27b):
 ])
 def test_full_attention_drafter_is_refused(tmp_path, features, drafter_27b, over):
     d = _edit(drafter_27b, tmp_path / "full", **over)
-    with pytest.raises(P.PlanError, match="ring mode needs a sliding-window drafter; valid: ") as e:
+    with pytest.raises(P.PlanError, match="ring mode needs a drafter whose every layer is sliding-window.*; valid: ") as e:
         mk({"CTX": "huge", "SPEC": "dflash2", "DRAFT": str(d)}, tmp_path)
     assert "\n" not in str(e.value)
 

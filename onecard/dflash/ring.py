@@ -15,6 +15,31 @@ from __future__ import annotations
 
 RING_BLOCK = 16      # rows per ring block: FlashAttention's paged KV needs a multiple of 16
 BF16_BYTES = 2
+SLIDING = "sliding_attention"
+
+
+def window_from_config(cfg: dict) -> int:
+    """The drafter's sliding window from its config.json, by the rule the server applies
+    (patch 0080's dflash2_lane.ring_window; tests/dflash/test_ring_mode.py checks they agree):
+    every layer slides when ``dflash_config.use_swa`` or ``use_sliding_window`` is true, or when
+    ``layer_types`` lists only sliding layers (a mix is refused); the window is
+    ``dflash_config.swa_window_size``, else ``sliding_window``. ValueError (one line) otherwise."""
+    dc = cfg.get("dflash_config") or {}
+    layer_types = list(cfg.get("layer_types") or [])
+    flagged = bool(dc.get("use_swa", False)) or bool(cfg.get("use_sliding_window", False))
+    all_sliding = bool(layer_types) and all(t == SLIDING for t in layer_types)
+    mixed = SLIDING in layer_types and not all_sliding
+    if mixed or not (flagged or all_sliding):
+        raise ValueError(f"ring mode needs a drafter whose every layer is sliding-window, but this one has "
+                         f"use_sliding_window={cfg.get('use_sliding_window')!r}, dflash_config.use_swa="
+                         f"{dc.get('use_swa')!r}, layer_types={layer_types or None!r}; valid: "
+                         f"use_sliding_window true (or dflash_config.use_swa true, or layer_types all "
+                         f"{SLIDING}) with sliding_window >= 1")
+    window = dc.get("swa_window_size", cfg.get("sliding_window"))
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"the drafter's sliding window is {window!r}; valid: dflash_config.swa_window_size "
+                         f"or sliding_window, an int >= 1")
+    return window
 
 
 def ring_blocks(window: int, k_max: int) -> int:

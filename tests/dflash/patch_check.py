@@ -474,6 +474,42 @@ def ring_mode():
         out["slots"] = [bt[:, :7].tolist(), same, cleared, dict(prop.ring_book.owner),
                         padded[:, :7].tolist()]
 
+        # a backend whose logical shape puts K/V first (block index at dim 1): a fresh slot is
+        # cleared along the block dim, not along K/V
+        class _KVFirst(FlashAttentionBackend):
+            @staticmethod
+            def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size,
+                                   cache_dtype_str="auto"):
+                return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+            @staticmethod
+            def get_kv_cache_stride_order(include_num_layers_dimension=False):
+                return (0, 1, 2, 3, 4)
+
+        kv_layers = {k: types.SimpleNamespace(**{a: getattr(v, a) for a in
+                                                 ("num_kv_heads", "head_size", "kv_cache_torch_dtype")})
+                     for k, v in fake_layers.items()}
+        for layer in kv_layers.values():
+            layer.bind_kv_cache = (lambda lay: lambda t: setattr(lay, "kv_cache", t))(layer)
+        saved = (dict(prop.ring_caches), prop._ring_key, prop._ring_bt, prop.ring_book,
+                 runner.input_batch.req_ids, runner.requests)
+        prop.ring_caches = {}
+        prop._ring_allocate(kv_layers, sorted(kv_layers), _KVFirst)
+        for t in prop.ring_caches.values():
+            t.fill_(1)
+        prop.ring_book = type(prop.ring_book)(prop.ring_slots)
+        prop._ring_key = None
+        runner.input_batch.req_ids = ["c"]
+        runner.requests = {"c": 1}
+        prop._ring_block_table(1)                 # slot 0, fresh: cleared
+        out["kv_first_clear"] = [prop._ring_block_dim,
+                                 all(bool((t[:, :bps] == 0).all()) and bool((t[:, bps:] == 1).all())
+                                     for t in prop.ring_caches.values())]
+        (prop.ring_caches, prop._ring_key, prop._ring_bt, prop.ring_book,
+         runner.input_batch.req_ids, runner.requests) = saved
+        for n, t in prop.ring_caches.items():
+            fake_layers[n].bind_kv_cache(t)
+
         # initialize_attn_backend: one FA group on SlidingWindowSpec(16, window), the first
         # attention group's id, block size 16, rings bound (the FA builder itself needs a GPU:
         # create_metadata_builders is recorded, not run)

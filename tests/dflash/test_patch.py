@@ -211,6 +211,7 @@ def test_ring_mode(checks):
     assert shape[0] == 16 and shape[2] == 16 and bf16 and nhd_contiguous and bound and separate
     assert table == [4, 130]                 # 3 slots + the spare row for padding rows
     assert r["rings_kept"] is True
+    assert r["kv_first_clear"] == [1, True]   # a K/V-first layout clears along its block dim
     bt, same, cleared, owner, padded = r["slots"]
     assert bt == [[0, 1, 2, 3, 4, 0, 1], [5, 6, 7, 8, 9, 5, 6]] and same
     assert cleared == [True, True] and owner == {"a": 0, "b": 1}

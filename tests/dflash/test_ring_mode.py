@@ -65,26 +65,36 @@ def _hf(**kw):
     return types.SimpleNamespace(**kw)
 
 
-def test_ring_window_accepts_only_all_sliding_drafters(lane):
+GOOD_WINDOWS = [
     # the tiny / quoted 27B form: top-level use_sliding_window, transformers' all-full layer_types
-    assert lane.ring_window(_hf(use_sliding_window=True, sliding_window=64,
-                                layer_types=["full_attention"] * 5, dflash_config={})) == 64
-    assert lane.ring_window(_hf(use_sliding_window=False, sliding_window=2048, dflash_config={
-        "use_swa": True, "swa_window_size": 1024})) == 1024
-    assert lane.ring_window(_hf(sliding_window=512, layer_types=["sliding_attention"] * 3,
-                                dflash_config={})) == 512
-    bad = [
-        _hf(use_sliding_window=False, sliding_window=64, layer_types=["full_attention"] * 5,
-            dflash_config={}),
-        _hf(use_sliding_window=True, sliding_window=64,
-            layer_types=["sliding_attention", "full_attention"], dflash_config={}),
-        _hf(use_sliding_window=True, sliding_window=None, dflash_config={}),
-        _hf(use_sliding_window=True, sliding_window=0, dflash_config={}),
-    ]
-    for hf in bad:
+    ({"use_sliding_window": True, "sliding_window": 64, "layer_types": ["full_attention"] * 5,
+      "dflash_config": {}}, 64),
+    ({"use_sliding_window": False, "sliding_window": 2048,
+      "dflash_config": {"use_swa": True, "swa_window_size": 1024}}, 1024),
+    ({"sliding_window": 512, "layer_types": ["sliding_attention"] * 3, "dflash_config": {}}, 512),
+]
+BAD_WINDOWS = [
+    {"use_sliding_window": False, "sliding_window": 64, "layer_types": ["full_attention"] * 5,
+     "dflash_config": {}},
+    {"use_sliding_window": True, "sliding_window": 64,
+     "layer_types": ["sliding_attention", "full_attention"], "dflash_config": {}},
+    {"use_sliding_window": True, "sliding_window": None, "dflash_config": {}},
+    {"use_sliding_window": True, "sliding_window": 0, "dflash_config": {}},
+]
+
+
+def test_ring_window_accepts_only_all_sliding_drafters(lane):
+    """The server's rule (patch 0080's ring_window on the hf config) and the launcher's
+    (onecard.dflash.ring.window_from_config on config.json) agree on every case."""
+    for cfg, window in GOOD_WINDOWS:
+        assert lane.ring_window(_hf(**cfg)) == ring.window_from_config(cfg) == window
+    for cfg in BAD_WINDOWS:
         with pytest.raises(ValueError, match="valid") as e:
-            lane.ring_window(hf)
+            lane.ring_window(_hf(**cfg))
         assert "\n" not in str(e.value) and "ONECARD_DFLASH_RING=1" in str(e.value)
+        with pytest.raises(ValueError, match="valid") as e:
+            ring.window_from_config(cfg)
+        assert "\n" not in str(e.value)
 
 
 # --------------------------------------------------------------------------- slot map

@@ -327,6 +327,10 @@ class DFlash2Proposer(DFlashProposer):
         shape = backend.get_kv_cache_shape(self.ring_num_blocks, RING_BLOCK,
                                            first.num_kv_heads, first.head_size,
                                            cache_dtype_str="auto")
+        # the block index's dim in this backend's logical shape (0 for FlashAttention in 0.27.1;
+        # K/V-first layouts put it at 1): _ring_clear zeroes a slot's blocks along it
+        self._ring_block_dim = backend.get_kv_cache_block_dim(
+            RING_BLOCK, first.num_kv_heads, first.head_size, cache_dtype_str="auto")
         try:
             with set_current_vllm_config(self.vllm_config):
                 order = tuple(backend.get_kv_cache_stride_order())
@@ -354,7 +358,7 @@ class DFlash2Proposer(DFlashProposer):
     def _ring_clear(self, slot: int) -> None:
         lo, hi = slot * self.ring_blocks_per_slot, (slot + 1) * self.ring_blocks_per_slot
         for cache in self.ring_caches.values():
-            cache[lo:hi].zero_()   # dim 0 is the block in every backend's logical shape
+            cache.narrow(self._ring_block_dim, lo, hi - lo).zero_()
 
     def _ring_block_table(self, batch_size: int) -> torch.Tensor:
         """This batch's drafter block table, [batch_size, width]: each request's slot rows, and
