@@ -1,8 +1,8 @@
 """Geometry of the DFlash2 drafter's K/V rings (CTX=huge + SPEC=dflash2, docs/dflash2-huge.md §3).
 
 In ring mode the drafter's attention layers hand vLLM no KV-cache spec: their K/V live in one
-private bf16 tensor per layer, in vLLM's FlashAttention layout ``[2, blocks, RING_BLOCK, kv_heads,
-head_dim]``. Each live request owns a slot ``s`` of ``ring_blocks`` blocks; logical block ``j`` of
+private bf16 tensor per layer, in the attention backend's own KV-cache layout (the same bytes:
+K and V of ``blocks x RING_BLOCK`` rows x ``kv_heads`` x ``head_dim``). Each live request owns a slot ``s`` of ``ring_blocks`` blocks; logical block ``j`` of
 the request maps to physical block ``s * ring_blocks + (j % ring_blocks)``. The last physical block
 is a spare that no slot owns. A sliding-window drafter never reads a position more than
 ``window - 1`` behind its newest query, so the wrap is invisible as long as one slot holds the
