@@ -42,6 +42,9 @@ class ServePlan:
     notes: list[str] = field(default_factory=list)
     prediction: dict | None = None
     api_key: str | None = field(default=None, repr=False)
+    # DFLASH_RING=1: the drafter's ring geometry, read from DRAFT once in resolve (the preflight
+    # sizes the rings from it)
+    ring_geometry: memory.RingDrafter | None = None
 
     def get(self, name: str):
         return self.values[name].value
@@ -364,7 +367,7 @@ def _resolve_dflash_ring(plan: ServePlan, ctx: profiles.CtxProfile, spec: profil
                             "vLLM 0.27.1's KV-cache setup (docs/results/2026-12-03-huge-dflash2-cpu); valid: "
                             "DFLASH_RING=auto|1 with CTX=huge, or DFLASH_RING=0 with CTX=fast|long")
         return
-    rd = ring_drafter(str(plan.get("DRAFT")))
+    rd = plan.ring_geometry = ring_drafter(str(plan.get("DRAFT")))
     rv = plan.values["DFLASH_RING"]
     geometry = f"{rd.layers} drafter layers, window {rd.window} ({rd.source})"
     rv.reason = f"{rv.reason}; {geometry}" if rv.reason else geometry

@@ -185,10 +185,7 @@ def _ring_bytes(plan: ServePlan) -> int:
     plan's MAX_SEQS and DFLASH_TOKENS; 0 otherwise."""
     if not _ring(plan):
         return 0
-    from onecard.plan import ring_drafter
-
-    return memory.dflash2_ring_bytes(ring_drafter(str(plan.get("DRAFT"))), int(plan.get("MAX_SEQS")),
-                                     int(plan.get("SPEC_K")))
+    return memory.dflash2_ring_bytes(plan.ring_geometry, int(plan.get("MAX_SEQS")), int(plan.get("SPEC_K")))
 
 
 def _card(plan: ServePlan) -> tuple[int, bool]:
@@ -328,11 +325,10 @@ def _ring_note(plan: ServePlan) -> None:
     if not _ring(plan):
         return
     from onecard.dflash import ring as dring
-    from onecard.plan import ring_drafter
 
-    rd = ring_drafter(str(plan.get("DRAFT")))
+    rd = plan.ring_geometry
     seqs, k = int(plan.get("MAX_SEQS")), int(plan.get("SPEC_K"))
-    nbytes = memory.dflash2_ring_bytes(rd, seqs, k)
+    nbytes = _ring_bytes(plan)
     plan.prediction["dflash2_ring_bytes"] = nbytes
     plan.notes.append(
         f"DFLASH_RING=1: the DFlash2 drafter's {rd.layers} attention layers keep no KV in the pool (predicted "
