@@ -167,8 +167,9 @@ def _gib(n: int) -> str:
 
 
 def _ring(plan: ServePlan) -> bool:
-    """DFLASH_RING=1 (plan.resolve allows it only with SPEC=dflash2): the drafter's K/V in rings."""
-    return plan.get("SPEC") == "dflash2" and plan.get("DFLASH_RING") == "1"
+    """DFLASH_RING=1 with SPEC=dflash2: the drafter's K/V in rings (plan.resolve read their
+    geometry from DRAFT exactly then)."""
+    return plan.ring_geometry is not None
 
 
 def _drafter(plan: ServePlan) -> memory.DrafterVRAM | None:
