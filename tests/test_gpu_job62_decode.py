@@ -128,3 +128,19 @@ def test_prompt_sized_with_the_served_tokenizer(monkeypatch):
         n = mod._words_for_tokens("http://h:1", "m", words, target)
         assert abs(int(n * 1.54) + 3 - target) <= target // 100
     assert all(u == "http://h:1/tokenize" for u in calls) and len(calls) <= 12
+
+
+def test_job61_quality_names_the_default_rule_and_the_old_one(tmp_path, capsys, monkeypatch):
+    """The kvarn arm is the server's default read rule (window 3 + two sinks since session 17);
+    the old default's arm (kvarn-w2s1) is judged against the goal beside it."""
+    job61 = _load()
+    for v in ("ONECARD_KVARN_WINDOW", "ONECARD_KVARN_SINKS"):
+        monkeypatch.delenv(v, raising=False)
+    (tmp_path / "compare.json").write_text(json.dumps({"arms": {
+        "kvarn": {"ppl": 51.922, "base_ppl": 51.709, "delta_ppl_pct": 0.413, "first_divergence_min": 6},
+        "kvarn-w2s1": {"ppl": 52.044, "delta_ppl_pct": 0.649}}}))
+    import types
+    rc = job61.quality(types.SimpleNamespace(dir=str(tmp_path), max_delta=25))
+    out = capsys.readouterr().out
+    assert rc == 0 and "goal |delta| <= 0.5 % vs bf16 (window 3 + sinks 2): MET" in out
+    assert "kvarn fp16 window 2 + sink 1 perplexity 52.0440: +0.649 % vs bf16 (goal <= 0.5 %: NOT MET)" in out

@@ -6,12 +6,13 @@
 #  1. SmolLM2-135M with --kv-cache-dtype kvarn_k4v2_g128 (KVARN backend, eager, 4k, seed 0, the
 #     same flags as job 32 minus --attention-backend): teacher-forced logprobs + 96-token greedy
 #     continuations of job 32's 6 texts (gpu/jobs/32-kv-quality.py measure), one needle (~2.2k
-#     tokens) at the default fp16 window 2 (label kvarn); then the same at window 1 (label
-#     kvarn-w1, ONECARD_KVARN_WINDOW=1; KVARN_W1=0 skips it): the two read rules side by side
-#     in one lease; then the k4v4_g128 preset at window 2 (label kvarn-v4, the launcher's
-#     KVARN_PRESET=k4v4_g128; KVARN_V4=0 skips it; CPU model 2026-12-04: +0.1 % per document);
-#     then fp16 window 3 + two sink tiles (label kvarn-w3s2, ONECARD_KVARN_WINDOW=3
-#     ONECARD_KVARN_SINKS=2; KVARN_W3S2=0 skips it; CPU model: +0.29 % pooled);
+#     tokens) at the server's default read rule (fp16 window 3 + two sink tiles since 2026-12-04
+#     session 17; label kvarn); then the same at window 1 + one sink (label kvarn-w1,
+#     ONECARD_KVARN_WINDOW=1 ONECARD_KVARN_SINKS=1, the rule before 2026-12-04; KVARN_W1=0 skips
+#     it); then the k4v4_g128 preset at the default rule (label kvarn-v4, the launcher's
+#     KVARN_PRESET=k4v4_g128; KVARN_V4=0 skips it); then window 2 + one sink (label kvarn-w2s1,
+#     ONECARD_KVARN_WINDOW=2 ONECARD_KVARN_SINKS=1, the default until session 17; KVARN_W2S1=0
+#     skips it): the read rules side by side in one lease;
 #     perplexity delta vs bf16 and int8 from job 32's files of this session
 #     (/var/tmp/out/32-kv-quality; compared after part 2, waiting for job 32 when it runs beside
 #     this one in a `+` group), or a bf16 boot of our own when job 32 did not run (right after
@@ -74,14 +75,15 @@ quality_arm() {
     say "$what: boot failed"; return 1
   fi
 }
-if [ "${KVARN_W1:-1}" = 1 ]; then  # window 1 (the read rule before 2026-12-04), same server flags
-  quality_arm kvarn-w1 "kvarn window 1" ONECARD_KVARN_WINDOW=1 -- --kv-cache-dtype kvarn_k4v2_g128
+if [ "${KVARN_W1:-1}" = 1 ]; then  # window 1 + one sink (the read rule before 2026-12-04), same server flags
+  quality_arm kvarn-w1 "kvarn window 1" ONECARD_KVARN_WINDOW=1 ONECARD_KVARN_SINKS=1 -- \
+    --kv-cache-dtype kvarn_k4v2_g128
 fi
-if [ "${KVARN_V4:-1}" = 1 ]; then  # the k4v4_g128 preset (launcher KVARN_PRESET=k4v4_g128), window 2
+if [ "${KVARN_V4:-1}" = 1 ]; then  # the k4v4_g128 preset (launcher KVARN_PRESET=k4v4_g128), default rule
   quality_arm kvarn-v4 "kvarn k4v4_g128" -- --kv-cache-dtype kvarn_k4v4_g128 || status=1
 fi
-if [ "${KVARN_W3S2:-1}" = 1 ]; then  # fp16 window 3 + two sink tiles (launcher KVARN_WINDOW=3 KVARN_SINKS=2)
-  quality_arm kvarn-w3s2 "kvarn window 3 + sinks 2" ONECARD_KVARN_WINDOW=3 ONECARD_KVARN_SINKS=2 -- \
+if [ "${KVARN_W2S1:-1}" = 1 ]; then  # window 2 + one sink (the default until session 17)
+  quality_arm kvarn-w2s1 "kvarn window 2 + sink 1" ONECARD_KVARN_WINDOW=2 ONECARD_KVARN_SINKS=1 -- \
     --kv-cache-dtype kvarn_k4v2_g128 || status=1
 fi
 # --- 1b. the bf16 baseline, before the 27B part (2026-12-03: booted after it, it never ran: the
