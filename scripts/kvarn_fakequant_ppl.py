@@ -122,15 +122,16 @@ def fp16_window_cost(window: int, sinks: int, preset: str = "kvarn_k4v2_g128",
     kv_mem = huge.kv_mem if kv_mem is None else kv_mem
     geom = geom or M.QWEN38_27B
     pool_layers = geom.num_full_attention + geom.mtp_layers if pool_layers is None else pool_layers
-    # costs over the window-1 stage (the base these what-ifs were measured against)
-    slot = M.kvarn_stage_bytes(geom, preset, 1, attn_layers=1, window=1) // default_num_slots(1, 1)
+    # costs over the window-1, one-sink stage (the base these what-ifs were measured against;
+    # pinned: the server's default became window 3 + two sinks in session 17)
+    slot = M.kvarn_stage_bytes(geom, preset, 1, attn_layers=1, window=1, sinks=1) // default_num_slots(1, 1, 1)
     tiles = (window - 1) + (sinks - 1)
     per_seq = tiles * slot * attn_layers
     outside = tiles * slot * pool_layers * max_seqs
     base = M.predict_pool(geom, kv_mem, preset, max_len, num_spec, prefix_cache).pool_tokens
     pool = M.predict_pool(geom, kv_mem - outside, preset, max_len, num_spec, prefix_cache).pool_tokens
     weights, _ = M.target_weight_bytes(None, "mtp", geom)  # the prepared 27B layout, SPEC=mtp
-    stage = M.kvarn_reserve_bytes(geom, preset, max_seqs, window=1)
+    stage = M.kvarn_reserve_bytes(geom, preset, max_seqs, window=1, sinks=1)
     card = M.vram_budget(kv_mem, weights or 0, kvarn_stage=stage + outside)
     return {"window": window, "sinks": sinks, "extra_tiles_per_seq": tiles,
             "slot_bytes_per_layer": slot, "extra_bytes_per_seq": per_seq,
