@@ -244,8 +244,8 @@ def kvarn_stage_bytes(geom: ModelGeometry, kv: str, max_seqs: int, attn_layers: 
                       window: int | None = None, sinks: int | None = None) -> int:
     """VRAM of the KVarN fp16 stage outside the KV pin: per attention layer (+1 for MTP by
     default) ``stage.default_num_slots(max_seqs, window, sinks)`` slots of one tile of K and V
-    (``5 * max_seqs + 4`` at the default fp16 window 2 and one sink tile, ``3 * max_seqs + 4``
-    at window 1, ``7 * max_seqs + 4`` at window 3 + two sink tiles)."""
+    (``7 * max_seqs + 4`` at the default fp16 window 3 + two sink tiles, ``5 * max_seqs + 4`` at
+    window 2 and one sink tile, ``3 * max_seqs + 4`` at window 1 and one sink)."""
     from onecard.kvarn import format as kvarn_format
     from onecard.kvarn.stage import default_num_slots
 

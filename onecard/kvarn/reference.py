@@ -267,7 +267,7 @@ def own_tile_attention_f64(q: torch.Tensor, k_fp: torch.Tensor, v_fp: torch.Tens
     as the packed tiles represent them (any linear space, the same for all four). A query at
     position p in tile T(p) = p // tile reads:
     * keys of its fp16 window, tiles T(p) - window + 1 .. T(p) (up to p), from the fp16 rows
-      (``window`` 1: its own tile; the server's default is format.DEFAULT_WINDOW = 2);
+      (``window`` 1: its own tile; the server's default is format.DEFAULT_WINDOW = 3);
     * keys of the ``sinks`` first tiles (tiles 0 .. sinks - 1; the default 1: tile 0) from the
       fp16 rows when ``sink`` is True (their sink slots live); an int ``sink`` is the number of
       leading sink tiles whose slots live (a lost sink tile is read quantized, and so is every

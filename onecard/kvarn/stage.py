@@ -20,8 +20,8 @@ Per step, for every request (context ``c`` committed tokens, ``s`` after this st
   (interior tiles of a long prefill chunk) straight from the new rotated rows.
 * Attention follows one read rule for every path (``reference.own_tile_attention_f64``): a
   query at position p reads its fp16 window -- the ``window`` tiles ending with its own tile
-  p // tile (format.DEFAULT_WINDOW = 2: its own and the previous one; up to 3) -- in fp16, the
-  sink tiles 0 .. S - 1 from their sink slots (format.DEFAULT_SINKS = 1: tile 0; up to 2) while
+  p // tile (format.DEFAULT_WINDOW = 3: its own and the two previous ones; 1 to 3) -- in fp16, the
+  sink tiles 0 .. S - 1 from their sink slots (format.DEFAULT_SINKS = 2: tiles 0 and 1; 1 or 2) while
   they live, and every other earlier tile packed. So the attention at a
   position does not depend on how tokens were grouped into steps: a prompt scored in one
   chunk, in odd chunks, by verify blocks or one token at a time sees the same keys (teacher
