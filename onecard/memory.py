@@ -677,10 +677,11 @@ def drafter_param_count(cfg) -> int:
 class DrafterVRAM:
     weight_bytes: int
     attn_layers: int  # attention layers whose KV lives in the same pool (the pin); 0 in ring mode
+    # (DFLASH_RING=1: their K/V sit in rings beside the pin, sized by dflash2_ring_bytes from the
+    # plan's ring geometry, not from this record)
     source: str
     kv_heads: int = DFLASH2_27B_KV_HEADS  # per drafter attention layer (its KV page)
     head_dim: int = DFLASH2_27B_HEAD_DIM
-    ring: bool = False  # DFLASH_RING=1: the drafter's K/V live in rings beside the pool (dflash2_ring_bytes)
 
     def pool_kw(self) -> dict:
         """predict_pool's keywords for a pool shared with this drafter (no MTP layer is built)."""
@@ -715,11 +716,11 @@ def dflash_drafter_vram(draft_dir: str | os.PathLike | None, ring: bool = False)
     layers = 0 if ring else cfg.num_layers if cfg else DFLASH2_27B_LAYERS
     shape = {"kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim} if cfg else {}
     if d is not None and d.is_dir() and any(d.glob("*.safetensors")):
-        return DrafterVRAM(weight_bytes(d), layers, "drafter safetensors headers", **shape, ring=ring)
+        return DrafterVRAM(weight_bytes(d), layers, "drafter safetensors headers", **shape)
     if cfg is not None:
-        return DrafterVRAM(drafter_param_count(cfg) * 2, layers, "drafter config shape, bf16", **shape, ring=ring)
+        return DrafterVRAM(drafter_param_count(cfg) * 2, layers, "drafter config shape, bf16", **shape)
     return DrafterVRAM(DFLASH2_27B_PARAMS * 2, layers,
-                       f"estimate: the published 27B DFlash2 drafter, bf16 ({why})", ring=ring)
+                       f"estimate: the published 27B DFlash2 drafter, bf16 ({why})")
 
 
 @dataclass(frozen=True)

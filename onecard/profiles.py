@@ -173,6 +173,22 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
 ]}
 
 
+def knob_overrides(words, what: str = "knob override") -> dict[str, str]:
+    """``KNOB=VALUE`` words (launcher knobs laid over a job's own, e.g. SPEC_KV_KNOBS of
+    tests/gpu/spec_kv_sweep.py, an arm's fields in gpu/jobs/61-kvarn-serve.py) -> {knob: value},
+    the last word winning. The one rule for such words: KNOB is a name of KNOBS and VALUE is not
+    empty (the plan checks the value itself, with its own one-line error). Otherwise ValueError,
+    one line: ``<what> '<word>' is not valid; valid: ...`` naming every knob."""
+    out = {}
+    for word in words:
+        k, sep, v = word.partition("=")
+        if not sep or not v or k not in KNOBS:
+            raise ValueError(f"{what} {word!r} is not valid; valid: KNOB=VALUE with a non-empty VALUE and KNOB "
+                             f"a launcher knob ({', '.join(KNOBS)})")
+        out[k] = v
+    return out
+
+
 # Server environment at TP > 1: NVLink multicast off in NCCL, PyTorch's symmetric memory and
 # NVSHMEM, and vLLM's symm-mem all-reduce (its only user of multicast) not tried. Why: the lent
 # multi-GPU hosts require it (/work/.library/device/KINDS.md, nvidia-h200-x2: "a program that uses

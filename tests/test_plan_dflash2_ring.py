@@ -153,7 +153,7 @@ def test_explicit_ring_with_long_frees_the_pool(tmp_path, features, drafter_27b)
 
 def test_drafter_vram_in_ring_mode_holds_no_pool_layers(drafter_27b):
     d = memory.dflash_drafter_vram(str(drafter_27b), ring=True)
-    assert d.ring and d.attn_layers == 0 and d.pool_kw()["draft_attn_layers"] == 0
+    assert d.attn_layers == 0 and d.pool_kw()["draft_attn_layers"] == 0
     assert d.weight_bytes == memory.dflash_drafter_vram(str(drafter_27b)).weight_bytes
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "gpu" / "lib"))
 from jobutil import write_json  # noqa: E402  (gpu/lib/jobutil.py)
+from onecard.profiles import knob_overrides  # noqa: E402  (stdlib only: no vLLM, no torch)
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -310,21 +310,21 @@ DECODE_ARMS = "kvarn:huge:1,kvarn-pw:huge:0,int8:long:1"
 def parse_arms(text: str) -> list[tuple[str, str, str, str, dict]]:
     """'label:ctx:graphs[:auto|stock|BLOCK_M:TILE:WARPS:STAGES][:KNOB=VALUE...],...' (graphs:
     KVARN_GRAPHS, 1 or 0; then the launcher's PREFILL_LAUNCH, patch 0083; then any launcher knobs
-    for this arm only, e.g. KVARN_WINDOW=3:KVARN_SINKS=2) -> [(label, ctx, graphs, prefill_launch,
-    knobs)] ('auto', the launcher's default, when no launch is given)."""
+    for this arm only, e.g. KVARN_WINDOW=3:KVARN_SINKS=2, by onecard.profiles.knob_overrides'
+    rule) -> [(label, ctx, graphs, prefill_launch, knobs)] ('auto', the launcher's default, when
+    no launch is given)."""
     arms = []
     valid = "label:huge|long|fast:0|1[:auto|stock|BLOCK_M:TILE:WARPS:STAGES][:KNOB=VALUE...]"
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
         fields = item.split(":")
-        knobs = dict(f.split("=", 1) for f in fields if "=" in f)
         parts = [f for f in fields if "=" not in f]
         if len(parts) not in (3, 4, 7) or parts[1] not in ("huge", "long", "fast") or parts[2] not in ("0", "1") \
                 or not parts[0] or (len(parts) == 4 and parts[3] not in ("auto", "stock")) \
-                or (len(parts) == 7 and not all(p.isdigit() for p in parts[3:])) \
-                or not all(re.fullmatch(r"[A-Z][A-Z0-9_]*", k) and v for k, v in knobs.items()):
+                or (len(parts) == 7 and not all(p.isdigit() for p in parts[3:])):
             raise ValueError(f"decode arm {item!r} is not valid; valid: {valid}")
+        knobs = knob_overrides([f for f in fields if "=" in f], f"decode arm {item!r}: field")
         arms.append((parts[0], parts[1], parts[2], ":".join(parts[3:]) or "auto", knobs))
     if len({a[0] for a in arms}) != len(arms) or not arms:
         raise ValueError(f"decode arms {text!r}: labels must be distinct and at least one given")
@@ -451,7 +451,8 @@ def main(argv: list[str]) -> int:
     d.add_argument("--models", default=os.environ.get("MODELS", "/var/tmp/models"))
     d.add_argument("--deadline", type=float, required=True)
     d.add_argument("--arms", default=os.environ.get("ARMS62", DECODE_ARMS),
-                   help="label:huge|long|fast:graphs(0|1)[:BLOCK_M:TILE:WARPS:STAGES],... (env ARMS62)")
+                   help="label:huge|long|fast:graphs(0|1)[:auto|stock|BLOCK_M:TILE:WARPS:STAGES][:KNOB=VALUE...],... "
+                        "(env ARMS62)")
     d.add_argument("--depths", default="8192,32768,120000",
                    help="prompt tokens per row (CTX=long's MAX_LEN 124,928 bounds the int8 arm)")
     a = ap.parse_args(argv)
