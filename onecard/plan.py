@@ -244,6 +244,9 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
                      plan.values["DFLASH_TOKENS"].source, "DFLASH_TOKENS")
     if plan.values["LOOKUP"].source != "default" and plan.get("LOOKUP") == "1" and spec.name != "dflash2":
         raise PlanError("LOOKUP=1 needs SPEC=dflash2; valid otherwise: LOOKUP=0")
+    if plan.values["LOOKUP_LANE"].source != "default" and spec.name != "dflash2":
+        raise PlanError(f"LOOKUP_LANE={plan.get('LOOKUP_LANE')} needs SPEC=dflash2 (the DFlash2 lookup lane); "
+                        "valid otherwise: leave LOOKUP_LANE unset")
     if spec.name == "dflash2" and int(plan.get("SPEC_K")) > DFLASH2_DRAFTER_ROWS and plan.get("LOOKUP") == "0":
         plan.notes.append(f"DFLASH_TOKENS={plan.get('SPEC_K')} with LOOKUP=0: positions {DFLASH2_DRAFTER_ROWS + 1}.."
                           f"{plan.get('SPEC_K')} repeat the last draft (verified, rarely accepted); LOOKUP=1 fills them")
@@ -595,6 +598,8 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     # pool); the preflight sized the pool without the drafter's layers and the rings beside the pin
     if plan.get("SPEC") == "dflash2":
         plan.child_env["ONECARD_DFLASH_RING"] = str(plan.get("DFLASH_RING"))
+        # LOOKUP_LANE's reader is patch 0080's DFlash2Proposer (dflash2_lane.lane_mode)
+        plan.child_env["ONECARD_DFLASH_LANE"] = str(plan.get("LOOKUP_LANE"))
     # KVARN_WINDOW's reader is the KVarN backend (onecard.kvarn.format.window_from_env); the
     # preflight sized the stage for the same value
     if str(plan.get("KV")).startswith("kvarn"):

@@ -87,6 +87,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("DFLASH_TOKENS", "", "7..15", "DFlash2 block size (draft tokens), default 7"),
     Knob("LOOKUP", "1", "0|1", "DFlash2 lookup lane: with DFLASH_TOKENS 8..15, positions past the drafter's 7 "
          "come from suffix matches in prompt + generated text (0: the last draft repeated)", BOOL),
+    Knob("LOOKUP_LANE", "device", "device|host", "where the lookup lane's suffix match runs: device (the GPU, "
+         "no host sync per step) or host (the CPU lane of earlier releases: one device-to-host copy and wait "
+         "per step with DFLASH_TOKENS 8..15). Both propose tokens the target verifies, so output is exact "
+         "either way; device considers every earlier occurrence of the key, host the 8 most recent. "
+         "Passed to the server as ONECARD_DFLASH_LANE", ("device", "host")),
     Knob("DFLASH_RING", "auto", "auto|0|1", "SPEC=dflash2: 1: the drafter's attention K/V live in per-request "
          "rings of its sliding window outside vLLM's KV pool (84.9 MB beside the pin for the 27B drafter at "
          "MAX_SEQS 2), so the pool is the target's alone (docs/dflash2-huge.md section 3); needs a drafter whose "

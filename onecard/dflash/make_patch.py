@@ -31,8 +31,10 @@ What:     SpeculativeConfig accepts method "dflash2" (served by 0.27.1's DFlash 
           the two-tap block convolutions and the candidate selector's weights); the V1 runner
           builds v1/spec_decode/dflash2.DFlash2Proposer for it: drafter rows = min(k,
           block_size - 1), lm_head -> top-k -> the selector walk (greedy, or sampled with its q
-          rows), positions past the block from the lookup lane (dflash2_lane.py), all handed
-          to vLLM's verify + rejection sampler unchanged. Adds vllm/dflash2_installed.txt (the
+          rows), positions past the block from the lookup lane (dflash2_lane.py; by default
+          on the device with no host sync, its match one Triton kernel in
+          dflash2_lane_kernel.py; ONECARD_DFLASH_LANE=host: the CPU lane), all handed to
+          vLLM's verify + rejection sampler unchanged. Adds vllm/dflash2_installed.txt (the
           launcher's SPEC=dflash2 marker). qwen3_dflash.py gains two class hooks
           (decoder_layer_cls, model_cls) so the DFlash2 classes reuse it. Ring mode
           (ONECARD_DFLASH_RING=1, the launcher's DFLASH_RING; CTX=huge): the drafter's layers
@@ -44,7 +46,8 @@ Why:      DFlash2 drafters (architectures DFlash2DraftModel) do not load in stoc
           the KVarN pool (CTX=huge) cannot hold the drafter's non-causal layers.
 Test:     tests/dflash/test_patch.py (applies/reverts on the series, generated == committed,
           config accepts/rejects, the shipped walk/lane/conv equal onecard.dflash's reference on
-          CPU); gpu/jobs/70-dflash2.sh + tests/gpu/test_dflash2.py (greedy == SPEC=off for
+          CPU); tests/dflash/test_device_lane.py (device lane == CPU lane, no host sync, the
+          Triton match == torch under TRITON_INTERPRET=1); gpu/jobs/70-dflash2.sh + tests/gpu/test_dflash2.py (greedy == SPEC=off for
           DFLASH_TOKENS 7 and 15 over 128 prompt-length residues, sampled chi-square, lookup
           tokens/step from /metrics); ring mode: tests/dflash/test_ring_mode.py (float64 ring ==
           dense windowed attention across wraps, slot map, -1 filter) and test_patch.py::test_ring_mode.
@@ -56,6 +59,7 @@ Applies-To: vllm 0.27.1
 
 NEW_FILES = {
     "vllm/v1/spec_decode/dflash2_lane.py": "dflash2_lane.py",
+    "vllm/v1/spec_decode/dflash2_lane_kernel.py": "dflash2_lane_kernel.py",
     "vllm/v1/spec_decode/dflash2.py": "dflash2.py",
     "vllm/model_executor/models/qwen3_dflash2.py": "qwen3_dflash2.py",
     "vllm/dflash2_installed.txt": "dflash2_installed.txt",

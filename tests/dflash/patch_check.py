@@ -119,31 +119,47 @@ def proposer_extend():
     q rows extended with one-hot rows."""
     from vllm.v1.spec_decode.dflash2 import DFlash2Proposer
 
-    p = object.__new__(DFlash2Proposer)
-    p.lookup_enabled = True
-    p.lanes = lane.LaneBook()
-    p.max_model_len = 1000
-    prompt = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
-    state = types.SimpleNamespace(prompt_token_ids=prompt, output_token_ids=[])
-    other = types.SimpleNamespace(prompt_token_ids=[1, 2, 3], output_token_ids=[])
-    p.runner = types.SimpleNamespace(
-        input_batch=types.SimpleNamespace(req_ids=["a", "b"]),
-        requests={"a": state, "b": other})
-    # this step: request a accepted [10, 11] after its prompt; b accepted nothing new
-    p._sampled = torch.tensor([[10, 11, -1], [-1, -1, -1]])
-    p._valid_counts = torch.tensor([2, 0])
-    drafts = torch.tensor([[12, 13, 14], [7, 7, 8]])
+    def proposer(mode):
+        p = object.__new__(DFlash2Proposer)
+        p.lookup_enabled = True
+        p.lanes = lane.LaneBook()
+        p.lane_mode, p.device_lane = mode, None
+        p.vllm_config = types.SimpleNamespace(
+            scheduler_config=types.SimpleNamespace(max_num_seqs=4))
+        p.max_model_len = 1000
+        prompt = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+        state = types.SimpleNamespace(prompt_token_ids=prompt, output_token_ids=[])
+        other = types.SimpleNamespace(prompt_token_ids=[1, 2, 3], output_token_ids=[])
+        p.runner = types.SimpleNamespace(
+            input_batch=types.SimpleNamespace(req_ids=["a", "b"]),
+            requests={"a": state, "b": other})
+        return p
+
+    def step(p, sampled, valid, drafts):
+        p._sampled, p._valid_counts = sampled, valid
+        p._last_draft_probs = lane.one_hot_rows(drafts, v)
+        return p._extend(drafts, 7)
+
     v = 40
-    p._last_draft_probs = lane.one_hot_rows(drafts, v)
-    full = p._extend(drafts, 7)
+    p, pd = proposer("host"), proposer("device")
+    # this step: request a accepted [10, 11] after its prompt; b accepted nothing new
+    sampled, valid = torch.tensor([[10, 11, -1], [-1, -1, -1]]), torch.tensor([2, 0])
+    drafts = torch.tensor([[12, 13, 14], [7, 7, 8]])
+    full = step(p, sampled, valid, drafts)
     q = p._last_draft_probs
-    lane_a = p.lanes.lanes["a"].ids
+    lane_a = list(p.lanes.lanes["a"].ids)
+    # the device lane picks the same tokens, this step and the next (the host path's list
+    # form of sampled ids included), without a host lane
+    same = [step(pd, sampled, valid, drafts).tolist() == full.tolist(),
+            bool((pd._last_draft_probs == q).all()), not pd.lanes.lanes]
+    nxt = ([[12, 13], [1, 2]], None, torch.tensor([[20, 21, 22], [3, 1, 2]]))
+    same.append(step(pd, *nxt).tolist() == step(p, *nxt).tolist())
     # without lookup: the last draft repeated
     p2 = object.__new__(DFlash2Proposer)
     p2.lookup_enabled, p2.runner, p2._last_draft_probs = False, None, None
     plain = p2._extend(drafts, 5)
     return [full.tolist(), list(q.shape), bool((q.argmax(-1) == full).all()), lane_a[-3:],
-            plain.tolist()]
+            plain.tolist(), same]
 
 
 def proposer_sample():

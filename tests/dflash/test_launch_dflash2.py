@@ -103,3 +103,27 @@ def test_tiny_cli_writes_the_drafter(tmp_path, capsys):
     assert str(d) in out
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"] and (d / "model.safetensors").is_file()
+
+
+def test_lookup_lane_knob_reaches_the_server(tmp_path, installed, monkeypatch):
+    """LOOKUP_LANE (device by default) goes to the server as ONECARD_DFLASH_LANE, the variable
+    patch 0080's proposer reads; with another SPEC it is refused in one line."""
+    monkeypatch.setenv("MODELS", str(tmp_path / "models"))
+    plan = P.make_plan({"SPEC": "dflash2", "MODEL": "tiny", "DFLASH_TOKENS": "15"}, tmp_path,
+                       python="python3")
+    assert plan.child_env["ONECARD_DFLASH_LANE"] == "device"
+    plan = P.make_plan({"SPEC": "dflash2", "MODEL": "tiny", "LOOKUP_LANE": "host"}, tmp_path,
+                       python="python3")
+    assert plan.child_env["ONECARD_DFLASH_LANE"] == "host"
+    with pytest.raises(P.PlanError, match="LOOKUP_LANE=host needs SPEC=dflash2"):
+        P.make_plan({"SPEC": "mtp", "MODEL": "tiny", "LOOKUP_LANE": "host"}, tmp_path,
+                    python="python3")
+    plan = P.make_plan({"SPEC": "mtp", "MODEL": "tiny"}, tmp_path, python="python3")
+    assert "ONECARD_DFLASH_LANE" not in plan.child_env
+    # the server's reader accepts exactly the launcher's choices
+    src = Path(__file__).resolve().parents[2] / "onecard/dflash/patch_src/dflash2_lane.py"
+    spec = importlib.util.spec_from_file_location("onecard_test_lane_modes", src)
+    lane = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lane)
+    assert tuple(lane.LANE_MODES) == profiles.KNOBS["LOOKUP_LANE"].choices
+    assert lane.LANE_ENV == "ONECARD_DFLASH_LANE"

@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 NAME = "0080-dflash2.patch"
 PATCH = REPO / "patches" / NAME
 GOLDEN = REPO / "tests" / "golden" / "launch"
-NEW = {"vllm/v1/spec_decode/dflash2_lane.py", "vllm/v1/spec_decode/dflash2.py",
+NEW = {"vllm/v1/spec_decode/dflash2_lane.py", "vllm/v1/spec_decode/dflash2_lane_kernel.py",
+       "vllm/v1/spec_decode/dflash2.py",
        "vllm/model_executor/models/qwen3_dflash2.py", "vllm/dflash2_installed.txt"}
 
 
@@ -138,12 +139,14 @@ def test_lookup_lane_equals_reference(checks):
 
 def test_block_assembly(checks):
     assert checks["assemble"] == [[5, 6, 7, 8, 9, 9, 9], [5, 6, 7, 7, 7], [5, 6, 7, 8]]
-    full, qshape, q_matches, lane_tail, plain = checks["proposer_extend"]
+    full, qshape, q_matches, lane_tail, plain, device_same = checks["proposer_extend"]
     # request a: prompt 10..22, accepted 10 11, drafts 12 13 14 -> lookup copies 15..18
     assert full == [[12, 13, 14, 15, 16, 17, 18], [7, 7, 8, 8, 8, 8, 8]]
     assert qshape == [2, 7, 40] and q_matches
     assert lane_tail == [22, 10, 11]
     assert plain == [[12, 13, 14, 14, 14], [7, 7, 8, 8, 8]]
+    # ONECARD_DFLASH_LANE=device (the default) picks the same tokens and q rows, two steps
+    assert device_same == [True, True, True, True]
 
 
 def test_proposer_walk_from_logits_equals_reference(checks):

@@ -38,10 +38,12 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.dflash2_lane import (
     GREEDY_EPS,
     RING_BLOCK,
+    DeviceLane,
     LaneBook,
     RingSlots,
     assemble_block,
     candidate_probs_to_rows,
+    lane_mode,
     one_hot_rows,
     ring_block_table,
     ring_blocks,
@@ -82,6 +84,9 @@ class DFlash2Proposer(DFlashProposer):
             key_len=int(getattr(sc, "dflash2_lookup_key_len", 2)),
             max_match=int(getattr(sc, "dflash2_lookup_max_match", 16)),
         )
+        # where the lane's suffix match runs: "device" (no host sync) or "host" (LookupLane)
+        self.lane_mode = lane_mode()
+        self.device_lane: DeviceLane | None = None  # built at the first step that needs it
         self._anchors: torch.Tensor | None = None
         self._sampled: object = None  # this step's sampled ids (GPU [B, k+1] or CPU lists)
         self._valid_counts: torch.Tensor | None = None
@@ -90,7 +95,8 @@ class DFlash2Proposer(DFlashProposer):
         logger.info(
             "DFlash2: %d drafter rows + %d lookup positions (lookup %s), selector top-%d",
             min(k, self.block_rows), max(0, k - self.block_rows),
-            "on" if self.lookup_enabled else "off", self.selector_top_k,
+            f"on, {self.lane_mode} lane" if self.lookup_enabled else "off",
+            self.selector_top_k,
         )
         self.ring_mode = ring_mode_enabled()
         if self.ring_mode:
@@ -145,7 +151,9 @@ class DFlash2Proposer(DFlashProposer):
     def _extend(self, drafts: torch.Tensor, k: int) -> torch.Tensor:
         """[B, rows] drafts -> [B, k]: lookup tokens, else the last draft repeated."""
         b, rows = drafts.shape
-        if self.lookup_enabled and self.runner is not None:
+        if self.lookup_enabled and self.runner is not None and self.lane_mode == "device":
+            full = self._device_lane_rows(drafts, k)
+        elif self.lookup_enabled and self.runner is not None:
             full = torch.tensor(self._lookup_rows(drafts, k), dtype=drafts.dtype,
                                 device=drafts.device)
         else:
@@ -156,6 +164,47 @@ class DFlash2Proposer(DFlashProposer):
                 [q, one_hot_rows(full[:, rows:], q.shape[-1]).to(q.dtype)], 1
             ).contiguous()
         return full
+
+    def _device_lane_rows(self, drafts: torch.Tensor, k: int) -> torch.Tensor:
+        """The lookup lane without a host sync: this step's accepted tokens are appended to the
+        requests' device histories and the suffix match runs there (DeviceLane). Host work
+        only when the batch's request ids change (slot map; a new request's history is
+        uploaded once, pinned and non-blocking)."""
+        batch = self.runner.input_batch
+        requests = self.runner.requests
+        b = drafts.shape[0]
+        if self.device_lane is None:
+            self.device_lane = DeviceLane(
+                slots=int(self.vllm_config.scheduler_config.max_num_seqs),
+                max_model_len=int(self.max_model_len), k_max=k,
+                key_len=self.lanes.params[0], max_match=self.lanes.params[1],
+                device=drafts.device)
+            logger.info("DFlash2 lookup lane on the device: %.1f MiB of token history",
+                        self.device_lane.nbytes / 2**20)
+        lane = self.device_lane
+        req_ids = [batch.req_ids[i] if i < len(batch.req_ids) else None for i in range(b)]
+        req_ids = [r if r is not None and r in requests else None for r in req_ids]
+
+        def history(rid: str) -> list[int]:
+            # prompt + outputs known so far (async scheduling's -1 placeholders are skipped
+            # by the lane); this step's accepted tokens are appended on the device below
+            state = requests[rid]
+            return list(state.prompt_token_ids or []) + list(state.output_token_ids)
+
+        lane.bind(req_ids, lambda r: r in requests, history)
+        sampled, valid = self._sampled, self._valid_counts
+        if isinstance(sampled, list):
+            width = max((len(r) for r in sampled), default=0)
+            if width:
+                padded = [list(r) + [-1] * (width - len(r)) for r in sampled[:b]]
+                padded += [[-1] * width] * (b - len(padded))
+                sampled = lane.upload(padded, torch.int64).view(b, width)
+            else:
+                sampled = None
+            valid = None
+        if isinstance(sampled, torch.Tensor) and sampled.numel():
+            lane.append(sampled, valid)
+        return lane.rows(drafts, k)
 
     def _lookup_rows(self, drafts: torch.Tensor, k: int) -> list[list[int]]:
         """One D2H sync per step: drafts + this step's accepted tokens -> lanes -> rows."""

@@ -8,6 +8,9 @@
 * ``LookupLane`` / ``LaneBook``: the lookup lane, an incremental suffix index per request that
   proposes tokens for the verify positions past the drafter's block.
 * ``assemble_block``: drafter rows + lookup tokens (+ fill) -> one row of ``k`` draft ids.
+* ``DeviceLane`` (+ ``lane_query`` / ``lane_match_torch`` / ``lane_match_triton`` /
+  ``lane_tokens``): the same lookup lane on the device, with no host sync per step (its match is
+  one Triton kernel on CUDA, plain torch elsewhere).
 
 Every token produced here is a proposal only: vLLM's verify pass and rejection sampler decide
 what is emitted, so any deterministic rule (greedy walk, lookup, fill) keeps greedy decoding
@@ -393,3 +396,199 @@ def ring_filter_context_slots(slot_mapping: torch.Tensor, context_positions: tor
     keep = inside & (context_positions.long() >= first_q.long() + (k_max + 1 - ring_rows))
     slot_mapping.masked_fill_(~keep, -1)
     return slot_mapping
+
+
+# ---------------------------------------------------------------------------------------------
+# The lookup lane on the device (ONECARD_DFLASH_LANE=device, the default): the same suffix match
+# as LookupLane, computed on the GPU over a per-slot token history, so a step with k > block rows
+# has no device-to-host copy and no host wait (docs/dflash2-host-overhead.md §3). The history of
+# a slot (RingSlots, max_num_seqs slots) is seeded once from the host (prompt + known outputs,
+# one pinned non-blocking copy) and then fed on the device with each step's accepted tokens.
+# Unlike LookupLane it considers every earlier occurrence of the key, not only the
+# max_candidates most recent; where a key occurs at most max_candidates times the two pick the
+# same tokens (tests/dflash/test_device_lane.py). Lookup tokens are proposals with one-hot q
+# rows, so any deterministic choice keeps greedy and sampled output exact.
+
+LANE_ENV = "ONECARD_DFLASH_LANE"
+LANE_MODES = ("device", "host")
+_NO_TOKEN = -4  # query position before the sequence start: never equal to a history token
+_PAD = -3  # history position before 0 (torch path) / outside the row (Triton path)
+LANE_BLOCK = 1024  # end positions per program of the Triton match (dflash2_lane_kernel.py)
+
+
+def lane_mode(environ: dict | None = None) -> str:
+    """ONECARD_DFLASH_LANE: "device" (the default; suffix match on the GPU, no host sync) or
+    "host" (LookupLane on the CPU, one device-to-host copy per step with k > block rows)."""
+    import os
+
+    value = (os.environ if environ is None else environ).get(LANE_ENV, "").strip() or "device"
+    if value not in LANE_MODES:
+        raise ValueError(f"{LANE_ENV}={value!r} is not valid; valid: device (the default: the "
+                         "lookup lane's match on the GPU) or host (on the CPU, one sync per step)")
+    return value
+
+
+def lane_query(hist: torch.Tensor, slot_idx: torch.Tensor, count: torch.Tensor,
+               drafts: torch.Tensor, max_match: int) -> torch.Tensor:
+    """[B, max_match] int32: the last max_match tokens of history + drafts, newest first
+    (column j = j-th token from the end); positions before the start are _NO_TOKEN."""
+    b, rows = drafts.shape
+    dev = drafts.device
+    j = torch.arange(max_match, device=dev, dtype=torch.int64)
+    pos = count[:, None] + (rows - 1) - j[None, :]  # [B, M] position in history + drafts
+    from_drafts = pos >= count[:, None]
+    d_idx = (pos - count[:, None]).clamp(0, max(rows - 1, 0))
+    flat = slot_idx[:, None] * hist.shape[1] + pos.clamp(0, hist.shape[1] - 1)
+    from_hist = hist.view(-1)[flat.view(-1)].view(b, max_match).to(torch.int64)
+    tok = torch.where(from_drafts, drafts.to(torch.int64).gather(1, d_idx), from_hist)
+    return torch.where(pos >= 0, tok, _NO_TOKEN).to(torch.int32)
+
+
+def _score(length: torch.Tensor, ends: torch.Tensor, count: torch.Tensor, key_len: int,
+           want: int) -> torch.Tensor:
+    """Lexicographic (match length, tokens available up to want, recency) packed in int64;
+    -1 where the end is not a candidate (match shorter than the key, or no token after it)."""
+    avail = torch.minimum(count[:, None] - ends, torch.full_like(ends, want))
+    score = ((length.to(torch.int64) * (want + 1) + avail) << 32) | ends
+    ok = (length >= key_len) & (ends >= key_len) & (ends < count[:, None])
+    return torch.where(ok, score, -1)
+
+
+def lane_match_torch(hist: torch.Tensor, slot_idx: torch.Tensor, count: torch.Tensor,
+                     query: torch.Tensor, key_len: int, want: int) -> torch.Tensor:
+    """[B] int64 best score over all end positions (-1: no match); plain torch, memory
+    B x width x max_match bytes (the CPU path and the reference of the Triton kernel)."""
+    b, m = query.shape
+    width = hist.shape[1]
+    rows = hist.index_select(0, slot_idx)
+    padded = torch.cat([torch.full((b, m), _PAD, dtype=hist.dtype, device=hist.device), rows], 1)
+    # window at end e covers history e-m .. e-1, oldest first: compare to the query reversed
+    win = padded.unfold(1, m, 1)[:, :width]  # [B, width, m]
+    eq = win == query.flip(1)[:, None, :].to(hist.dtype)
+    # trailing run of matches = m - (last mismatch index + 1)
+    idx = torch.arange(1, m + 1, device=hist.device, dtype=torch.int16)
+    length = m - torch.where(eq, 0, idx).amax(-1).to(torch.int64)
+    ends = torch.arange(width, device=hist.device, dtype=torch.int64)[None, :].expand(b, width)
+    return _score(length, ends, count, key_len, want).amax(-1)
+
+
+def lane_match_triton(hist: torch.Tensor, slot_idx: torch.Tensor, count: torch.Tensor,
+                      query: torch.Tensor, key_len: int, want: int,
+                      block: int = LANE_BLOCK) -> torch.Tensor:
+    """lane_match_torch as one Triton launch (+ one max over the per-program maxima); the
+    kernel lives in dflash2_lane_kernel.py so that this module stays importable without Triton."""
+    from vllm.v1.spec_decode.dflash2_lane_kernel import lane_match
+
+    return lane_match(hist, slot_idx, count, query, key_len, want, block, _PAD)
+
+
+def lane_tokens(hist: torch.Tensor, slot_idx: torch.Tensor, count: torch.Tensor,
+                score: torch.Tensor, drafts: torch.Tensor, k: int,
+                max_model_len: int) -> torch.Tensor:
+    """[B, k]: the drafts, then up to k - rows tokens copied from after the best match (at most
+    to the end of the history and within max_model_len), then the last token repeated
+    (assemble_block's rule)."""
+    b, rows = drafts.shape
+    cap = k - rows
+    found = score >= 0
+    end = torch.where(found, score & 0xFFFFFFFF, 0)
+    room = max_model_len - count - rows - 1
+    n = torch.minimum(torch.minimum(count - end, room), torch.full_like(end, cap))
+    n = torch.where(found, n, 0).clamp(min=0)
+    t = torch.arange(cap, device=drafts.device, dtype=torch.int64)[None, :]
+    pos = end[:, None] + torch.minimum(t, (n - 1).clamp(min=0)[:, None])
+    flat = slot_idx[:, None] * hist.shape[1] + pos.clamp(max=hist.shape[1] - 1)
+    copied = hist.view(-1)[flat.view(-1)].view(b, cap).to(drafts.dtype)
+    fill = drafts[:, -1:].expand(b, cap)
+    return torch.cat([drafts, torch.where((n > 0)[:, None], copied, fill)], 1)
+
+
+class DeviceLane:
+    """The lookup lane's state on the device: one token-history row per slot (+ a scratch row
+    for batch padding) and its length; the request -> slot map lives on the host."""
+
+    def __init__(self, slots: int, max_model_len: int, k_max: int, key_len: int = 2,
+                 max_match: int = 16, device: torch.device | str = "cpu"):
+        if key_len < 1 or max_match < key_len:
+            raise ValueError("dflash2 lookup lane: need 1 <= key_len <= max_match")
+        self.slots = RingSlots(slots)
+        self.key_len, self.max_match = key_len, max_match
+        self.max_model_len = max_model_len
+        self.scratch = slots
+        width = max_model_len + k_max + 2
+        self.hist = torch.zeros(slots + 1, width, dtype=torch.int32, device=device)
+        self.count = torch.zeros(slots + 1, dtype=torch.int64, device=device)
+        self._batch: tuple = ()
+        self._slot_idx: torch.Tensor | None = None
+        self._real: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.hist.numel() * self.hist.element_size() + self.count.numel() * 8
+
+    def upload(self, values, dtype: torch.dtype) -> torch.Tensor:
+        """Host values -> the lane's device, pinned and non-blocking (no stream sync)."""
+        t = torch.as_tensor(values, dtype=dtype)
+        if self.hist.is_cuda:
+            t = t.pin_memory()
+        return t.to(self.hist.device, non_blocking=True)
+
+    def bind(self, req_ids: Sequence[str | None], alive: Callable[[str], bool],
+             history: Callable[[str], Sequence[int]]) -> torch.Tensor:
+        """Slots for this batch (rows without a request use the scratch row); a request seen
+        for the first time is seeded with ``history(req_id)``. Host work only when the batch's
+        request ids change."""
+        key = tuple(req_ids)
+        if key == self._batch and self._slot_idx is not None:
+            return self._slot_idx
+        real = [r for r in req_ids if r is not None]
+        slots, fresh = self.slots.assign(real, alive)
+        by_id = dict(zip(real, slots))
+        for rid, slot in by_id.items():
+            if slot not in fresh:
+                continue
+            ids = torch.as_tensor(list(history(rid)), dtype=torch.int64)
+            ids = ids[ids >= 0][: self.hist.shape[1]]
+            if ids.numel():
+                self.hist[slot, : ids.numel()].copy_(self.upload(ids, torch.int32),
+                                                     non_blocking=True)
+            self.count[slot] = int(ids.numel())
+        idx = [by_id[r] if r is not None else self.scratch for r in req_ids]
+        self._slot_idx = self.upload(idx, torch.int64)
+        self._real = self.upload([r is not None for r in req_ids], torch.bool)
+        self._batch = key
+        return self._slot_idx
+
+    def append(self, sampled: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """Write each row's accepted tokens (the first ``valid`` of ``sampled``; -1 = none)
+        after its history; no host sync. Rows without a request write nothing."""
+        assert self._slot_idx is not None and self._real is not None
+        b = self._slot_idx.shape[0]
+        sampled = sampled[:b].to(self.hist.device)
+        width = sampled.shape[1]
+        if valid is None:
+            valid = (sampled >= 0).sum(1)
+        valid = torch.where(self._real, valid[:b].to(self.count.dtype), 0)
+        j = torch.arange(width, device=self.hist.device, dtype=torch.int64)[None, :]
+        base = self.count.index_select(0, self._slot_idx)
+        pos = base[:, None] + j
+        keep = (j < valid[:, None]) & (pos < self.hist.shape[1])
+        flat = torch.where(keep, self._slot_idx[:, None] * self.hist.shape[1] + pos,
+                           self.scratch * self.hist.shape[1])  # dropped: scratch row, col 0
+        self.hist.view(-1).index_put_((flat.view(-1),), sampled.reshape(-1).to(self.hist.dtype)
+                                      .where(keep.view(-1), 0))
+        self.count.index_add_(0, self._slot_idx, valid)  # padding rows add 0
+
+    def rows(self, drafts: torch.Tensor, k: int, use_triton: bool | None = None) -> torch.Tensor:
+        """[B, k] draft ids for the bound batch: drafts, lookup tokens, fill."""
+        assert self._slot_idx is not None
+        b = drafts.shape[0]
+        slot_idx = self._slot_idx[:b]
+        count = self.count.index_select(0, slot_idx)
+        query = lane_query(self.hist, slot_idx, count, drafts, self.max_match)
+        want = k - drafts.shape[1]
+        if use_triton is None:
+            use_triton = self.hist.is_cuda
+        match = lane_match_triton if use_triton else lane_match_torch
+        score = match(self.hist, slot_idx, count, query, self.key_len, want)
+        return lane_tokens(self.hist, slot_idx, count, score, drafts, k, self.max_model_len)
