@@ -589,27 +589,27 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     if "TP" in plan.values and int(plan.get("TP")) > 1:
         plan.child_env.update(profiles.TP_CHILD_ENV)  # NVLink multicast off (profiles.TP_CHILD_ENV says why)
     # WIDE_VERIFY's only reader in the server is patch 0070 (triton_attn.py, ONECARD_WIDE_VERIFY)
-    plan.child_env["ONECARD_WIDE_VERIFY"] = str(plan.get("WIDE_VERIFY"))
+    _to_server(plan, "WIDE_VERIFY")
     # GDN_SHARED_META's only reader is patch 0082 (gdn_attn.py, ONECARD_GDN_SHARED_META)
-    plan.child_env["ONECARD_GDN_SHARED_META"] = str(plan.get("GDN_SHARED_META"))
+    _to_server(plan, "GDN_SHARED_META")
     # PREFILL_LAUNCH's only reader is patch 0083 (triton_unified_attention.py), checked in resolve
-    plan.child_env["ONECARD_PREFILL_LAUNCH"] = str(plan.get("PREFILL_LAUNCH"))
+    _to_server(plan, "PREFILL_LAUNCH")
     # DFLASH_RING's reader is patch 0080's DFlash2 drafter (the drafter's K/V in rings outside the
     # pool); the preflight sized the pool without the drafter's layers and the rings beside the pin
     if plan.get("SPEC") == "dflash2":
-        plan.child_env["ONECARD_DFLASH_RING"] = str(plan.get("DFLASH_RING"))
+        _to_server(plan, "DFLASH_RING")
         # LOOKUP_LANE's reader is patch 0080's DFlash2Proposer (dflash2_lane.lane_mode)
-        plan.child_env["ONECARD_DFLASH_LANE"] = str(plan.get("LOOKUP_LANE"))
+        _to_server(plan, "LOOKUP_LANE")
     # KVARN_WINDOW's reader is the KVarN backend (onecard.kvarn.format.window_from_env); the
     # preflight sized the stage for the same value
     if str(plan.get("KV")).startswith("kvarn"):
-        plan.child_env["ONECARD_KVARN_WINDOW"] = str(plan.get("KVARN_WINDOW"))
+        _to_server(plan, "KVARN_WINDOW")
         # KVARN_SINKS's reader is the KVarN backend too (onecard.kvarn.format.sinks_from_env)
-        plan.child_env["ONECARD_KVARN_SINKS"] = str(plan.get("KVARN_SINKS"))
+        _to_server(plan, "KVARN_SINKS")
         # KVARN_GRAPHS's reader is the KVarN backend's builder (get_cudagraph_support)
-        plan.child_env["ONECARD_KVARN_GRAPHS"] = str(plan.get("KVARN_GRAPHS"))
+        _to_server(plan, "KVARN_GRAPHS")
         # KVARN_DRAFT_HOST's reader is the KVarN builder's build_for_drafting (SPEC=mtp drafter)
-        plan.child_env["ONECARD_KVARN_DRAFT_HOST"] = str(plan.get("KVARN_DRAFT_HOST"))
+        _to_server(plan, "KVARN_DRAFT_HOST")
     else:
         _note_kvarn_only(plan, "KVARN_WINDOW")
         _note_kvarn_only(plan, "KVARN_SINKS")
@@ -651,6 +651,11 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
         if note:
             plan.notes.append(note)
     return plan
+
+
+def _to_server(plan: ServePlan, knob: str) -> None:
+    """The knob's value into the server's environment under its variable (profiles.SERVER_ENV)."""
+    plan.child_env[profiles.SERVER_ENV[knob]] = str(plan.get(knob))
 
 
 def _note_kvarn_only(plan: ServePlan, knob: str) -> None:

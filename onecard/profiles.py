@@ -178,6 +178,17 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
 ]}
 
 
+# Knobs the launcher hands to the server under a variable of its own (onecard.plan sets these in the
+# child environment, so an exported variable of the same name never wins over the knob).
+SERVER_ENV: dict[str, str] = {
+    "WIDE_VERIFY": "ONECARD_WIDE_VERIFY", "GDN_SHARED_META": "ONECARD_GDN_SHARED_META",
+    "PREFILL_LAUNCH": "ONECARD_PREFILL_LAUNCH", "DFLASH_RING": "ONECARD_DFLASH_RING",
+    "LOOKUP_LANE": "ONECARD_DFLASH_LANE", "KVARN_WINDOW": "ONECARD_KVARN_WINDOW",
+    "KVARN_SINKS": "ONECARD_KVARN_SINKS", "KVARN_GRAPHS": "ONECARD_KVARN_GRAPHS",
+    "KVARN_DRAFT_HOST": "ONECARD_KVARN_DRAFT_HOST",
+}
+
+
 def knob_overrides(words, what: str = "knob override") -> dict[str, str]:
     """``KNOB=VALUE`` words (launcher knobs laid over a job's own, e.g. SPEC_KV_KNOBS of
     tests/gpu/spec_kv_sweep.py, an arm's fields in gpu/jobs/61-kvarn-serve.py) -> {knob: value},

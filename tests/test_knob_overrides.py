@@ -55,3 +55,13 @@ def test_job61_imports_no_vllm_or_torch():
             "print(sorted(x for x in ('vllm', 'torch', 'triton') if x in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
+
+
+def test_server_env_is_the_one_table_of_knob_variables():
+    """Every server variable the plan sets from a knob goes through profiles.SERVER_ENV (job 31
+    refuses an arm's ONECARD_* field that the launcher would override, by that table)."""
+    assert set(profiles.SERVER_ENV) <= set(profiles.KNOBS)
+    assert all(v.startswith("ONECARD_") for v in profiles.SERVER_ENV.values())
+    src = (REPO / "onecard" / "plan.py").read_text()
+    assert 'child_env["ONECARD_' not in src
+    assert all(f'_to_server(plan, "{k}")' in src for k in profiles.SERVER_ENV)

@@ -31,9 +31,11 @@ class _Fake:
     """spec: one stream event per step, 1 token each (acceptance 0), drafts += steps."""
 
     def __init__(self, spec: bool, step_s: float = 0.002, quant_noise: float = 0.0, port: int = 0,
-                 prof_dir: str | None = None):
+                 prof_dir: str | None = None, log: bool = False):
         self.spec, self.step_s, self.noise = spec, step_s, quant_noise
         self.prof_dir, self.profiling = prof_dir, False
+        self.bodies: list[dict] = []  # every completion request's JSON body (log: also printed)
+        self.log = log
         self.decode_sum = self.drafts = self.gen = self.iters = 0.0
         outer = self
 
@@ -89,6 +91,10 @@ class _Fake:
                     outer.profiling = self.path == "/start_profile"
                     return self._json({})
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                outer.bodies.append(body)
+                if outer.log:
+                    print("fake request " + " ".join(f"{k}={body.get(k)}" for k in
+                                                     ("temperature", "seed", "top_p", "top_k")), flush=True)
                 prompt = body["prompt"]
                 ptoks = len(prompt) if isinstance(prompt, list) else len(prompt.split())
                 n = int(body.get("max_tokens", 16))
@@ -363,3 +369,212 @@ def test_job31_arm_extra_env(tmp_path):
     r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
                        text=True, timeout=60, cwd=str(tmp_path))
     assert r.returncode == 2 and "'PREFX_CACHE=0' is not valid; valid:" in r.stderr
+
+
+def test_verify_e2e_sampling_params():
+    """Greedy requests stay exactly as before; sampled ones carry the fixed seed, top_p / top_k
+    only when given; a bad value is a one-line ValueError naming what is valid."""
+    job = _load("31-verify-e2e")
+    assert job.sampling_params(0.0) == {"temperature": 0.0, "ignore_eos": True}
+    assert job.sampling_params(0) == {"temperature": 0.0, "ignore_eos": True}
+    assert job.sampling_params(0.7) == {"temperature": 0.7, "ignore_eos": True, "seed": 31}
+    assert job.sampling_params(1.0, top_p=0.95, top_k=20, seed=5) == {
+        "temperature": 1.0, "ignore_eos": True, "seed": 5, "top_p": 0.95, "top_k": 20}
+    for kw, msg in (({"temperature": -0.1}, "--temperature -0.1 is not valid; valid: a number >= 0"),
+                    ({"temperature": float("nan")}, "--temperature nan is not valid"),
+                    ({"temperature": 0.7, "top_p": 0.0}, "--top-p 0.0 is not valid; valid: 0 < top_p <= 1"),
+                    ({"temperature": 0.7, "top_p": 1.5}, "--top-p 1.5 is not valid"),
+                    ({"temperature": 0.7, "top_k": 0}, "--top-k 0 is not valid; valid: -1 (all) or"),
+                    ({"temperature": 0.7, "seed": -1}, "--seed -1 is not valid"),
+                    ({"temperature": 0.0, "top_k": 20}, "not valid with --temperature 0; valid: only with")):
+        with pytest.raises(ValueError) as e:
+            job.sampling_params(**kw)
+        assert msg in str(e.value) and "\n" not in str(e.value)
+    assert job.sampling_params(0.7, top_k=-1)["top_k"] == -1
+
+
+@pytest.mark.parametrize("temperature", [None, "0.7"])
+def test_verify_e2e_driver_temperature(tmp_path, temperature):
+    """The driver's requests and record: greedy by default (no seed sent, as before); with
+    --temperature every request (warm-up, repeats, profile) is sampled with the fixed seed, the
+    record and every row say so, and differing texts between sampled repeats are no problem."""
+    job = _load("31-verify-e2e")
+    fake = _Fake(True)
+    try:
+        out = tmp_path / "arm.json"
+        rc = job.main(["--url", fake.url, "--model", "m", "--label", "arm", "--spec", "--depths", "64,131070",
+                       "--out-tokens", "4", "--warmup-tokens", "16", "--repeats", "2", "--json", str(out)]
+                      + (["--temperature", temperature] if temperature else []))
+    finally:
+        fake.close()
+    rec = json.loads(out.read_text())
+    assert rc == 0, rec["rows"]
+    assert len(fake.bodies) == 3  # warm-up + 2 repeats of depth 64 (131070 is past max_model_len)
+    if temperature is None:
+        assert all(b["temperature"] == 0.0 and "seed" not in b for b in fake.bodies)
+        assert rec["temperature"] == 0.0 and rec["sampled"] is False and rec["seed"] is None
+        assert rec["provenance"]["sampling"] == {"temperature": 0.0, "ignore_eos": True}
+    else:
+        assert all(b["temperature"] == 0.7 and b["seed"] == 31 for b in fake.bodies)
+        assert not any("top_p" in b or "top_k" in b for b in fake.bodies)
+        assert rec["temperature"] == 0.7 and rec["sampled"] is True and rec["seed"] == 31
+        assert rec["provenance"]["sampling"] == {"temperature": 0.7, "ignore_eos": True, "seed": 31}
+    for r in rec["rows"]:  # the skipped row too
+        assert r["temperature"] == rec["temperature"] and r["sampled"] == rec["sampled"]
+    # repeats whose texts differ: a problem for greedy requests only
+    job_reps = [{"server_ms_per_step": 1.0, "client_ms_per_step": 1.0, "text": t, "problems": []} for t in "ab"]
+    assert job.median_repeat(job_reps)["problems"]
+    row = job.median_repeat(job_reps, greedy=False)
+    assert not row["problems"] and row["repeat_texts_equal"] is False
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--temperature", "-1"], "--temperature -1.0 is not valid; valid: a number >= 0"),
+    (["--top-p", "0.9"], "--top-p / --top-k are not valid with --temperature 0"),
+    (["--temperature", "0.7", "--top-k", "0"], "--top-k 0 is not valid; valid:"),
+])
+def test_verify_e2e_bad_sampling_args(capsys, args, msg):
+    job = _load("31-verify-e2e")
+    assert job.main(["--url", "http://127.0.0.1:9", "--model", "m", "--label", "l", "--json", "/tmp/x"] + args) == 2
+    err = capsys.readouterr().err
+    assert msg in err and len(err.strip().splitlines()) == 1
+
+
+def test_job31_sampled_and_env_arms_dry_run(tmp_path):
+    """An arm's TEMPERATURE= / TOP_P= / TOP_K= / SEED= fields become the driver's request
+    arguments (the job-wide TEMPERATURE / SEED otherwise), never launcher env; ONECARD_* fields
+    are accepted for the server unless the launcher sets them from a knob (the DFlash2 lane is
+    the knob LOOKUP_LANE)."""
+    env = {**os.environ, "JOB_OUT": str(tmp_path / "out"), "MODELS": str(tmp_path / "models"),
+           "PYTHONPATH": str(REPO), "JOB31_DRY": "1",
+           "ARMS": "d2k7:dflash2:1:7:0 d2k7-t07:dflash2:1:7:0:-:TEMPERATURE=0.7 "
+                   "d2k7-tk:dflash2:1:7:0:-:TEMPERATURE=1,TOP_P=0.95,TOP_K=20,SEED=7,PREFIX_CACHE=0 "
+                   "d2k15-host:dflash2:1:15:0:-:LOOKUP_LANE=host"}
+    for k in ("TEMPERATURE", "SEED"):
+        env.pop(k, None)
+    r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
+                       text=True, timeout=180, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    plans = dict(p.split(":", 1) for p in r.stdout.split("-- plan ")[1:])
+    assert "requests: --temperature 0\n" in plans["d2k7"]
+    assert "requests: --temperature 0.7 --seed 31\n" in plans["d2k7-t07"]
+    assert "requests: --temperature 1 --seed 7 --top-p 0.95 --top-k 20\n" in plans["d2k7-tk"]
+    assert "--no-enable-prefix-caching" in plans["d2k7-tk"]   # the launcher knob beside them still applies
+    assert "requests: --temperature 0\n" in plans["d2k15-host"]
+    assert "LOOKUP_LANE=host" in plans["d2k15-host"].splitlines()[0]
+    # the job-wide default: every arm without its own TEMPERATURE= samples
+    env["TEMPERATURE"], env["ARMS"] = "0.6", "off:off:1:-:1 mtp-t1:mtp:1:-:1:-:TEMPERATURE=1.0"
+    r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
+                       text=True, timeout=180, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "requests: --temperature 0.6 --seed 31" in r.stdout and "requests: --temperature 1.0 --seed 31" in r.stdout
+
+
+@pytest.mark.parametrize("arms, extra_env, msg", [
+    ("d2k7-t:dflash2:1:7:0:-:TEMPERATURE=-1", {}, "arm d2k7-t: 'TEMPERATURE=-1' is not valid; valid: TEMPERATURE=a number >= 0"),
+    ("d2k7-t:dflash2:1:7:0:-:TEMPERATURE=hot", {}, "'TEMPERATURE=hot' is not valid; valid: TEMPERATURE=a number"),
+    ("d2k7-t:dflash2:1:7:0:-:TEMPERATURE=", {}, "'TEMPERATURE=' is not valid; valid: TEMPERATURE=a number"),
+    ("d2k7-t:dflash2:1:7:0:-:TEMPERATURE=0.7,TOP_P=1.5", {}, "'TOP_P=1.5' is not valid; valid: TOP_P=0 < TOP_P <= 1"),
+    ("d2k7-t:dflash2:1:7:0:-:TEMPERATURE=0.7,TOP_K=0", {}, "'TOP_K=0' is not valid; valid: TOP_K=-1 (all) or"),
+    ("d2k7-t:dflash2:1:7:0:-:TEMPERATURE=0.7,SEED=x", {}, "'SEED=x' is not valid; valid: SEED=an integer >= 0"),
+    ("d2k7-t:dflash2:1:7:0:-:TOP_P=0.9", {}, "TOP_P= / TOP_K= with temperature 0 is not valid; valid: TOP_P= / TOP_K= only with TEMPERATURE > 0"),
+    ("d2k7-w:dflash2:1:7:0:-:ONECARD_WIDE_VERIFY=0", {}, "'ONECARD_WIDE_VERIFY=0' is not valid; valid: the launcher knob WIDE_VERIFY=VALUE"),
+    ("d2k7-d:dflash2:1:15:0:-:ONECARD_DFLASH_LANE=host", {}, "'ONECARD_DFLASH_LANE=host' is not valid; valid: the launcher knob LOOKUP_LANE=VALUE"),
+    ("d2k7-l:dflash2:1:7:0:-:onecard_dflash_lane=host", {}, "'onecard_dflash_lane=host' is not valid; valid: KNOB=VALUE"),
+    ("d2k7:dflash2:1:7:0", {"TEMPERATURE": "warm"}, "31-verify-e2e: TEMPERATURE='warm' is not valid; valid: a number >= 0"),
+    ("d2k7:dflash2:1:7:0", {"SEED": "-3"}, "31-verify-e2e: SEED='-3' is not valid; valid: an integer >= 0"),
+])
+def test_job31_bad_sampling_fields_refused_before_any_boot(tmp_path, arms, extra_env, msg):
+    """A bad request field (in any arm, however late) or job-wide TEMPERATURE / SEED is a one-line
+    error, exit 2, before the first arm boots (here off, first, would otherwise be tried)."""
+    models = tmp_path / "models"
+    for d in ("qwen38-27b-geom", "qwen38-27b-geom-dflash2"):
+        (models / d).mkdir(parents=True)
+        (models / d / "config.json").write_text("{}")
+    env = {**os.environ, "JOB_OUT": str(tmp_path / "out"), "MODELS": str(models), "PYTHONPATH": str(REPO),
+           "JOB_BUDGET_S": "60", "ARM_MIN_S": "110", "ARMS": "off:off:1:-:1 " + arms, **extra_env}
+    env.pop("JOB31_DRY", None)
+    for k in ("TEMPERATURE", "SEED"):
+        if k not in extra_env:
+            env.pop(k, None)
+    r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
+                       text=True, timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "off skipped" not in r.stdout and "booting" not in r.stdout and "arms " not in r.stdout
+
+
+def test_job31_sampled_and_lane_arms_against_fake_servers(tmp_path):
+    """The next lease's pairs through the whole job on fake servers: greedy d2k7 vs sampled d2k7
+    (temperature 0.7, seed 31 on every request, no top_p / top_k, the field never in the server's
+    env), and LOOKUP_LANE=host reaching only its arm's launcher; the table marks the
+    sampled column and does not compare its text with off's."""
+    models = tmp_path / "models"
+    for d in ("qwen38-27b-geom", "qwen38-27b-geom-dflash2"):
+        (models / d).mkdir(parents=True)
+        (models / d / "config.json").write_text("{}")
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    serve = ("import os, sys, time; sys.path.insert(0, %r); from test_verify_quality_jobs import _Fake; "
+             "e = os.environ; print('fake launch ' + ' '.join(f'{k}={e.get(k)}' for k in ('SPEC', "
+             "'DFLASH_TOKENS', 'LOOKUP_LANE', 'TEMPERATURE', 'SEED')), flush=True); "
+             "f = _Fake(e['SPEC'] != 'off', port=int(e['PORT']), log=True); "
+             "time.sleep(600)") % str(REPO / "tests")
+    (shim / "python3").write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = "-m" ] && [ "$2" = "onecard.launch" ]; then exec {sys.executable} -c "{serve}"; fi\n'
+        f'exec {sys.executable} "$@"\n')
+    (shim / "python3").chmod(0o755)
+    env = {**os.environ, "JOB_OUT": str(tmp_path / "out"), "MODELS": str(models), "PYTHONPATH": str(REPO),
+           "PATH": f"{shim}{os.pathsep}{os.environ.get('PATH', '')}", "DEPTHS": "64", "OUT_TOK": "8",
+           "REPEATS": "2",
+           "ARMS": "off:off:1:-:1 d2k7:dflash2:1:7:0 d2k7-t07:dflash2:1:7:0:-:TEMPERATURE=0.7 "
+                   "d2k15-host:dflash2:1:15:0:-:LOOKUP_LANE=host"}
+    for k in ("JOB31_DRY", "TEMPERATURE", "SEED", "LOOKUP_LANE"):
+        env.pop(k, None)
+    r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
+                       text=True, timeout=240, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    out = tmp_path / "out"
+    logs = {k: (out / f"server-{k}.log").read_text() for k in ("off", "d2k7", "d2k7-t07", "d2k15-host")}
+    assert "LOOKUP_LANE=host" in logs["d2k15-host"]
+    assert all("LOOKUP_LANE=None" in logs[k] for k in ("off", "d2k7", "d2k7-t07"))
+    assert all("TEMPERATURE=None SEED=None" in v for v in logs.values())   # client fields stay client-side
+    reqs = {k: [ln for ln in v.splitlines() if ln.startswith("fake request ")] for k, v in logs.items()}
+    assert len(reqs["d2k7-t07"]) == 3   # warm-up + 2 repeats
+    assert set(reqs["d2k7-t07"]) == {"fake request temperature=0.7 seed=31 top_p=None top_k=None"}
+    for k in ("off", "d2k7", "d2k15-host"):
+        assert set(reqs[k]) == {"fake request temperature=0.0 seed=None top_p=None top_k=None"}
+    recs = {k: json.loads((out / f"{k}.json").read_text()) for k in logs}
+    assert recs["d2k7-t07"]["temperature"] == 0.7 and recs["d2k7-t07"]["rows"][0]["sampled"] is True
+    assert recs["d2k7"]["temperature"] == 0.0 and recs["d2k7"]["rows"][0]["sampled"] is False
+    assert "d2k7-t07 [sampled T=0.7 seed 31] depth     64: server" in r.stdout
+    table = (out / "table.txt").read_text()
+    assert "C1 greedy, the columns marked [sampled T=..] sampled (seeded)" in table
+    assert "| depth | off ms/step | mtp (WIDE_VERIFY=1) ms/step (ratio) | dflash2 k7 ms/step (ratio) |" in table  # greedy: unmarked
+    assert "| d2k7-t07 [sampled T=0.7] ms/step (ratio) | d2k15-host ms/step (ratio) |" in table
+    assert "depth 64 d2k7-t07: not compared (sampled requests: d2k7-t07 [sampled T=0.7], off greedy)" in table
+    assert "depth 64 d2k15-host: same" in table
+
+
+def test_job31_table_sampled_arms(tmp_path):
+    """The table with every arm sampled (job-wide TEMPERATURE): every column marked, the title
+    says sampled, no text compared with off's, a SAME_TEXT pair of sampled arms marked informative."""
+    script = (REPO / "gpu/jobs/31-verify-e2e.sh").read_text()
+    block = script.split("<<'PY'", 2)[2].split("\n", 1)[1].split("\nPY\n", 1)[0]
+    (tmp_path / "t.py").write_text(block)
+    for label, ms in (("off", 16.0), ("d2k7", 24.0), ("d2k7-b", 25.0)):
+        rows = [{"depth": 8192, "server_ms_per_step": ms, "client_ms_per_step": ms + 1, "text": "abc",
+                 "tokens_per_step": 1.0, "temperature": 0.7, "sampled": True}]
+        (tmp_path / f"{label}.json").write_text(json.dumps({"temperature": 0.7, "sampled": True, "rows": rows}))
+    r = subprocess.run([sys.executable, str(tmp_path / "t.py"), str(tmp_path), "off:off:1:-:1",
+                        "d2k7:dflash2:1:7:0", "d2k7-b:dflash2:1:7:0"], capture_output=True, text=True,
+                       env={**os.environ, "SAME_TEXT": "d2k7=d2k7-b"})
+    assert r.returncode == 0, r.stderr
+    assert "ms per engine step, C1 sampled (seeded), CTX=long" in r.stdout
+    assert ("| depth | off [sampled T=0.7] ms/step | mtp (WIDE_VERIFY=1) ms/step (ratio) | "
+            "dflash2 k7 [sampled T=0.7] ms/step (ratio) |") in r.stdout
+    assert "| d2k7-b [sampled T=0.7] ms/step (ratio) |" in r.stdout
+    assert "depth 8192 d2k7: not compared (sampled requests: d2k7 [sampled T=0.7], off [sampled T=0.7])" in r.stdout
+    assert ("same text d2k7 = d2k7-b, depth 8192: SAME (sampled: d2k7 [sampled T=0.7], d2k7-b [sampled T=0.7]; "
+            "informative)") in r.stdout

@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
 """Job 31's client side: ms per engine step at C1 on a running server, per prompt depth.
 
-For each depth: one greedy request (random token ids, ignore_eos, max_tokens OUT) streamed with
-onecard.bench's client; /metrics scraped right before and after (onecard.bench.metrics, parsed
-with prometheus_client). Per request:
+For each depth: one request (random token ids, ignore_eos, max_tokens OUT) streamed with
+onecard.bench's client, greedy by default; --temperature T > 0 sends sampled requests instead
+(temperature T, a fixed per-request seed --seed, default 31: the same seed on every request of the
+run, so a run is reproducible; top_p / top_k only when --top-p / --top-k are given, else the
+server's defaults). The JSON records the temperature at the top and on every row (``sampled``:
+true/false), so greedy and sampled figures are never mixed up. /metrics scraped right before and
+after each request (onecard.bench.metrics, parsed with prometheus_client). Per request:
   decode_s      = delta vllm:request_decode_time_seconds_sum (first token -> last, engine side)
   steps         = delta vllm:spec_decode_num_drafts_total with speculation (one draft per verify
                   step at C1), else delta generation tokens - 1 (the first token is the prefill's)
@@ -17,12 +21,15 @@ after the depths, the N-token prompt is sent again (a prefix-cache hit: short pr
 decides which iterations are recorded (delay_iterations / max_iterations); the request's figures
 go to the JSON's ``profile`` entry; gpu/probe/trace_summary.py reads the trace.
 Writes one JSON (provenance + rows) atomically; prints one line per depth.
+Repeats of a greedy prompt must give the same text (a problem if not); a sampled arm's
+``repeat_texts_equal`` is informative only.
 Exit 0 when every request finished with usage.completion_tokens == OUT and the counters moved
 (steps > 0; with --spec, drafts > 0); 1 otherwise; 2 on bad arguments.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -57,9 +64,38 @@ def gap_stats(times: list[float]) -> dict:
             "client_stalls": sum(1 for g in gaps if g > 3 * p50)}
 
 
-def median_repeat(reps: list[dict]) -> dict:
+def sampling_params(temperature: float, top_p: float | None = None, top_k: int | None = None,
+                    seed: int = 31) -> dict:
+    """The request fields: greedy (temperature 0) exactly as before, ``{"temperature": 0.0,
+    "ignore_eos": True}``; sampled adds the fixed ``seed`` and top_p / top_k only when given (else
+    the server's defaults). A value that is not valid raises ValueError with a one-line message
+    naming what is valid (the job's shell checks the same rules before any boot)."""
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"--temperature {temperature!r} is not valid; valid: a number >= 0 (0 = greedy, e.g. 0.7)")
+    if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"--top-p {top_p!r} is not valid; valid: 0 < top_p <= 1 (leave it out for the server's default)")
+    if top_k is not None and not (top_k == -1 or top_k >= 1):
+        raise ValueError(f"--top-k {top_k!r} is not valid; valid: -1 (all) or an integer >= 1 "
+                         "(leave it out for the server's default)")
+    if seed < 0:
+        raise ValueError(f"--seed {seed!r} is not valid; valid: an integer >= 0")
+    if temperature == 0:
+        if top_p is not None or top_k is not None:
+            raise ValueError("--top-p / --top-k are not valid with --temperature 0; valid: only with a "
+                             "temperature > 0 (sampled requests)")
+        return {"temperature": 0.0, "ignore_eos": True}
+    s = {"temperature": float(temperature), "ignore_eos": True, "seed": int(seed)}
+    if top_p is not None:
+        s["top_p"] = float(top_p)
+    if top_k is not None:
+        s["top_k"] = int(top_k)
+    return s
+
+
+def median_repeat(reps: list[dict], greedy: bool = True) -> dict:
     """The repeat with the median server ms/step (the lower middle one for an even count), with
-    every repeat's figure, and whether the repeats' greedy texts agree (a problem if not)."""
+    every repeat's figure, and whether the repeats' texts agree (a problem if not, for greedy
+    requests only: a sampled run's texts are informative)."""
     ok = [r for r in reps if r.get("server_ms_per_step") is not None and not r["problems"]]
     pick = sorted(ok, key=lambda r: r["server_ms_per_step"])[(len(ok) - 1) // 2] if ok else reps[0]
     row = dict(pick)
@@ -68,7 +104,7 @@ def median_repeat(reps: list[dict]) -> dict:
     texts = {r.get("text") for r in reps}
     row["repeat_texts_equal"] = len(texts) == 1
     row["problems"] = [p for r in reps for p in r["problems"]]
-    if len(texts) > 1:
+    if len(texts) > 1 and greedy:
         row["problems"].append("greedy texts differ between repeats of one prompt")
     return row
 
@@ -144,6 +180,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--profile-depth", type=int, default=0,
                     help="after the depths, one profiled request of this many prompt tokens")
     ap.add_argument("--profile-tokens", type=int, default=40)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="request temperature: 0 (default) = greedy, as before; > 0 = sampled requests "
+                         "with a fixed --seed (job 31's TEMPERATURE / an arm's TEMPERATURE= field)")
+    ap.add_argument("--seed", type=int, default=31, help="per-request seed of sampled requests (default 31)")
+    ap.add_argument("--top-p", type=float, default=None, help="sampled requests only; default: the server's")
+    ap.add_argument("--top-k", type=int, default=None, help="sampled requests only; default: the server's")
     a = ap.parse_args(argv)
     try:
         depths = [int(x) for x in a.depths.split(",") if x]
@@ -157,8 +199,16 @@ def main(argv: list[str]) -> int:
         print("--depths must be >= 16 tokens each and --out-tokens >= 3; valid: e.g. --depths 8192 --out-tokens 48",
               file=sys.stderr)
         return 2
+    try:
+        sampling = sampling_params(a.temperature, a.top_p, a.top_k, a.seed)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    sampled = sampling["temperature"] > 0
+    # every row and the record say which requests made them; the printed lines mark sampled rows
+    mode = {"temperature": sampling["temperature"], "sampled": sampled}
+    tag = f" [sampled T={sampling['temperature']:g} seed {a.seed}]" if sampled else ""
     c = Client(a.url, a.model, timeout=a.timeout)
-    sampling = {"temperature": 0.0, "ignore_eos": True}
     ids = prompt_ids(max(depths + [a.warmup_tokens]))
     t0 = time.perf_counter()
     warm = c.stream(prompt_ids(a.warmup_tokens, seed=7), 16, sampling, keep_text=False)
@@ -171,9 +221,9 @@ def main(argv: list[str]) -> int:
         if isinstance(max_len, int) and n + a.out_tokens > max_len:
             # e.g. 72k on a dflash2 server: the drafter's KV layers share the pinned pool, so the
             # plan caps MAX_LEN lower than for SPEC=off/mtp
-            rows.append({"label": a.label, "depth": n, "skipped": f"depth + out > max_model_len {max_len}",
-                         "problems": []})
-            print(f"{a.label:<14} depth {n:>6}: skipped (> max_model_len {max_len})", flush=True)
+            rows.append({"label": a.label, "depth": n, **mode,
+                         "skipped": f"depth + out > max_model_len {max_len}", "problems": []})
+            print(f"{a.label + tag:<14} depth {n:>6}: skipped (> max_model_len {max_len})", flush=True)
             continue
         reps = []
         for _ in range(a.repeats):
@@ -182,10 +232,10 @@ def main(argv: list[str]) -> int:
             time.sleep(0.3)  # let the engine publish the request's final stats
             after = metrics.scrape(a.url)
             reps.append(step_row(before, after, res, a.out_tokens, a.spec))
-        row = {"label": a.label, "depth": n, **median_repeat(reps)}
+        row = {"label": a.label, "depth": n, **mode, **median_repeat(reps, greedy=not sampled)}
         rows.append(row)
         f = lambda x, nd=2: "-" if x is None else f"{x:.{nd}f}"  # noqa: E731
-        print(f"{a.label:<14} depth {n:>6}: server {f(row['server_ms_per_step'])} ms/step, client "
+        print(f"{a.label + tag:<14} depth {n:>6}: server {f(row['server_ms_per_step'])} ms/step, client "
               f"{f(row['client_ms_per_step'])} ms/step, {row['steps']} steps, tokens/step "
               f"{f(row['tokens_per_step'])}, ttft {f(row['ttft_s'])} s, gap p50 "
               f"{f(row['client_gap_ms_p50'])} / max {f(row['client_gap_ms_max'])} ms, "
@@ -195,12 +245,14 @@ def main(argv: list[str]) -> int:
     profile = None
     if a.profile_depth:
         profile = profile_request(a, c, ids[:a.profile_depth], sampling)
-        print(f"{a.label:<14} profile depth {a.profile_depth}: {profile}", flush=True)
+        print(f"{a.label + tag:<14} profile depth {a.profile_depth}: {profile}", flush=True)
     c.close()
     record = {
         "kind": "verify_e2e",
         "label": a.label,
         "spec": a.spec,
+        **mode,
+        "seed": a.seed if sampled else None,
         "provenance": provenance.build(
             prompt_set={"id": "random-token-ids-seed31", "depths": depths},
             sampling=sampling, token_count_source="usage.completion_tokens + server counters",

@@ -2,10 +2,10 @@
 # timeout: 1020
 # 31-verify-e2e (issues #7, #8): ms per engine step vs SPEC=off on the 27B-geometry random W4A16
 # checkpoint ($MODELS/qwen38-27b-geom, built by job 20; skipped cleanly when absent), CTX=long
-# (int8 per-token-head KV on TRITON_ATTN, the plan's 3090 KV_MEM pin), C1 greedy, prompts of
-# 8k / 32k tokens (DEPTHS; 73728 may be added, e.g. DEPTHS=8192,32768,73728: a depth past a
-# server's max_model_len is skipped for that arm), 48 tokens out. Arms, one 27B boot each, in
-# this order:
+# (int8 per-token-head KV on TRITON_ATTN, the plan's 3090 KV_MEM pin), C1 greedy (or sampled:
+# TEMPERATURE, below), prompts of 8k / 32k tokens (DEPTHS; 73728 may be added, e.g.
+# DEPTHS=8192,32768,73728: a depth past a server's max_model_len is skipped for that arm), 48
+# tokens out. Arms, one 27B boot each, in this order:
 #   off        SPEC=off (plain decode steps)
 #   mtp-wide1  SPEC=mtp WIDE_VERIFY=1
 #   d2k7       SPEC=dflash2 DFLASH_TOKENS=7   DRAFT=$MODELS/qwen38-27b-geom-dflash2 (job 20 builds
@@ -41,6 +41,16 @@
 # REPEATS (3) requests per depth (from the 2nd on they hit the prefix cache): the row kept is the median
 # one by server ms/step, every repeat's figure is printed (session 13: one boot's MTP mean moved
 # 1.6 ms against another's; a repeat tells a stall inside one request from the boot's own cost).
+# Sampled requests: TEMPERATURE (job-wide, default 0 = greedy, today's requests) or an arm's
+# TEMPERATURE= field (e.g. d2k7-t07:dflash2:1:7:0:-:TEMPERATURE=0.7) sends requests with that
+# temperature and a fixed per-request seed (SEED, default 31, or the arm's SEED=); top_p / top_k
+# stay the server's defaults unless the arm sets TOP_P= / TOP_K= (with a temperature > 0). These
+# four fields are the client's, never passed to the server. Each arm's JSON and the table mark its
+# temperature (a column `[sampled T=0.7]`); a sampled arm's text is not compared with off's.
+# An arm's 7th field may also carry ONECARD_* variables for that server process only (the launcher
+# hands its environment on to vLLM), e.g. d2k15-host:dflash2:1:15:0:-:LOOKUP_LANE=host;
+# one the launcher sets from a knob of its own (ONECARD_WIDE_VERIFY: WIDE_VERIFY) is refused.
+# Every arm's fields are checked before any boot: a bad one is a one-line error, exit 2.
 # SAME_TEXT="a=b c=d" prints, per depth, whether those arms' greedy texts are equal (a knob that
 # must leave the target's logits alone, e.g. `d2k7=d2k7-m0` with GDN_SHARED_META=0 in d2k7-m0).
 # Dry run without a GPU: JOB31_DRY=1 prints every arm's launcher plan (MODEL=tiny) and exits 0.
@@ -62,7 +72,10 @@ PROF_ROOT=${PROF_ROOT:-/var/tmp}    # traces go to $PROF_ROOT/prof-LABEL (not un
 PROF_TOKENS=${PROF_TOKENS:-40}      # tokens out of the profiled request (4 skipped + PROF_STEPS + slack)
 # the arms, in order: LABEL SPEC WIDE_VERIFY DFLASH_TOKENS(- = none) REQUIRED(1: must run)
 # [prof|-] [KNOB=VALUE,KNOB=VALUE: more launcher env for this arm, e.g. PREFIX_CACHE=0; CTX=huge
-# (KVarN, installed into a private view first) with KVARN_GRAPHS=0|1]
+# (KVarN, installed into a private view first) with KVARN_GRAPHS=0|1; ONECARD_*=VALUE for the
+# server; TEMPERATURE= / TOP_P= / TOP_K= / SEED= for the requests]
+TEMPERATURE=${TEMPERATURE:-0}       # request temperature of every arm without TEMPERATURE= (0 = greedy)
+SEED=${SEED:-31}                    # per-request seed of sampled requests (temperature > 0)
 ARMS=${ARMS:-"off:off:1:-:1 mtp-wide1:mtp:1:-:1 d2k7:dflash2:1:7:0 d2k15:dflash2:1:15:0 mtp-wide0:mtp:0:-:0"}
 
 # per-step host timing in every server's engine core (gpu/lib/stackdump/onecard_host_timing.py:
@@ -82,21 +95,81 @@ arm_env() {
   [ "$1" = dflash2 ] && e="$e DRAFT=$D DFLASH_TOKENS=$3"
   echo "$e"
 }
-# an arm's 7th field, KNOB=VALUE[,KNOB=VALUE]: launcher knobs only (onecard.profiles.KNOBS), one
-# per line out; a bad field is a one-line error
+# an arm's 7th field, KNOB=VALUE[,KNOB=VALUE]: launcher knobs (onecard.profiles.KNOBS) and
+# ONECARD_* server variables, one per line out; the client's fields (CLIENT_FIELDS) are left to
+# arm_sampling; a bad field is a one-line error
+CLIENT_FIELDS=" TEMPERATURE TOP_P TOP_K SEED "
 KNOB_NAMES=""
+SERVER_VARS=""
 extra_env() {
-  local label=$1 field=$2 kv
+  local label=$1 field=$2 kv name knob
   [ -z "$field" ] && return 0
   [ -n "$KNOB_NAMES" ] || KNOB_NAMES=" $(python3 -c 'from onecard.profiles import KNOBS; print(" ".join(KNOBS))') "
+  # the server variables the launcher sets from its knobs, as " VAR=KNOB " words (profiles.SERVER_ENV)
+  [ -n "$SERVER_VARS" ] || SERVER_VARS=" $(python3 -c 'from onecard.profiles import SERVER_ENV as E; print(" ".join(f"{v}={k}" for k, v in E.items()))') "
   for kv in ${field//,/ }; do
-    if [[ ! "$kv" =~ ^[A-Z][A-Z0-9_]*=[^[:space:]]*$ ]] || [[ "$KNOB_NAMES" != *" ${kv%%=*} "* ]]; then
-      echo "31-verify-e2e: arm $label: '$kv' is not valid; valid: KNOB=VALUE[,KNOB=VALUE] with a launcher knob (e.g. PREFIX_CACHE=0)" >&2
+    name=${kv%%=*}
+    [[ "$kv" =~ ^[A-Z][A-Z0-9_]*=[^[:space:]]*$ ]] && [[ "$CLIENT_FIELDS" == *" $name "* ]] && continue
+    if [[ "$kv" =~ ^ONECARD_[A-Z0-9_]+=[^[:space:]]*$ ]] && [[ "$SERVER_VARS" == *" $name="* ]]; then
+      # the plan's child env sets it from the knob and would silently win over the arm's value
+      knob=${SERVER_VARS#* $name=}; knob=${knob%% *}
+      echo "31-verify-e2e: arm $label: '$kv' is not valid; valid: the launcher knob $knob=VALUE (the launcher sets $name from it)" >&2
+      return 1
+    fi
+    if [[ ! "$kv" =~ ^[A-Z][A-Z0-9_]*=[^[:space:]]*$ ]] || { [[ "$KNOB_NAMES" != *" $name "* ]] && [[ "$name" != ONECARD_?* ]]; }; then
+      echo "31-verify-e2e: arm $label: '$kv' is not valid; valid: KNOB=VALUE[,KNOB=VALUE] with a launcher knob (e.g. PREFIX_CACHE=0), an ONECARD_* server variable the launcher does not set itself (e.g. ONECARD_HOST_TIMING=0) or a request field TEMPERATURE|TOP_P|TOP_K|SEED" >&2
       return 1
     fi
     echo "$kv"
   done
 }
+# what a request field may hold: sampling_valid NAME VALUE -> nothing when VALUE is valid, else
+# the valid values in words (the driver's sampling_params applies the same rules)
+sampling_valid() {
+  local num='^([0-9]+(\.[0-9]*)?|\.[0-9]+)$'
+  case "$1" in
+    TEMPERATURE) [[ "$2" =~ $num ]] || echo "a number >= 0 (0 = greedy, e.g. 0.7)" ;;
+    SEED) [[ "$2" =~ ^[0-9]+$ ]] || echo "an integer >= 0 (the per-request seed of sampled requests)" ;;
+    TOP_P) { [[ "$2" =~ $num ]] && awk -v p="$2" 'BEGIN { exit !(p > 0 && p <= 1) }'; } ||
+             echo "0 < TOP_P <= 1 (leave it out for the server's default)" ;;
+    TOP_K) [[ "$2" =~ ^(-1|[1-9][0-9]*)$ ]] || echo "-1 (all) or an integer >= 1 (leave it out for the server's default)" ;;
+  esac
+}
+# the client's sampling arguments of one arm: arm_sampling LABEL FIELD -> one line of
+# 31-verify-e2e.py arguments (--temperature T, and when T > 0 --seed S [--top-p P] [--top-k K]):
+# the job-wide TEMPERATURE / SEED unless the arm's field sets them; a bad value is a one-line error
+arm_sampling() {
+  local label=$1 field=$2 kv name v why t=$TEMPERATURE s=$SEED p="" k=""
+  for kv in ${field//,/ }; do
+    name=${kv%%=*} v=${kv#*=}
+    [[ "$CLIENT_FIELDS" == *" $name "* ]] || continue
+    why=$(sampling_valid "$name" "$v")
+    if [ -n "$why" ]; then
+      echo "31-verify-e2e: arm $label: '$kv' is not valid; valid: $name=$why" >&2
+      return 1
+    fi
+    case "$name" in TEMPERATURE) t=$v ;; SEED) s=$v ;; TOP_P) p=$v ;; TOP_K) k=$v ;; esac
+  done
+  if awk -v t="$t" 'BEGIN { exit !(t == 0) }'; then
+    if [ -n "$p" ] || [ -n "$k" ]; then
+      echo "31-verify-e2e: arm $label: TOP_P= / TOP_K= with temperature $t is not valid; valid: TOP_P= / TOP_K= only with TEMPERATURE > 0 (sampled requests)" >&2
+      return 1
+    fi
+    echo "--temperature $t"   # greedy: the requests as before, no seed
+    return 0
+  fi
+  echo "--temperature $t --seed $s${p:+ --top-p $p}${k:+ --top-k $k}"
+}
+# the job-wide request settings, then every arm's fields: checked before the dry run and before
+# any boot
+for v in TEMPERATURE SEED; do
+  why=$(sampling_valid "$v" "${!v}")
+  [ -z "$why" ] || { echo "31-verify-e2e: $v='${!v}' is not valid; valid: $why" >&2; exit 2; }
+done
+for arm in $ARMS; do
+  IFS=: read -r label _ _ _ _ _ extra <<< "$arm"
+  extra_env "$label" "$extra" > /dev/null && arm_sampling "$label" "$extra" > /dev/null || exit 2
+done
 
 if [ "${JOB31_DRY:-0}" = 1 ]; then
   if [ ! -f "$D/config.json" ]; then
@@ -107,7 +180,9 @@ if [ "${JOB31_DRY:-0}" = 1 ]; then
   for arm in $ARMS; do
     IFS=: read -r label spec wv k _ _ extra <<< "$arm"
     xenv=$(extra_env "$label" "$extra") || exit 2
+    samp=$(arm_sampling "$label" "$extra") || exit 2
     say "-- plan $label: SPEC=$spec WIDE_VERIFY=$wv$([ "$k" != - ] && echo " DFLASH_TOKENS=$k")${extra:+ $extra}"
+    say "   requests: $samp"
     # a vLLM without patch 0080's marker (the pristine CPU test vLLM) refuses SPEC=dflash2 at
     # plan time; the dry run plans as if it were installed (patch 0080 writes it on the GPU host)
     env $(arm_env "$spec" "$wv" "$k") $xenv MODEL=tiny python3 - <<'PY' 2>&1 | grep -E '^(argv|child env|WIDE_VERIFY|KV |KV_MEM|SPEC|DFLASH|MAX_LEN|DRAFT|\(dry)' | tee -a "$summary"
@@ -151,12 +226,15 @@ failed=""
 # run_arm LABEL SPEC WIDE_VERIFY DFLASH_TOKENS REQUIRED: boot, measure, stop; rc 0 measured,
 # 1 not valid, 2 skipped (time or drafter)
 run_arm() {
-  local label=$1 spec=$2 wv=$3 k=$4 prof=${5:-} extra=${6:-} left wait mt specflag="" profargs=() envargs=()
+  local label=$1 spec=$2 wv=$3 k=$4 prof=${5:-} extra=${6:-} left wait mt specflag="" profargs=() envargs=() sampargs=()
   [ "$spec" != off ] && specflag="--spec"
   read -ra envargs <<< "$(arm_env "$spec" "$wv" "$k")"
   local xenv
   xenv=$(extra_env "$label" "$extra") || { failed="$failed $label(arm)"; return 1; }
   envargs+=($xenv)
+  local samp
+  samp=$(arm_sampling "$label" "$extra") || { failed="$failed $label(arm)"; return 1; }
+  read -ra sampargs <<< "$samp"
   if [ "$prof" = prof ]; then
     rm -rf "$PROF_ROOT/prof-$label"
     envargs+=("EXTRA_ARGS=--profiler-config.profiler=torch --profiler-config.torch_profiler_dir=$PROF_ROOT/prof-$label --profiler-config.torch_profiler_with_stack=false --profiler-config.ignore_frontend=true --profiler-config.delay_iterations=4 --profiler-config.max_iterations=$PROF_STEPS")
@@ -179,7 +257,7 @@ run_arm() {
     "$JOB_OUT/server-$label.log" | tail -4 | tee -a "$summary"
   mt=$((JOB_BUDGET_S - $(elapsed) - 15)); [ "$mt" -gt 150 ] && mt=150; [ "$mt" -lt 20 ] && mt=20
   timeout -k 5 "$mt" python3 gpu/jobs/31-verify-e2e.py --url "$URL" --model geom --label "$label" $specflag \
-    --depths "$DEPTHS" --out-tokens "$OUT_TOK" --repeats "${REPEATS:-3}" --json "$JOB_OUT/$label.json" "${profargs[@]}" 2>&1 | tee -a "$summary"
+    --depths "$DEPTHS" --out-tokens "$OUT_TOK" --repeats "${REPEATS:-3}" --json "$JOB_OUT/$label.json" "${sampargs[@]}" "${profargs[@]}" 2>&1 | tee -a "$summary"
   local rc=${PIPESTATUS[0]}
   stop_server
   # the engine core's per-step host timing (ONECARD_HOST_TIMING, on by default here)
@@ -216,15 +294,23 @@ LABELS += tuple(a.split(":")[0] for a in sys.argv[2:] if a.split(":")[0] not in 
 NAMES = {"mtp-wide1": "mtp (WIDE_VERIFY=1)", "d2k7": "dflash2 k7", "d2k15": "dflash2 k15",
          "mtp-wide0": "mtp (WIDE_VERIFY=0)"}
 arms = {}
+temp = {}  # an arm's request temperature (0 = greedy; a JSON without the field is from a greedy-only job)
 for label in LABELS:
     p = os.path.join(out, label + ".json")
     if os.path.exists(p):
-        arms[label] = {r["depth"]: r for r in json.load(open(p))["rows"] if not r.get("skipped")}
+        rec = json.load(open(p))
+        arms[label] = {r["depth"]: r for r in rec["rows"] if not r.get("skipped")}
+        temp[label] = rec.get("temperature") or 0.0
 f = lambda x: "-" if x is None else f"{x:.2f}"
+mark = lambda c: f" [sampled T={temp[c]:g}]" if temp.get(c) else ""  # noqa: E731
 cols = ["mtp-wide1", "d2k7", "d2k15"] + [k for k in LABELS[4:] if k in arms]
-print("ms per engine step, C1 greedy, CTX=long int8 KV, 27B geometry, random weights "
+sampled = [c for c in arms if temp.get(c)]
+mode = ("greedy" if not sampled else "sampled (seeded)" if len(sampled) == len(arms)
+        else "greedy, the columns marked [sampled T=..] sampled (seeded)")
+print(f"ms per engine step, C1 {mode}, CTX=long int8 KV, 27B geometry, random weights "
       "(server counters / client stream gaps; ratio = server ms vs off)")
-print("| depth | off ms/step | " + " | ".join(f"{NAMES.get(c, c)} ms/step (ratio)" for c in cols) + " | mtp goal <= 1.3x |")
+print(f"| depth | off{mark('off')} ms/step | " + " | ".join(f"{NAMES.get(c, c)}{mark(c)} ms/step (ratio)" for c in cols)
+      + " | mtp goal <= 1.3x |")
 print("|---|---|" + "---|" * len(cols) + "---|")
 depths = sorted({d for a in arms.values() for d in a})
 def cell(r):
@@ -244,7 +330,7 @@ for d in depths:
     goal = "-" if r1 is None else ("MET" if r1 <= 1.3 else "MISSED")
     print(f"| {d} | {cell(off)} | " + " | ".join(cells) + f" | {goal} |")
 print("tokens per verify step (acceptance; ~1.0 with random weights): " + "; ".join(
-    f"{c} " + ",".join(f(arms[c][d].get("tokens_per_step")) for d in depths if d in arms[c])
+    f"{c}{mark(c)} " + ",".join(f(arms[c][d].get("tokens_per_step")) for d in depths if d in arms[c])
     for c in cols if c in arms))
 def first_diff(a, b):
     if a is None or b is None:
@@ -258,6 +344,9 @@ for d in depths:
     off = arms.get("off", {}).get(d, {}).get("text")
     for k in cols:
         if d in arms.get(k, {}):
+            if temp.get(k) or temp.get("off"):
+                print(f"  depth {d} {k}: not compared (sampled requests: {k}{mark(k) or ' greedy'}, off{mark('off') or ' greedy'})")
+                continue
             print(f"  depth {d} {k}: {first_diff(arms[k][d].get('text'), off)}")
 # SAME_TEXT="a=b c=d": arms whose greedy text must be equal (the same speculation, a knob that must
 # not change the target's logits, e.g. GDN_SHARED_META=0); a repeat pair (the same arm twice) shows
@@ -268,6 +357,8 @@ for a, b in pairs:
         ta = arms.get(a, {}).get(d, {}).get("text")
         tb = arms.get(b, {}).get(d, {}).get("text")
         verdict = "-" if ta is None or tb is None else ("SAME" if ta == tb else "DIFFER: " + first_diff(ta, tb))
+        if temp.get(a) or temp.get(b):  # seeded sampled texts: equal only if both sides sample alike
+            verdict += f" (sampled: {a}{mark(a) or ' greedy'}, {b}{mark(b) or ' greedy'}; informative)"
         print(f"same text {a} = {b}, depth {d}: {verdict}")
 PY
 say "arms measured:${ran:- none}"
