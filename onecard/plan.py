@@ -20,6 +20,22 @@ from typing import Mapping
 from onecard import memory, profiles
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+# variables onecard reads besides its knobs (a near-miss of a knob name that is not a typo)
+NOT_KNOBS = {"MODELS"}
+
+
+def is_loopback(host: str) -> bool:
+    """localhost, or an address in 127.0.0.0/8 or ::1 (what a non-keyed server may bind)."""
+    import ipaddress
+
+    if host in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 SERVE_PREFIX = ["-m", "vllm.entrypoints.cli.main", "serve"]
 
 
@@ -53,6 +69,10 @@ class ServePlan:
         self.values[name] = Value(value, source, reason)
 
     def cap(self, name: str, value, reason: str) -> None:
+        old = self.values.get(name)
+        if old is not None and old.source not in ("default", "profile", "cap") and old.value != value:
+            # the user asked for this value: say so in a note, not only in the table's source column
+            self.notes.append(f"{name}={old.value} (from {old.source}) is lowered to {value}: {reason}")
         self.values[name] = Value(value, "cap", reason)
 
     def to_json(self) -> dict:
@@ -98,12 +118,46 @@ def _parse_dotenv(text: str) -> dict[str, str]:
     return out
 
 
+# vLLM serve flags the plan owns: the listening address and the key (the server never listens
+# beyond loopback without an API key) and the figures the preflight sized. EXTRA_ARGS may not carry
+# them in any spelling vLLM's parser accepts: --flag / --flag=v, underscores for dashes, dotted
+# sub-keys (--speculative-config.method), and unique prefixes (argparse's allow_abbrev: --ho).
+# --config (a YAML file of flags) could set any of them, so it is refused too.
+OWNED_FLAGS = {
+    "--host": "HOST=... (a non-loopback HOST needs VLLM_API_KEY)",
+    "--port": "PORT=...",
+    "--uds": "HOST / PORT (the server listens on TCP, on loopback unless an API key is set)",
+    "--api-key": "VLLM_API_KEY in the environment, .env or api_key.txt mode 600 (a flag shows in the process list)",
+    "--config": "knobs and other flags in EXTRA_ARGS (a config file could set the host or the key)",
+    "--max-model-len": "MAX_LEN=...",
+    "--max-num-seqs": "MAX_SEQS=...",
+    "--kv-cache-memory-bytes": "KV_MEM=...",
+    "--kv-cache-dtype": "KV=... or CTX=fast|long|huge",
+    "--speculative-config": "SPEC=off|mtp|dflash2 with SPEC_K / DFLASH_TOKENS / DRAFT",
+    "--served-model-name": "SERVED_NAME=...",
+}
+
+
+def owned_flag(word: str) -> str | None:
+    """The OWNED_FLAGS flag that vLLM's parser would read ``word`` as, else None."""
+    if not word.startswith("--") or word == "--":
+        return None
+    name = word.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+    if name in OWNED_FLAGS:
+        return name
+    hits = [f for f in OWNED_FLAGS if f.startswith(name)] if len(name) > 3 else []
+    return hits[0] if len(hits) == 1 else None
+
+
 def read_api_key(env: Mapping[str, str], dotenv: Mapping[str, str], root: Path) -> tuple[str | None, str]:
-    """(key, where it came from). api_key.txt must be mode 0600."""
-    if env.get("VLLM_API_KEY"):
-        return env["VLLM_API_KEY"], "env"
-    if dotenv.get("VLLM_API_KEY"):
-        return dotenv["VLLM_API_KEY"], ".env"
+    """(key, where it came from). api_key.txt must be mode 0600. Surrounding whitespace is not part
+    of a key; a key of whitespace only is refused (it would open a non-loopback HOST behind ' ')."""
+    for where, src in (("env", env), (".env", dotenv)):
+        raw = src.get("VLLM_API_KEY")
+        if raw and not raw.strip():
+            raise PlanError(f"VLLM_API_KEY in {where} is blank (whitespace only); valid: a non-empty key, or unset")
+        if raw:
+            return raw.strip(), where
     kf = root / "api_key.txt"
     if kf.is_file():
         mode = stat.S_IMODE(kf.stat().st_mode)
@@ -194,6 +248,13 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
                 parse_choice(v.strip(), k)
             elif name == "PREFILL_LAUNCH":
                 parse_prefill_launch(v)
+    # a misspelt knob in the environment (MAXLEN=...) would otherwise be ignored without a word
+    import difflib
+
+    for name in sorted(n for n in environ if n.isupper() and n not in profiles.KNOBS and n not in NOT_KNOBS):
+        near = difflib.get_close_matches(name, list(profiles.KNOBS), n=1, cutoff=0.85)
+        if near:
+            plan.notes.append(f"{name} is set in the environment but is not a launcher knob (ignored); did you mean {near[0]}?")
     unknown = sorted(n for n in dot if n not in profiles.KNOBS and n.isupper() and not n.startswith(("HF_", "VLLM_", "CUDA_")))
     if unknown:
         plan.notes.append(f".env sets {', '.join(unknown)}, which is not a launcher knob (valid: {', '.join(profiles.KNOBS)})")
@@ -203,7 +264,10 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
     for feat in (ctx.needs, spec.needs):
         if feat and not profiles.feature_installed(feat):
             which = "CTX=huge" if feat == "kvarn" else "SPEC=dflash2"
-            raise PlanError(f"{which}: {profiles.FEATURE_INSTALL[feat]}; valid now: CTX=fast|long, SPEC=off|mtp")
+            # what this vLLM can serve now, by the features that are installed
+            ctxs = "|".join(n for n, c in profiles.CTX_PROFILES.items() if not c.needs or profiles.feature_installed(c.needs))
+            specs = "|".join(n for n, p in profiles.SPEC_PROFILES.items() if not p.needs or profiles.feature_installed(p.needs))
+            raise PlanError(f"{which}: {profiles.FEATURE_INSTALL[feat]}; valid now: CTX={ctxs}, SPEC={specs}")
     if ctx.needs == "kvarn" and (stale := profiles.feature_stale("kvarn")):
         raise PlanError(f"CTX=huge: the KVarN code installed in this vLLM is older than this checkout ({stale} "
                         f"changed); run kvarn/install.sh (or ./install.sh --kvarn) to update it; valid now: CTX=fast|long")
@@ -310,7 +374,7 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
     # host + key
     host = plan.get("HOST")
     key, key_src = read_api_key(environ, dot, root)
-    if host not in LOOPBACK and key is None:
+    if not is_loopback(host) and key is None:
         raise PlanError(f"HOST={host} binds beyond loopback; set VLLM_API_KEY (env, .env, or api_key.txt mode 600) "
                         f"or use a valid loopback HOST=127.0.0.1|localhost|::1")
     plan.api_key = key
@@ -320,8 +384,11 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
         extra = shlex.split(plan.get("EXTRA_ARGS"))
     except ValueError as e:
         raise PlanError(f"EXTRA_ARGS is not valid shell words ({e}); valid: e.g. EXTRA_ARGS='--seed 1'") from None
-    if "--api-key" in extra or any(a.startswith("--api-key=") for a in extra):
-        raise PlanError("EXTRA_ARGS must not carry --api-key (it would show in the process list); valid: set VLLM_API_KEY instead")
+    for word in extra:
+        flag = owned_flag(word)
+        if flag:
+            raise PlanError(f"EXTRA_ARGS must not carry {word.split('=', 1)[0]} (the launcher sets {flag}); "
+                            f"valid: {OWNED_FLAGS[flag]}")
     plan.set("EXTRA_ARGS", extra, plan.values["EXTRA_ARGS"].source)
     _resolve_dflash_ring(plan, ctx, spec)
 

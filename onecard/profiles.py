@@ -218,7 +218,7 @@ TP_CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 FEATURE_MARKERS = {"kvarn": "kvarn_installed.txt", "dflash2": "dflash2_installed.txt"}
 FEATURE_INSTALL = {  # what is missing and how to get it, for the launcher's one-line refusal
     "kvarn": "the KVarN KV cache is not installed into this vLLM: run ./install.sh --kvarn (or kvarn/install.sh)",
-    "dflash2": "patch 0080 (DFlash2) is not applied to this vLLM: run ./install.sh (python3 -m onecard patches apply)",
+    "dflash2": "patch 0080 (DFlash2) is not applied to this vLLM: run ./install.sh (it applies patches/series; or venv/bin/onecard patches apply)",
 }
 
 

@@ -91,7 +91,7 @@ def check_patches(ctx) -> Result:
         return Result(FAIL, "patches", str(exc))
     missing = [f"{n} ({s})" for n, s, _ in report.states if s != patching.APPLIED]
     if missing:
-        return Result(FAIL, "patches", f"not applied: {', '.join(missing)}; run `onecard patches apply`")
+        return Result(FAIL, "patches", f"not applied: {', '.join(missing)}; run ./install.sh (or venv/bin/onecard patches apply)")
     return Result(PASS, "patches", f"all {len(report.states)} applied ({patching.series_hash(ctx.get('series', patching.DEFAULT_SERIES))})")
 
 
@@ -271,10 +271,26 @@ def resolve_model_dir(model: str) -> Path | None:
     return None
 
 
+def _launcher_default_model() -> tuple[str, Path]:
+    """(MODEL as ./start_qwen.sh would take it without --model/$MODEL: .env, else the knob's
+    default, and its directory relative to the repository)."""
+    from onecard import plan, profiles
+
+    repo = Path(__file__).resolve().parents[1]
+    model = plan.read_dotenv(repo / ".env").get("MODEL") or profiles.KNOBS["MODEL"].default
+    path = Path(model).expanduser()
+    return model, path if path.is_absolute() else repo / path
+
+
 def check_model(ctx) -> Result | None:
     model = ctx.get("model") or os.environ.get("MODEL")
     if not model:
-        return None
+        from onecard.prepare.model import DEFAULT_MODEL_ID
+
+        model, path = _launcher_default_model()
+        if model != "tiny" and not (path / "config.json").is_file():
+            return Result(WARN, "model", f"no model at {model} (the launcher's MODEL): ./start_qwen.sh refuses until "
+                                         f"./install.sh --model {DEFAULT_MODEL_ID} (or MODEL=DIR|tiny)")
     if model == "tiny":
         return Result(PASS, "model", "tiny (built on first start)")
     path = resolve_model_dir(model)

@@ -159,6 +159,20 @@ BAD = [
     ({"HOST": "0.0.0.0"}, "VLLM_API_KEY"),
     ({"EXTRA_ARGS": "--seed 'unterminated"}, "shell words"),
     ({"EXTRA_ARGS": "--api-key abc"}, "VLLM_API_KEY"),
+    # the listening address, the key and the preflight's figures, in every spelling vLLM reads
+    ({"EXTRA_ARGS": "--host 0.0.0.0"}, "must not carry --host (the launcher sets --host); valid: HOST="),
+    ({"EXTRA_ARGS": "--seed 1 --host=0.0.0.0"}, "must not carry --host"),
+    ({"EXTRA_ARGS": "--ho 0.0.0.0"}, "must not carry --ho (the launcher sets --host)"),
+    ({"EXTRA_ARGS": "--uds /tmp/s"}, "must not carry --uds"),
+    ({"EXTRA_ARGS": "--api_key=abc"}, "VLLM_API_KEY"),
+    ({"EXTRA_ARGS": "--config serve.yaml"}, "must not carry --config"),
+    ({"EXTRA_ARGS": "--port 9"}, "valid: PORT="),
+    ({"EXTRA_ARGS": "--max_model_len 999999"}, "valid: MAX_LEN="),
+    ({"EXTRA_ARGS": "--max-num-seqs=64"}, "valid: MAX_SEQS="),
+    ({"EXTRA_ARGS": "--kv-cache-memory-bytes 1"}, "valid: KV_MEM="),
+    ({"EXTRA_ARGS": "--kv-cache-dtype fp8"}, "valid: KV="),
+    ({"EXTRA_ARGS": "--speculative-config.num_speculative_tokens 9"}, "valid: SPEC="),
+    ({"HOST": "0.0.0.0", "VLLM_API_KEY": "   "}, "VLLM_API_KEY in env is blank"),
     ({"EXTRA_ARGS": "--dtype float16"}, "float16"),
     ({"KV_MEM": "100M"}, "KV_MEM >="),
 ]
@@ -313,3 +327,29 @@ def test_kvarn_window_and_sinks_reach_the_server_and_size_the_stage(root, featur
     long = mk({"CTX": "long", "KVARN_SINKS": "2"}, root)
     assert any("KVARN_SINKS=2 has no effect" in n for n in long.notes)
     assert "ONECARD_KVARN_SINKS" not in long.child_env
+
+
+def test_extra_args_that_vllm_reads_as_other_flags_pass(root):
+    """Flags the plan does not own pass through, including ones that share a prefix with an
+    owned flag (--config-format, --max-num-batched-tokens) and an ambiguous prefix (--ma)."""
+    from onecard.plan import owned_flag
+
+    for word in ("--seed", "--config-format", "--max-num-batched-tokens", "--ma", "--", "-O3",
+                 "--kv-cache-dtype-skip-layers", "0.0.0.0", "--served-model-name-x"):
+        assert owned_flag(word) is None, word
+    plan = mk({"EXTRA_ARGS": "--seed 1 --max-num-batched-tokens 4096"}, root)
+    assert plan.argv[-4:] == ["--seed", "1", "--max-num-batched-tokens", "4096"]
+
+
+def test_loopback_hosts_need_no_key_and_keys_are_stripped(root):
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1"):
+        assert mk({"HOST": host}, root).get("HOST") == host
+    plan = mk({"HOST": "0.0.0.0", "VLLM_API_KEY": " sk-abc\n"}, root)
+    assert plan.api_key == "sk-abc"
+
+
+def test_misspelt_knob_in_the_environment_gets_a_note(root):
+    plan = mk({"MAXLEN": "1000", "MODELS": "/var/tmp/models", "HOSTNAME": "box"}, root)
+    assert any("MAXLEN is set in the environment but is not a launcher knob (ignored); did you mean MAX_LEN?" in n
+               for n in plan.notes)
+    assert not any("MODELS" in n or "HOSTNAME" in n for n in plan.notes)

@@ -138,3 +138,15 @@ def test_plan_check_warns_when_only_the_estimate_is_over(monkeypatch):
         returncode=0, stdout=_json.dumps(plan), stderr=""))
     res = verify.check_plan({})
     assert res.status == verify.WARN and res.detail.endswith("if it runs out of GPU memory, KV_MEM <= 3906M")
+
+
+def test_no_model_named_checks_the_launchers_default(tmp_path, monkeypatch):
+    """Without --model / $MODEL, verify looks where ./start_qwen.sh would (MODEL's default,
+    models/qwen38-27b in the repository) and warns, naming the install command, when it is
+    not there; a tiny MODEL in .env passes (built at the first start)."""
+    monkeypatch.delenv("MODEL", raising=False)
+    monkeypatch.setattr(verify, "_launcher_default_model", lambda: ("models/qwen38-27b", tmp_path / "none"))
+    res = verify.check_model({})
+    assert res.status == verify.WARN and "./install.sh --model dbirks/Qwen3.8-27B-W4A16-AutoRound" in res.detail
+    monkeypatch.setattr(verify, "_launcher_default_model", lambda: ("tiny", tmp_path / "tiny"))
+    assert verify.check_model({}).status == verify.PASS
