@@ -818,14 +818,23 @@ def target_weight_bytes(model_dir: str | os.PathLike | None, spec_method: str | 
 RESERVES = CUDA_GRAPH_RESERVE + ACTIVATION_HEADROOM + CUDA_CONTEXT
 
 
+def dflash2_lane_bytes(max_seqs: int, max_len: int, k: int) -> int:
+    """VRAM of the DFlash2 lookup lane on the device (LOOKUP_LANE=device, DFLASH_TOKENS > 7, LOOKUP=1):
+    patch 0080's DeviceLane, one int32 token-history row per request slot plus a scratch row, each
+    max_len + k + 2 tokens rounded up to 16, and an int64 length per row. Allocated at the first
+    dummy run, beside the KV pin (2.8 MiB at CTX=huge's MAX_SEQS 2)."""
+    width = -(-(max_len + k + 2) // 16) * 16
+    return (max_seqs + 1) * (width * 4 + 8)
+
+
 def vram_budget(kv_pin: int, target_weights: int, drafter_weights: int = 0, draft_lm_head: int = 0,
                 kvarn_stage: int = 0, reserves: int = RESERVES, card_bytes: int = CARD_24G,
-                dflash2_ring_bytes: int = 0) -> dict:
+                dflash2_ring_bytes: int = 0, dflash2_lane_bytes: int = 0) -> dict:
     """Everything one GPU holds at a KV_MEM pin, term by term, and whether it fits ``card_bytes``.
     ``kv_max`` is the largest pin that would fit beside the other terms."""
     terms = {"weights": target_weights, "drafter_weights": drafter_weights, "draft_lm_head": draft_lm_head,
-             "kvarn_stage": kvarn_stage, "dflash2_ring_bytes": dflash2_ring_bytes, "reserves": reserves,
-             "kv_pin": kv_pin}
+             "kvarn_stage": kvarn_stage, "dflash2_ring_bytes": dflash2_ring_bytes,
+             "dflash2_lane_bytes": dflash2_lane_bytes, "reserves": reserves, "kv_pin": kv_pin}
     total = sum(terms.values())
     return {**terms, "total": total, "card_bytes": card_bytes, "fits": total <= card_bytes,
             "kv_max": max(card_bytes - (total - kv_pin), 0)}

@@ -43,7 +43,7 @@ Checks, in order:
 from __future__ import annotations
 
 from onecard import memory, profiles
-from onecard.plan import PlanError, ServePlan
+from onecard.plan import DFLASH2_DRAFTER_ROWS, PlanError, ServePlan
 
 MIN_POOL = 4096
 K_GRAPH_LIMIT = 7
@@ -189,6 +189,17 @@ def _ring_bytes(plan: ServePlan) -> int:
     return memory.dflash2_ring_bytes(plan.ring_geometry, int(plan.get("MAX_SEQS")), int(plan.get("SPEC_K")))
 
 
+def _lane_bytes(plan: ServePlan) -> int:
+    """The DFlash2 lookup lane's device history (memory.dflash2_lane_bytes) when the server
+    builds one: SPEC=dflash2, LOOKUP=1, LOOKUP_LANE=device and DFLASH_TOKENS past the drafter's rows."""
+    if plan.get("SPEC") != "dflash2" or plan.get("LOOKUP") != "1" or plan.get("LOOKUP_LANE") != "device":
+        return 0
+    k = int(plan.get("SPEC_K"))
+    if k <= DFLASH2_DRAFTER_ROWS:
+        return 0
+    return memory.dflash2_lane_bytes(int(plan.get("MAX_SEQS")), int(plan.get("MAX_LEN")), k)
+
+
 def _card(plan: ServePlan) -> tuple[int, bool]:
     """(bytes of the card the plan must fit, whether it is known): CARD_GIB or nvidia-smi's answer
     (plan.resolve), else 24 GiB as an assumption for the note."""
@@ -225,9 +236,10 @@ def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: mem
                                            int(plan.get("KVARN_WINDOW")) if "KVARN_WINDOW" in plan.values else None,
                                            int(plan.get("KVARN_SINKS")) if "KVARN_SINKS" in plan.values else None)
     ring = _ring_bytes(plan)
+    lane = _lane_bytes(plan)
     card, _ = _card(plan)
     b = memory.vram_budget(kv_mem, weights, drafter.weight_bytes if drafter else 0, head, stage, card_bytes=card,
-                           dflash2_ring_bytes=ring)
+                           dflash2_ring_bytes=ring, dflash2_lane_bytes=lane)
     b["certain"] = b["total"] - b["reserves"] + memory.CUDA_CONTEXT
     b["sources"] = {"weights": wsrc, "drafter_weights": drafter.source if drafter else "",
                     "draft_lm_head": hsrc}
@@ -246,6 +258,10 @@ def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: mem
         parts.append(f"DFlash2 drafter K/V rings {_gib(ring)} (DFLASH_RING=1, MAX_SEQS={plan.get('MAX_SEQS')}, "
                      f"DFLASH_TOKENS={plan.get('SPEC_K')})")
         added["the DFlash2 drafter's K/V rings"] = ring
+    if lane >= memory.GiB // 100:  # counted always; named once it shows at two decimals
+        parts.append(f"DFlash2 lookup lane history {_gib(lane)} (LOOKUP_LANE=device, MAX_SEQS={plan.get('MAX_SEQS')}, "
+                     f"MAX_LEN={plan.get('MAX_LEN')})")
+        added["the DFlash2 lookup lane's token history"] = lane
     parts += [f"reserves {_gib(b['reserves'])}", f"KV pin {_gib(kv_mem)}"]
     return b, f"{' + '.join(parts)} = {_gib(b['total'])} GiB", added
 

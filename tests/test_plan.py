@@ -353,3 +353,19 @@ def test_misspelt_knob_in_the_environment_gets_a_note(root):
     assert any("MAXLEN is set in the environment but is not a launcher knob (ignored); did you mean MAX_LEN?" in n
                for n in plan.notes)
     assert not any("MODELS" in n or "HOSTNAME" in n for n in plan.notes)
+
+
+def test_the_device_lookup_lane_is_in_the_vram_sum(features, root):
+    """DFLASH_TOKENS past the drafter's rows with the device lane: its token history is a VRAM
+    term beside the pin (memory.dflash2_lane_bytes), named once it shows at two decimals."""
+    from onecard import memory
+
+    env = {"SPEC": "dflash2", "CTX": "long", "DFLASH_TOKENS": "15", "MAX_SEQS": "64", "CARD_GIB": "80",
+           "DRAFT": str(features)}
+    plan = mk(env, root)
+    line = next(n for n in plan.notes if n.startswith("VRAM on one GPU"))
+    assert "DFlash2 lookup lane history" in line and "LOOKUP_LANE=device, MAX_SEQS=64" in line
+    assert memory.dflash2_lane_bytes(64, 131072, 15) > memory.GiB // 100
+    for off in ({"LOOKUP_LANE": "host"}, {"LOOKUP": "0"}, {"DFLASH_TOKENS": "7"}):
+        plan = mk({**env, **off}, root)
+        assert not any("lookup lane history" in n for n in plan.notes), off

@@ -126,6 +126,8 @@ def proposer_extend():
         p.lane_mode, p.device_lane = mode, None
         p.vllm_config = types.SimpleNamespace(
             scheduler_config=types.SimpleNamespace(max_num_seqs=4))
+        p.speculative_config = types.SimpleNamespace(num_speculative_tokens=7)
+        p.block_rows, p.device = 3, torch.device("cpu")
         p.max_model_len = 1000
         prompt = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
         state = types.SimpleNamespace(prompt_token_ids=prompt, output_token_ids=[])
@@ -137,6 +139,8 @@ def proposer_extend():
 
     def step(p, sampled, valid, drafts):
         p._sampled, p._valid_counts = sampled, valid
+        # what prepare_next_token_ids_padded / _cpu do for the device lane
+        p._lane_feed(sampled, valid, p.runner.requests, p.runner.input_batch)
         p._last_draft_probs = lane.one_hot_rows(drafts, v)
         return p._extend(drafts, 7)
 
@@ -154,6 +158,17 @@ def proposer_extend():
             bool((pd._last_draft_probs == q).all()), not pd.lanes.lanes]
     nxt = ([[12, 13], [1, 2]], None, torch.tensor([[20, 21, 22], [3, 1, 2]]))
     same.append(step(pd, *nxt).tolist() == step(p, *nxt).tolist())
+    # the CPU path runs after vLLM's bookkeeping: a request seen for the first time already has
+    # this step's token in its outputs, so seeding covers it and nothing is appended twice
+    pc = proposer("device")
+    pc.runner.requests["a"].output_token_ids = [9]
+    pc._lane_feed([[9], []], None, pc.runner.requests, pc.runner.input_batch)
+    lane_c = pc.device_lane
+    slot = lane_c.slots.owner["a"]
+    same.append(lane_c.hist[slot, :15].tolist() == list(range(10, 23)) + [9, 0]
+                and int(lane_c.count[slot]) == 14)
+    pc._lane_feed([[9, 4], [5]], None, pc.runner.requests, pc.runner.input_batch)
+    same.append(int(lane_c.count[slot]) == 16 and int(lane_c.count[lane_c.slots.owner["b"]]) == 4)
     # without lookup: the last draft repeated
     p2 = object.__new__(DFlash2Proposer)
     p2.lookup_enabled, p2.runner, p2._last_draft_probs = False, None, None

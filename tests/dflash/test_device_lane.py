@@ -194,3 +194,13 @@ def test_triton_match_equals_torch(max_match, block, monkeypatch):
 
 
 test_in_child_process = child_rerun(__file__, _PREIMPORTED)
+
+
+def test_memory_model_counts_the_lane_as_built():
+    """onecard.memory.dflash2_lane_bytes (the preflight's term) == DeviceLane.nbytes."""
+    from onecard import memory
+
+    for slots, mml, k in ((2, 245760, 15), (8, 131072, 8), (1, 100, 9)):
+        dl = lane.DeviceLane(slots=slots, max_model_len=mml, k_max=k)
+        assert memory.dflash2_lane_bytes(slots, mml, k) == dl.nbytes
+        assert dl.hist.shape[1] % 16 == 0

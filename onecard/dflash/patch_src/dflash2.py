@@ -118,12 +118,14 @@ class DFlash2Proposer(DFlashProposer):
         out = super().prepare_next_token_ids_padded(
             sampled_token_ids, requests, gpu_input_batch, discard_request_mask)
         self._sampled, self._valid_counts = sampled_token_ids, out[1]
+        self._lane_feed(sampled_token_ids, out[1], requests, gpu_input_batch)
         return out
 
     @override
     def prepare_next_token_ids_cpu(self, sampled_token_ids, requests, gpu_input_batch,
                                    num_scheduled_tokens):
         self._sampled, self._valid_counts = sampled_token_ids, None
+        self._lane_feed(sampled_token_ids, None, requests, gpu_input_batch)
         return super().prepare_next_token_ids_cpu(
             sampled_token_ids, requests, gpu_input_batch, num_scheduled_tokens)
 
@@ -165,45 +167,63 @@ class DFlash2Proposer(DFlashProposer):
             ).contiguous()
         return full
 
-    def _device_lane_rows(self, drafts: torch.Tensor, k: int) -> torch.Tensor:
-        """The lookup lane without a host sync: this step's accepted tokens are appended to the
-        requests' device histories and the suffix match runs there (DeviceLane). Host work
-        only when the batch's request ids change (slot map; a new request's history is
-        uploaded once, pinned and non-blocking)."""
-        batch = self.runner.input_batch
-        requests = self.runner.requests
-        b = drafts.shape[0]
+    # ------------------------------------------------------------------ device lane
+    def _lane_on(self) -> bool:
+        k = int(self.speculative_config.num_speculative_tokens)
+        return self.lookup_enabled and self.lane_mode == "device" and k > self.block_rows
+
+    def _lane(self, device) -> DeviceLane:
         if self.device_lane is None:
             self.device_lane = DeviceLane(
                 slots=int(self.vllm_config.scheduler_config.max_num_seqs),
-                max_model_len=int(self.max_model_len), k_max=k,
-                key_len=self.lanes.params[0], max_match=self.lanes.params[1],
-                device=drafts.device)
-            logger.info("DFlash2 lookup lane on the device: %.1f MiB of token history",
+                max_model_len=int(self.max_model_len),
+                k_max=int(self.speculative_config.num_speculative_tokens),
+                key_len=self.lanes.params[0], max_match=self.lanes.params[1], device=device)
+            logger.info("DFlash2 lookup lane on the device: %.2f MiB of token history",
                         self.device_lane.nbytes / 2**20)
-        lane = self.device_lane
+        return self.device_lane
+
+    def _lane_bind(self, lane: DeviceLane, requests, batch, b: int) -> None:
         req_ids = [batch.req_ids[i] if i < len(batch.req_ids) else None for i in range(b)]
         req_ids = [r if r is not None and r in requests else None for r in req_ids]
 
         def history(rid: str) -> list[int]:
-            # prompt + outputs known so far (async scheduling's -1 placeholders are skipped
-            # by the lane); this step's accepted tokens are appended on the device below
+            # prompt + outputs known so far (async scheduling's -1 placeholders are skipped)
             state = requests[rid]
             return list(state.prompt_token_ids or []) + list(state.output_token_ids)
 
         lane.bind(req_ids, lambda r: r in requests, history)
-        sampled, valid = self._sampled, self._valid_counts
-        if isinstance(sampled, list):
-            width = max((len(r) for r in sampled), default=0)
-            if width:
-                padded = [list(r) + [-1] * (width - len(r)) for r in sampled[:b]]
-                padded += [[-1] * width] * (b - len(padded))
-                sampled = lane.upload(padded, torch.int64).view(b, width)
-            else:
-                sampled = None
-            valid = None
-        if isinstance(sampled, torch.Tensor) and sampled.numel():
-            lane.append(sampled, valid)
+
+    def _lane_feed(self, sampled, valid, requests, batch) -> None:
+        """Each step's accepted tokens into the device histories, from prepare_next_token_ids_*
+        (the runner calls one of them every speculative step, also on steps whose batch does
+        not fit the drafter and gets no propose). Padded path (a GPU tensor, before vLLM's
+        bookkeeping): a request seen for the first time is seeded with prompt + outputs so far,
+        then this step's tokens are appended. CPU path (lists, after the bookkeeping): the
+        outputs already hold this step's tokens, so a freshly seeded row appends nothing."""
+        if not self._lane_on():
+            return
+        if isinstance(sampled, torch.Tensor):
+            lane = self._lane(sampled.device)
+            b = sampled.shape[0]
+            self._lane_bind(lane, requests, batch, b)
+            if sampled.numel():
+                lane.append(sampled, valid)
+            return
+        lane = self._lane(self.device)
+        b = len(sampled)
+        self._lane_bind(lane, requests, batch, b)
+        rows = [[] if i in lane.fresh_rows else list(r) for i, r in enumerate(sampled)]
+        width = max((len(r) for r in rows), default=0)
+        if width:
+            padded = [r + [-1] * (width - len(r)) for r in rows]
+            lane.append(lane.upload(padded, torch.int64).view(b, width), None)
+
+    def _device_lane_rows(self, drafts: torch.Tensor, k: int) -> torch.Tensor:
+        """The lookup lane without a host sync (DeviceLane): the suffix match over the device
+        histories fed by _lane_feed. Host work only when the batch's request ids change."""
+        lane = self._lane(drafts.device)
+        self._lane_bind(lane, self.runner.requests, self.runner.input_batch, drafts.shape[0])
         return lane.rows(drafts, k)
 
     def _lookup_rows(self, drafts: torch.Tensor, k: int) -> list[list[int]]:
@@ -484,3 +504,16 @@ class DFlash2Proposer(DFlashProposer):
                                               dtype=torch.float64))
         except Exception as e:  # noqa: BLE001 - prewarm must never stop a boot
             logger.warning("DFlash2: selector prewarm failed (%s); the first step pays it", e)
+        if self._lane_on() and self.device.type == "cuda":
+            # the device lane's history is allocated here, at the first dummy run (vLLM's memory
+            # profile sees it), and its Triton match is compiled for this server's one shape
+            lane = self._lane(self.device)
+            k = int(self.speculative_config.num_speculative_tokens)
+            rows = min(k, self.block_rows)
+            try:
+                lane.bind([None], lambda r: False, lambda r: [])
+                lane.rows(torch.zeros(1, rows, dtype=torch.long, device=self.device), k)
+            except Exception as e:  # noqa: BLE001 - fall back to the plain-torch match
+                lane.use_triton = False
+                logger.warning("DFlash2: the lookup lane's Triton match failed to build (%s); "
+                               "it runs as plain torch ops (more memory and launches per step)", e)

@@ -515,12 +515,14 @@ class DeviceLane:
         self.key_len, self.max_match = key_len, max_match
         self.max_model_len = max_model_len
         self.scratch = slots
-        width = max_model_len + k_max + 2
+        width = -(-(max_model_len + k_max + 2) // 16) * 16  # rows 64-byte aligned for the kernel
         self.hist = torch.zeros(slots + 1, width, dtype=torch.int32, device=device)
         self.count = torch.zeros(slots + 1, dtype=torch.int64, device=device)
         self._batch: tuple = ()
         self._slot_idx: torch.Tensor | None = None
         self._real: torch.Tensor | None = None
+        self.fresh_rows: set[int] = set()  # batch rows seeded by the last bind that changed it
+        self.use_triton = self.hist.is_cuda  # the match: Triton on CUDA, else plain torch
 
     @property
     def nbytes(self) -> int:
@@ -540,6 +542,7 @@ class DeviceLane:
         request ids change."""
         key = tuple(req_ids)
         if key == self._batch and self._slot_idx is not None:
+            self.fresh_rows = set()
             return self._slot_idx
         real = [r for r in req_ids if r is not None]
         slots, fresh = self.slots.assign(real, alive)
@@ -553,6 +556,7 @@ class DeviceLane:
                 self.hist[slot, : ids.numel()].copy_(self.upload(ids, torch.int32),
                                                      non_blocking=True)
             self.count[slot] = int(ids.numel())
+        self.fresh_rows = {i for i, r in enumerate(req_ids) if r is not None and by_id[r] in fresh}
         idx = [by_id[r] if r is not None else self.scratch for r in req_ids]
         self._slot_idx = self.upload(idx, torch.int64)
         self._real = self.upload([r is not None for r in req_ids], torch.bool)
@@ -588,7 +592,7 @@ class DeviceLane:
         query = lane_query(self.hist, slot_idx, count, drafts, self.max_match)
         want = k - drafts.shape[1]
         if use_triton is None:
-            use_triton = self.hist.is_cuda
+            use_triton = self.use_triton
         match = lane_match_triton if use_triton else lane_match_torch
         score = match(self.hist, slot_idx, count, query, self.key_len, want)
         return lane_tokens(self.hist, slot_idx, count, score, drafts, k, self.max_model_len)
