@@ -21,6 +21,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="directory holding .env and api_key.txt (default: current directory)")
 
 
+def _secret(name: str) -> bool:
+    return any(w in name for w in ("KEY", "TOKEN", "SECRET", "PASSWORD"))
+
+
 def _python() -> str:
     return sys.executable or "python3"
 
@@ -76,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(plan))
     print("argv: " + shlex.join(plan.argv))
     if plan.child_env:
-        print("child env: " + ", ".join(f"{k}=***" for k in sorted(plan.child_env)))
+        # values shown except secrets (the API key, tokens)
+        print("child env: " + ", ".join(f"{k}={'***' if _secret(k) else v}" for k, v in sorted(plan.child_env.items())))
     if args.dry_run:
         return 0
     sys.stdout.flush()
@@ -90,7 +95,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="onecard launch", description=__doc__.splitlines()[0])
+    from onecard.profiles import KNOBS
+
+    parser = argparse.ArgumentParser(
+        prog="onecard launch", description=__doc__.splitlines()[0],
+        epilog=("Configuration is by environment variables (or .env), e.g. CTX=long SPEC=dflash2 ./start_qwen.sh. "
+                f"Knobs: {', '.join(KNOBS)}. Each knob's values and default: single-user/README.md "
+                "(or --dry-run, which prints them with where each value came from)."))
     configure(parser)
     return run(parser.parse_args(argv))
 

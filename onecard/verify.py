@@ -106,7 +106,8 @@ def check_unexpected(ctx) -> Result:
     if problems:
         more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
         return Result(FAIL, "vllm files", "; ".join(problems[:3]) + more + "; reinstall vllm and re-run ./install.sh")
-    return Result(PASS, "vllm files", "every .py file equals the wheel's RECORD plus the series")
+    return Result(PASS, "vllm files", "every .py file is the wheel's (RECORD) or its form under the series' patches "
+                                      "(the patches line says which are applied)")
 
 
 def _kvarn_series(vllm_dir) -> tuple:
@@ -430,6 +431,9 @@ def check_live_models(ctx) -> Result:
         r = httpx.get(f"{ctx['url']}/v1/models", headers=ctx["headers"], timeout=10)
         r.raise_for_status()
         ids = [m["id"] for m in r.json().get("data", [])]
+    except httpx.ConnectError as exc:
+        return Result(FAIL, "server", f"{ctx['url']}/v1/models: {exc}; no server there: start one with ./start_qwen.sh, "
+                                      "or pass --url URL, or --no-server for the offline checks")
     except Exception as exc:  # noqa: BLE001
         return Result(FAIL, "server", f"{ctx['url']}/v1/models: {exc}")
     ctx["served_model"] = ids[0] if ids else None
