@@ -240,10 +240,10 @@ def test_job31_budget_and_drafter_skips(tmp_path):
     assert "arms skipped: off(time) mtp-wide1(time) d2k7(time) d2k15(time) mtp-wide0(time)" in r.stdout
 
 
-def test_job31_all_arms_against_fake_servers(tmp_path):
-    """The whole job with every boot answered by a fake server (a python3 shim on PATH stands in
-    for `python3 -m onecard.launch` and logs the launcher env it got): five arms in order, each
-    measured, the dflash2 arms with DRAFT and DFLASH_TOKENS, the table with every column."""
+def _job31_fakes(tmp_path, logged: tuple, pre: str, fake_kw: str):
+    """The 27B geometry dirs job 31 wants, and a python3 shim on PATH that answers
+    `python3 -m onecard.launch` with a fake server (_Fake) after logging the launcher env names
+    in ``logged`` (``pre``: statements before _Fake, ``fake_kw``: its extra keywords)."""
     models = tmp_path / "models"
     for d in ("qwen38-27b-geom", "qwen38-27b-geom-dflash2"):
         (models / d).mkdir(parents=True)
@@ -251,17 +251,26 @@ def test_job31_all_arms_against_fake_servers(tmp_path):
     shim = tmp_path / "bin"
     shim.mkdir()
     serve = ("import os, sys, time; sys.path.insert(0, %r); from test_verify_quality_jobs import _Fake; "
-             "e = os.environ; print('fake launch ' + ' '.join(f'{k}={e.get(k)}' for k in ('SPEC', 'WIDE_VERIFY', "
-             "'DFLASH_TOKENS', 'DRAFT', 'VLLM_ALLOW_LONG_MAX_MODEL_LEN')), flush=True); "
-             "pd = [w.split('=', 1)[1] for w in e.get('EXTRA_ARGS', '').split() "
-             "if w.startswith('--profiler-config.torch_profiler_dir=')]; "
-             "f = _Fake(e['SPEC'] != 'off', port=int(e['PORT']), prof_dir=(pd or [None])[0]); "
-             "time.sleep(600)") % str(REPO / "tests")
+             "e = os.environ; print('fake launch ' + ' '.join(f'{k}={e.get(k)}' for k in %r), flush=True); "
+             "%sf = _Fake(e['SPEC'] != 'off', port=int(e['PORT']), %s); "
+             "time.sleep(600)") % (str(REPO / "tests"), logged, pre, fake_kw)
     (shim / "python3").write_text(
         "#!/bin/sh\n"
         f'if [ "$1" = "-m" ] && [ "$2" = "onecard.launch" ]; then exec {sys.executable} -c "{serve}"; fi\n'
         f'exec {sys.executable} "$@"\n')
     (shim / "python3").chmod(0o755)
+    return models, shim
+
+
+def test_job31_all_arms_against_fake_servers(tmp_path):
+    """The whole job with every boot answered by a fake server (a python3 shim on PATH stands in
+    for `python3 -m onecard.launch` and logs the launcher env it got): five arms in order, each
+    measured, the dflash2 arms with DRAFT and DFLASH_TOKENS, the table with every column."""
+    models, shim = _job31_fakes(
+        tmp_path, ("SPEC", "WIDE_VERIFY", "DFLASH_TOKENS", "DRAFT", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"),
+        "pd = [w.split('=', 1)[1] for w in e.get('EXTRA_ARGS', '').split() "
+        "if w.startswith('--profiler-config.torch_profiler_dir=')]; ",
+        "prof_dir=(pd or [None])[0]")
     env = {**os.environ, "JOB_OUT": str(tmp_path / "out"), "MODELS": str(models), "PYTHONPATH": str(REPO),
            "PATH": f"{shim}{os.pathsep}{os.environ.get('PATH', '')}", "DEPTHS": "64,128", "OUT_TOK": "8",
            "PROF_ROOT": str(tmp_path / "prof"),
@@ -509,22 +518,8 @@ def test_job31_sampled_and_lane_arms_against_fake_servers(tmp_path):
     (temperature 0.7, seed 31 on every request, no top_p / top_k, the field never in the server's
     env), and LOOKUP_LANE=host reaching only its arm's launcher; the table marks the
     sampled column and does not compare its text with off's."""
-    models = tmp_path / "models"
-    for d in ("qwen38-27b-geom", "qwen38-27b-geom-dflash2"):
-        (models / d).mkdir(parents=True)
-        (models / d / "config.json").write_text("{}")
-    shim = tmp_path / "bin"
-    shim.mkdir()
-    serve = ("import os, sys, time; sys.path.insert(0, %r); from test_verify_quality_jobs import _Fake; "
-             "e = os.environ; print('fake launch ' + ' '.join(f'{k}={e.get(k)}' for k in ('SPEC', "
-             "'DFLASH_TOKENS', 'LOOKUP_LANE', 'TEMPERATURE', 'SEED')), flush=True); "
-             "f = _Fake(e['SPEC'] != 'off', port=int(e['PORT']), log=True); "
-             "time.sleep(600)") % str(REPO / "tests")
-    (shim / "python3").write_text(
-        "#!/bin/sh\n"
-        f'if [ "$1" = "-m" ] && [ "$2" = "onecard.launch" ]; then exec {sys.executable} -c "{serve}"; fi\n'
-        f'exec {sys.executable} "$@"\n')
-    (shim / "python3").chmod(0o755)
+    models, shim = _job31_fakes(tmp_path, ("SPEC", "DFLASH_TOKENS", "LOOKUP_LANE", "TEMPERATURE", "SEED"),
+                                "", "log=True")
     env = {**os.environ, "JOB_OUT": str(tmp_path / "out"), "MODELS": str(models), "PYTHONPATH": str(REPO),
            "PATH": f"{shim}{os.pathsep}{os.environ.get('PATH', '')}", "DEPTHS": "64", "OUT_TOK": "8",
            "REPEATS": "2",
