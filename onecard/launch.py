@@ -1,7 +1,7 @@
 """`onecard launch` / `python -m onecard.launch`: env knobs -> plan -> preflight -> exec vllm serve.
 
 ``--dry-run`` prints the plan table and the exact argv and exits 0; ``--json`` prints the plan as
-JSON. Neither imports vllm or torch. The API key reaches the child only through its environment.
+JSON. Neither imports vllm (CTX=huge imports torch, for the KVarN stage geometry of the memory model). The API key reaches the child only through its environment.
 """
 from __future__ import annotations
 

@@ -1,0 +1,249 @@
+"""docs/profiles.md: what each CTX x SPEC profile gives on a 24 GB card, PREDICTED by onecard's memory
+model (never measured on a 24 GB card; never edit the file by hand: regenerate it).
+
+For each CTX in fast/long/huge and SPEC in off/mtp/dflash2 it builds the plan that
+``CARD_GIB=24 CTX=.. SPEC=.. ./start_qwen.sh --dry-run`` builds (onecard.plan.make_plan: knobs ->
+preflight -> prediction) on a machine where KVarN and patch 0080 are installed and the published
+27B DFlash2 drafter sits in DRAFT. Here they need not be: while the plans are built, the script
+pretends they are, as the tests do (tests/conftest.py ``fake_features``: the features' marker files
+in a fake vllm package dir that ``importlib.util.find_spec("vllm")`` returns; the drafter: its
+config.json from onecard.dflash.tiny_drafter.build_geometry_drafter, as the ``drafter_27b`` fixture
+of tests/test_plan_dflash2_ring.py). Nothing outside this process changes. The plans are machine-
+independent: no .env, no environment, no checkpoint (the target's weights are the memory model's
+prepared 27B layout), no GPU probe. Imports neither vLLM nor Triton (torch, yes: the memory model's
+KVarN stage term for CTX=huge imports onecard.kvarn.stage); a second or two.
+
+Usage: python scripts/profile_table.py            write docs/profiles.md (temp file + rename)
+       python scripts/profile_table.py --check    exit 1 when docs/profiles.md differs from it
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+import types
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from onecard import memory, profiles  # noqa: E402
+from onecard import plan as P  # noqa: E402
+
+DOC = REPO / "docs" / "profiles.md"
+CTXS = ("fast", "long", "huge")
+SPECS = ("off", "mtp", "dflash2")
+CARD_GIB = 24
+TMP_PREFIX = "onecard-profile-table-"
+# notes every --dry-run prints that are not about what the profile gives on the card
+LEFT_OUT = ("prefix cache:", "PREFIX_CACHE=1 with SPEC=", "each resident sequence holds")
+
+
+@contextmanager
+def pretend_installed(tmp: Path):
+    """KVarN and patch 0080 (DFlash2) 'installed' into vLLM, for this process and only inside the
+    block (tests/conftest.py fake_features: each feature's marker file, KVarN's with the current
+    installer's text, in a fake vllm dir that importlib finds; every other find_spec is real)."""
+    from onecard.kvarn.installer import marker_text
+
+    fake_dir = tmp / "fakevllm"
+    fake_dir.mkdir()
+    for name, marker in profiles.FEATURE_MARKERS.items():
+        (fake_dir / marker).write_text(marker_text() if name == "kvarn" else "1")
+    fake = types.SimpleNamespace(submodule_search_locations=[str(fake_dir)])
+    real = importlib.util.find_spec
+
+    def find_spec(name, package=None):
+        return fake if name == "vllm" else real(name, package)
+
+    importlib.util.find_spec = find_spec
+    try:
+        yield
+    finally:
+        importlib.util.find_spec = real
+
+
+def published_drafter(tmp: Path) -> Path:
+    """The published 27B DFlash2 drafter's config.json (5 layers, 8 x 128, window 2048), no weights:
+    all a dry run reads of DRAFT (the same builder as tests' drafter_27b fixture)."""
+    from onecard.dflash.tiny_drafter import build_geometry_drafter
+
+    d = tmp / "dflash2-drafter"
+    build_geometry_drafter(d, config_only=True, log=lambda *a, **k: None)
+    return d
+
+
+def build_plans() -> list[tuple[str, str, P.ServePlan | str]]:
+    """(CTX, SPEC, plan) for the 9 profiles; a refused plan is its one-line PlanError."""
+    out = []
+    with tempfile.TemporaryDirectory(prefix=TMP_PREFIX) as t:
+        tmp = Path(t)
+        root = tmp / "root"  # no .env, no api_key.txt
+        root.mkdir()
+        draft = published_drafter(tmp)
+        with pretend_installed(tmp):
+            for ctx in CTXS:
+                for spec in SPECS:
+                    env = {"CARD_GIB": str(CARD_GIB), "CTX": ctx, "SPEC": spec,
+                           # no checkpoint here: the memory model's 27B layout, wherever this runs
+                           "MODEL": str(root / "models" / "qwen38-27b")}
+                    if spec == "dflash2":
+                        env["DRAFT"] = str(draft)
+                    try:
+                        out.append((ctx, spec, P.make_plan(env, root, python="python3")))
+                    except P.PlanError as e:
+                        out.append((ctx, spec, f"refused: {e}"))
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / memory.GiB:.2f}"
+
+
+def _spec_cell(spec: str, plan: P.ServePlan) -> str:
+    k = int(plan.get("SPEC_K"))
+    return {"off": "off", "mtp": f"mtp (k={k})", "dflash2": f"dflash2 ({k} tokens)"}[spec]
+
+
+def _kv_cell(plan: P.ServePlan) -> str:
+    kv = str(plan.get("KV"))
+    arg = memory.kv_cache_dtype_arg(kv)
+    return f"`{kv}`" if arg in (None, kv) else f"`{kv}` (`{arg}`)"
+
+
+def _notes(plan: P.ServePlan) -> list[str]:
+    """The plan's notes that matter here: every cap (its reason), every note but LEFT_OUT's."""
+    caps = [f"{n} capped to {v.value:,}: {v.reason}" if isinstance(v.value, int) else f"{n} capped: {v.reason}"
+            for n, v in plan.values.items() if v.source == "cap"]
+    return caps + [n for n in plan.notes if not n.startswith(LEFT_OUT)]
+
+
+def row(ctx: str, spec: str, plan: P.ServePlan | str) -> tuple[list[str], list[str]]:
+    """(the table's cells, the notes) of one profile."""
+    if isinstance(plan, str):
+        return [ctx, spec] + ["—"] * 8 + ["**refused** (below)"], [plan]
+    v, p = plan.values, plan.prediction or {}
+    vram = p.get("vram")
+    max_len = f"{int(plan.get('MAX_LEN')):,}"
+    if v["MAX_LEN"].source == "cap":
+        max_len += f" (capped from {profiles.CTX_PROFILES[ctx].max_len:,})"
+    pin = plan.get("KV_MEM")
+    pin = f"{_gib(pin)} GiB" if isinstance(pin, int) else str(pin)
+    if v["KV_MEM"].source == "cap":
+        pin += " (lowered to fit)"
+    pool = f"{p['pool_tokens']:,} ({p['max_concurrency']:.2f}x)" if "pool_tokens" in p else "—"
+    notes = _notes(plan)
+    short = [f"{n} capped" for n, x in v.items() if x.source == "cap"]
+    if vram is None:
+        total = fits = certain = "—"
+    else:
+        card = vram["card_bytes"]
+        total = f"{_gib(vram['total'])} / {_gib(card)}"
+        fits = "yes" if vram["fits"] else "**NO**"
+        certain = f"{'yes' if vram['certain'] <= card else '**NO**'} ({_gib(vram['certain'])})"
+        if any("does NOT fit" in n for n in notes):
+            short.append("does NOT fit" + (f" (KV_MEM <= {vram['kv_max'] // memory.MiB}M would)"
+                                           if vram["kv_max"] > 0 else ""))
+    cells = [ctx, _spec_cell(spec, plan), _kv_cell(plan), max_len, str(plan.get("MAX_SEQS")), pin, pool,
+             total, fits, certain, "; ".join(short) or "—"]
+    return cells, notes
+
+
+HEADER = """\
+# What each CTX x SPEC profile gives on a 24 GB card (PREDICTED)
+
+<!-- Generated by `python scripts/profile_table.py`; do not edit by hand. tests/test_profile_table.py
+fails when this file differs from the script's output: regenerate it after a change to the profiles
+or the memory model. -->
+
+Generated by `python scripts/profile_table.py` from onecard's memory model: for each profile it
+builds the plan that `CARD_GIB={card} CTX=... SPEC=... ./start_qwen.sh --dry-run` builds (the
+launcher's knobs, preflight and prediction; `--dry-run` prints every value, note and the argv).
+`python scripts/profile_table.py --check` says whether this file is current.
+
+- **Every figure is PREDICTED** for a {card} GiB card at the profiles' 3090 `KV_MEM` pins. None was
+  measured on an RTX 3090 or any other 24 GB card.
+- What was checked on a GPU (an NVIDIA H200, with the 3090 pins and the 27B geometry): for several
+  of these profiles, vLLM's own KV pool ("GPU KV cache size") against the predicted pool, and the
+  weights, drafter and CUDA-graph memory vLLM logged at boot. Which profiles, when, and how they
+  compared: [measurements.md](measurements.md). The VRAM totals and the fit verdicts below have not
+  been checked on any 24 GB card: the {reserves} GiB of reserves (CUDA graphs, activations, CUDA
+  context) are estimates.
+- The plans assume what a full install has: KVarN (`./install.sh --kvarn`, for `CTX=huge`), patch
+  0080 (`SPEC=dflash2`), the prepared 27B checkpoint (its weights as the memory model lays them
+  out: int8 lm_head/embed/MTP) and the published 27B DFlash2 drafter in `DRAFT` (its config's
+  shape, bf16 weights). **`SPEC=dflash2` needs that drafter checkpoint, and `install.sh` does not
+  fetch it** (`models/dflash2-drafter`, or `DRAFT=DIR`); without it the launcher refuses
+  `SPEC=dflash2`.
+
+Columns: **MAX_LEN** after the preflight's caps; **KV_MEM pin** the profile's pin (the preflight
+lowers it only when even the certain part does not fit); **KV pool** the predicted pool in tokens
+(and how many sequences of MAX_LEN it holds); **VRAM** everything one GPU holds at the pin
+(weights, drafter, KVarN stage, drafter rings, reserves, KV pin) against the card, in GiB;
+**fits** that total against the card; **without reserves** the same without the estimated
+CUDA-graph and activation reserves (the CUDA context stays), which the preflight counts as
+certain (over the card only by the reserves, the pin stays and a note names a smaller `KV_MEM`
+to set if the boot runs out of GPU memory).
+
+"""
+
+COLUMNS = ["CTX", "SPEC", "KV dtype", "MAX_LEN", "MAX_SEQS", "KV_MEM pin", "KV pool, tokens (x MAX_LEN)",
+           "VRAM / card, GiB", f"fits {CARD_GIB} GiB", "without reserves (GiB)", "notes"]
+
+
+def render(plans: list | None = None) -> str:
+    plans = build_plans() if plans is None else plans
+    text = HEADER.format(card=CARD_GIB, reserves=_gib(memory.RESERVES))
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    sections = []
+    for ctx, spec, plan in plans:
+        cells, notes = row(ctx, spec, plan)
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        sections.append(f"### CTX={ctx} SPEC={spec}\n\n" + "".join(f"- {n}\n" for n in notes))
+    text += "\n".join(lines) + "\n\n"
+    text += ("## The plans' notes\n\nPer profile, as `--dry-run` prints them (the prefix-cache notes and the GDN "
+             "state blocks per sequence left out).\n\n")
+    text += "\n".join(sections)
+    if TMP_PREFIX in text:  # nothing of this run's temp dirs (the drafter's path) may reach the file
+        raise RuntimeError("the table shows this run's temp dir; it would differ at every run")
+    return text
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Temp file beside ``path``, then rename: a reader sees the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.",
+                                     suffix=".tmp", delete=False) as fh:
+        fh.write(text)
+    try:
+        Path(fh.name).chmod(0o644)
+        Path(fh.name).replace(path)
+    except BaseException:
+        Path(fh.name).unlink(missing_ok=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 when the file differs from what would be generated")
+    ap.add_argument("--out", type=Path, default=DOC, help="the file (default: docs/profiles.md)")
+    args = ap.parse_args(argv)
+    text = render()
+    out = args.out.resolve()
+    shown = out.relative_to(REPO) if out.is_relative_to(REPO) else out
+    if args.check:
+        have = out.read_text(encoding="utf-8") if out.is_file() else None
+        if have != text:
+            print(f"{shown} is out of date with the memory model: run python scripts/profile_table.py")
+            return 1
+        print(f"{shown} is up to date")
+        return 0
+    write_atomic(out, text)
+    print(f"wrote {shown} ({len(CTXS) * len(SPECS)} profiles)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
