@@ -364,3 +364,14 @@ def test_gpu_readme_lists_job_41_and_plans_it():
     plan = text[text.index("Next lease, in this order"):text.index("Done since and not needed again")]
     assert "1. `20` (builds the geometry checkpoint and drafter: needed) then `41`" in plan
     assert "docs/measurements.md" in plan and "docs/profiles.md's provenance" in plan
+
+
+def test_gemm_choice_runs_the_3090_kernel_by_default(tmp_path):
+    """FIT_GEMM: marlin (default) disables vLLM's Machete so the H200 runs the 3090's W4A16 kernel;
+    vllm keeps vLLM's choice; anything else is one line, exit 2, before any plan or boot."""
+    assert fit.gemm_env("marlin") == {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"}
+    assert fit.gemm_env("vllm") == {}
+    r = subprocess.run([sys.executable, str(REPO / "gpu/lib/fit.py"), "--check-cases", "--gemm", "cutlass"],
+                       capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 2
+    assert r.stdout.strip() == "41-fit: FIT_GEMM='cutlass' is not valid; valid: marlin | vllm"

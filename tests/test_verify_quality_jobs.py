@@ -458,7 +458,8 @@ def test_job31_sampled_and_env_arms_dry_run(tmp_path):
            "PYTHONPATH": str(REPO), "JOB31_DRY": "1",
            "ARMS": "d2k7:dflash2:1:7:0 d2k7-t07:dflash2:1:7:0:-:TEMPERATURE=0.7 "
                    "d2k7-tk:dflash2:1:7:0:-:TEMPERATURE=1,TOP_P=0.95,TOP_K=20,SEED=7,PREFIX_CACHE=0 "
-                   "d2k15-host:dflash2:1:15:0:-:LOOKUP_LANE=host"}
+                   "d2k15-host:dflash2:1:15:0:-:LOOKUP_LANE=host "
+                   "off-marlin:off:1:-:1:-:VLLM_DISABLED_KERNELS=MacheteLinearKernel"}
     for k in ("TEMPERATURE", "SEED"):
         env.pop(k, None)
     r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
@@ -471,6 +472,7 @@ def test_job31_sampled_and_env_arms_dry_run(tmp_path):
     assert "--no-enable-prefix-caching" in plans["d2k7-tk"]   # the launcher knob beside them still applies
     assert "requests: --temperature 0\n" in plans["d2k15-host"]
     assert "LOOKUP_LANE=host" in plans["d2k15-host"].splitlines()[0]
+    assert "VLLM_DISABLED_KERNELS=MacheteLinearKernel" in plans["off-marlin"].splitlines()[0]
     # the job-wide default: every arm without its own TEMPERATURE= samples
     env["TEMPERATURE"], env["ARMS"] = "0.6", "off:off:1:-:1 mtp-t1:mtp:1:-:1:-:TEMPERATURE=1.0"
     r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
@@ -489,6 +491,7 @@ def test_job31_sampled_and_env_arms_dry_run(tmp_path):
     ("d2k7-t:dflash2:1:7:0:-:TOP_P=0.9", {}, "TOP_P= / TOP_K= with temperature 0 is not valid; valid: TOP_P= / TOP_K= only with TEMPERATURE > 0"),
     ("d2k7-w:dflash2:1:7:0:-:ONECARD_WIDE_VERIFY=0", {}, "'ONECARD_WIDE_VERIFY=0' is not valid; valid: the launcher knob WIDE_VERIFY=VALUE"),
     ("d2k7-d:dflash2:1:15:0:-:ONECARD_DFLASH_LANE=host", {}, "'ONECARD_DFLASH_LANE=host' is not valid; valid: the launcher knob LOOKUP_LANE=VALUE"),
+    ("d2k7-v:dflash2:1:7:0:-:VLLM_USE_V1=0", {}, "'VLLM_USE_V1=0' is not valid; valid: KNOB=VALUE"),
     ("d2k7-l:dflash2:1:7:0:-:onecard_dflash_lane=host", {}, "'onecard_dflash_lane=host' is not valid; valid: KNOB=VALUE"),
     ("d2k7:dflash2:1:7:0", {"TEMPERATURE": "warm"}, "31-verify-e2e: TEMPERATURE='warm' is not valid; valid: a number >= 0"),
     ("d2k7:dflash2:1:7:0", {"SEED": "-3"}, "31-verify-e2e: SEED='-3' is not valid; valid: an integer >= 0"),

@@ -50,6 +50,8 @@
 # An arm's 7th field may also carry ONECARD_* variables for that server process only (the launcher
 # hands its environment on to vLLM), e.g. d2k15-host:dflash2:1:15:0:-:LOOKUP_LANE=host;
 # one the launcher sets from a knob of its own (ONECARD_WIDE_VERIFY: WIDE_VERIFY) is refused.
+# VLLM_DISABLED_KERNELS=MacheteLinearKernel too: the H200 then runs the W4A16 GEMMs on Marlin, the
+# kernel vLLM picks on a 3090 (on sm_90 it picks Machete), e.g. off-marlin:off:1:-:1:-:VLLM_DISABLED_KERNELS=MacheteLinearKernel.
 # Every arm's fields are checked before any boot: a bad one is a one-line error, exit 2.
 # SAME_TEXT="a=b c=d" prints, per depth, whether those arms' greedy texts are equal (a knob that
 # must leave the target's logits alone, e.g. `d2k7=d2k7-m0` with GDN_SHARED_META=0 in d2k7-m0).
@@ -116,8 +118,8 @@ extra_env() {
       echo "31-verify-e2e: arm $label: '$kv' is not valid; valid: the launcher knob $knob=VALUE (the launcher sets $name from it)" >&2
       return 1
     fi
-    if [[ ! "$kv" =~ ^[A-Z][A-Z0-9_]*=[^[:space:]]*$ ]] || { [[ "$KNOB_NAMES" != *" $name "* ]] && [[ "$name" != ONECARD_?* ]]; }; then
-      echo "31-verify-e2e: arm $label: '$kv' is not valid; valid: KNOB=VALUE[,KNOB=VALUE] with a launcher knob (e.g. PREFIX_CACHE=0), an ONECARD_* server variable the launcher does not set itself (e.g. ONECARD_HOST_TIMING=0) or a request field TEMPERATURE|TOP_P|TOP_K|SEED" >&2
+    if [[ ! "$kv" =~ ^[A-Z][A-Z0-9_]*=[^[:space:]]*$ ]] || { [[ "$KNOB_NAMES" != *" $name "* ]] && [[ "$name" != ONECARD_?* ]] && [[ "$name" != VLLM_DISABLED_KERNELS ]]; }; then
+      echo "31-verify-e2e: arm $label: '$kv' is not valid; valid: KNOB=VALUE[,KNOB=VALUE] with a launcher knob (e.g. PREFIX_CACHE=0), an ONECARD_* server variable the launcher does not set itself (e.g. ONECARD_HOST_TIMING=0), VLLM_DISABLED_KERNELS (e.g. MacheteLinearKernel: the 3090's Marlin GEMMs on the H200) or a request field TEMPERATURE|TOP_P|TOP_K|SEED" >&2
       return 1
     fi
     echo "$kv"

@@ -19,6 +19,8 @@
 # 3090 ESTIMATE (context swapped for onecard.memory.CUDA_CONTEXT, FIT_CTX_3090_MIB; and for the
 # prepared 27B layout: less the memory model's weight difference) against 24 GiB = 24,576 MiB:
 # fits / does NOT fit with the margin. A verdict is a figure, never a failure.
+# W4A16 GEMMs on Marlin, the kernel vLLM picks on a 3090 (FIT_GEMM=marlin, the default:
+# VLLM_DISABLED_KERNELS=MacheteLinearKernel; on sm_90 vLLM would pick Machete: FIT_GEMM=vllm).
 # Run it alone (the default four servers hold ~110 GiB). FIT_FORCE_FIRST_CONFIG=1: servers without
 # Triton autotuning (faster boots; the product autotunes, so the default keeps it).
 # Writes $JOB_OUT/{fit.json,fit-table.txt,fit-samples.csv,server-*.log,run.txt,summary.txt}.

@@ -574,6 +574,23 @@ def gpu_memory(smi: str = "nvidia-smi") -> dict:
 
 # ----------------------------------------------------------------------------- plans
 
+# The W4A16 GEMM kernel: vLLM 0.27.1 picks Machete (CUTLASS, sm_90 only) on the H200 and Marlin on
+# a 3090 (sm_86): model_executor/kernels/linear/mixed_precision/machete.py can_implement. Their
+# weights take the same bytes, their workspaces do not; "marlin" runs the 3090's kernel here.
+GEMM_CHOICES = ("marlin", "vllm")
+GEMM_NOTES = {
+    "marlin": "W4A16 GEMMs on Marlin, the kernel vLLM picks on a 3090 (VLLM_DISABLED_KERNELS=MacheteLinearKernel; "
+              "on the H200 vLLM would pick Machete; FIT_GEMM=vllm keeps that)",
+    "vllm": "W4A16 GEMMs on vLLM's choice for the H200 (Machete); a 3090 runs Marlin (FIT_GEMM=marlin)",
+}
+
+
+def gemm_env(gemm: str) -> dict:
+    if gemm not in GEMM_CHOICES:
+        raise CaseError(f"FIT_GEMM={gemm!r} is not valid; valid: {' | '.join(GEMM_CHOICES)}")
+    return {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"} if gemm == "marlin" else {}
+
+
 def case_env(name: str, model: str, draft: str, port: int, gpu_util: str) -> dict:
     """The launcher knobs of one case (everything else: the profile's defaults)."""
     c = CASES[name]
@@ -800,6 +817,7 @@ def run(a, cases: list[str]) -> int:
     base.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "4")
     if a.force_first_config:
         base["VLLM_TRITON_FORCE_FIRST_CONFIG"] = "1"
+    base.update(gemm_env(a.gemm))
     ctx_mib, ctx_src = ctx_3090(a)
     gpu = gpu_memory(a.nvidia_smi)
     top: dict = {"cases": [], "gpu_start": gpu, "ctx_3090_mib": ctx_mib, "ctx_3090_source": ctx_src,
@@ -807,6 +825,8 @@ def run(a, cases: list[str]) -> int:
                  "prompt_frac": a.prompt_frac, "poll_s": a.poll, "notes": [], "failures": [],
                  "model_note": ("27B geometry, random W4A16 (bf16 embed/lm_head)" if Path(a.model).name == "qwen38-27b-geom"
                                 else f"MODEL={a.model}")}
+    top["gemm"] = a.gemm
+    top["notes"].append(GEMM_NOTES[a.gemm])
     if a.force_first_config:
         top["notes"].append("VLLM_TRITON_FORCE_FIRST_CONFIG=1 (FIT_FORCE_FIRST_CONFIG): no Triton autotuning, so "
                             "no autotuner benchmark buffers: the product autotunes")
@@ -974,6 +994,7 @@ def dry_run(a, cases: list[str]) -> int:
         build_geometry_drafter(Path(a.draft), config_only=True, log=lambda *x, **k: None)
         say(f"(dry run: the geometry drafter's config.json only, at {a.draft})")
     say("(dry run: patch 0080 and KVarN planned as if installed)")
+    say(f"(servers: {GEMM_NOTES[a.gemm]})")
     base = base_environ()
     recs = make_plans(cases, a, base, out)
     ok = True
@@ -1024,6 +1045,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a 3090's CUDA context per process (default onecard.memory.CUDA_CONTEXT)")
     ap.add_argument("--force-first-config", action="store_true", default=env.get("FIT_FORCE_FIRST_CONFIG") == "1",
                     help="VLLM_TRITON_FORCE_FIRST_CONFIG=1 for the servers (faster boots; no autotuner buffers)")
+    ap.add_argument("--gemm", default=env.get("FIT_GEMM", "marlin"),
+                    help="marlin (default: the 3090's W4A16 kernel) | vllm (Machete on the H200)")
     ap.add_argument("--launcher", default=f"{sys.executable} -m onecard.launch")
     ap.add_argument("--nvidia-smi", default=env.get("FIT_NVIDIA_SMI", "nvidia-smi"))
     ap.add_argument("--probe-cmd", default=None, help="the context probe's command (default: PROBE_CODE)")
@@ -1035,6 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         cases = parse_cases(a.cases)
+        gemm_env(a.gemm)
     except CaseError as e:
         print(f"41-fit: {e}", flush=True)
         return 2
