@@ -1,6 +1,6 @@
 """`onecard bench ...`: benchmarks with provenance and the fairness contract.
 
-  onecard bench ladder --url http://127.0.0.1:8000 --n 1,2,4,8 --out 256 --reps 2 [--shared]
+  onecard bench ladder --url http://127.0.0.1:18020 --n 1,2,4,8 --out 256 --reps 2 [--shared]
   onecard bench depth --contexts 1000,8000,32000
   onecard bench prefix-turns --context 8000 --turns 3
   onecard bench needle --contexts 2000,8000 --depths 0.1,0.5,0.9
@@ -21,6 +21,8 @@ import json
 import os
 import sys
 
+from .config import api_key_from, default_url
+
 SUBS = ("ladder", "depth", "prefix-turns", "needle", "perplexity", "spec", "run", "suite", "ab",
         "compare", "report", "reference")
 
@@ -40,12 +42,13 @@ def _floats(s: str) -> list[float]:
 
 
 def _server_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=os.environ.get("ONECARD_BENCH_URL", "http://127.0.0.1:8000"),
-                   help="server base URL (default %(default)s)")
+    p.add_argument("--url", default=default_url(),
+                   help="server base URL (default %(default)s: $ONECARD_BENCH_URL, else the launcher's PORT)")
     p.add_argument("--model", default=None, help="served model name (default: the first in /v1/models)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--api-key-env", default="ONECARD_API_KEY",
-                   help="environment variable holding the API key (default %(default)s)")
+                   help="environment variable holding the API key (default %(default)s; "
+                        "unset: the launcher's VLLM_API_KEY)")
     p.add_argument("--results", default="bench-results", help="result directory (default %(default)s)")
     p.add_argument("--label", default=None)
     p.add_argument("--warmup", type=int, default=1, help="warmup requests discarded (default 1)")
@@ -94,7 +97,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--long", action="store_true", help="add 64k-128k depth, long needle, 96k turns")
     p.add_argument("--size", default="default", help="default | smoke (every axis, small: test models)")
     p.add_argument("--label", default=None, help="result label (default: the mode)")
-    p.add_argument("--url", default=os.environ.get("ONECARD_BENCH_URL", "http://127.0.0.1:8000"))
+    p.add_argument("--url", default=default_url())
     p.add_argument("--model", default=None)
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--api-key-env", default="ONECARD_API_KEY")
@@ -126,7 +129,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _first_model(args) -> str:
     from .client import Client
-    key = os.environ.get(args.api_key_env) if args.api_key_env else None
+    key = api_key_from(args.api_key_env)
     try:
         return Client(args.url, "?", api_key=key).get_json("/v1/models")["data"][0]["id"]
     except Exception as exc:  # noqa: BLE001
@@ -135,7 +138,7 @@ def _first_model(args) -> str:
 
 def _target(args):
     from .runner import DEFAULT_SAMPLING, Target
-    key = os.environ.get(args.api_key_env) if args.api_key_env else None
+    key = api_key_from(args.api_key_env)
     model = args.model or _first_model(args)
     sampling = dict(DEFAULT_SAMPLING, temperature=args.temperature)
     if args.no_ignore_eos:

@@ -1,6 +1,6 @@
 """Declarative run config (YAML or JSON): one server, defaults, a list of runs.
 
-    server:   {url: http://127.0.0.1:8000, model: qwen, endpoint: completions,
+    server:   {url: http://127.0.0.1:18020, model: qwen, endpoint: completions,
                api_key_env: ONECARD_API_KEY}
     out_dir:  bench-results
     label:    fast-profile
@@ -83,11 +83,29 @@ def validate(cfg: Any, where: str = "config") -> None:
                               f"valid: {sorted(RUN_KEYS[r['kind']])}")
 
 
+def api_key_from(env_name: str | None, environ=None) -> str | None:
+    """The API key from the variable ``env_name``; with the default name (ONECARD_API_KEY) unset,
+    the launcher's own VLLM_API_KEY, so a bench against ./start_qwen.sh with a key needs no flag."""
+    environ = os.environ if environ is None else environ
+    if not env_name:
+        return None
+    key = environ.get(env_name)
+    if not key and env_name == "ONECARD_API_KEY":
+        key = environ.get("VLLM_API_KEY")
+    return key.strip() if key else None
+
+
+def default_url(environ=None) -> str:
+    """$ONECARD_BENCH_URL, else the launcher's server: http://127.0.0.1:$PORT (default 18020)."""
+    environ = os.environ if environ is None else environ
+    return environ.get("ONECARD_BENCH_URL") or f"http://127.0.0.1:{environ.get('PORT') or 18020}"
+
+
 def target_from(cfg: dict, argv: list[str] | None = None, out_dir: str | None = None) -> Target:
     srv = cfg["server"]
     key_env = srv.get("api_key_env")
     return Target(url=srv["url"], model=srv["model"], endpoint=srv.get("endpoint", "completions"),
-                  api_key=os.environ.get(key_env) if key_env else None,
+                  api_key=api_key_from(key_env),
                   out_dir=out_dir or cfg.get("out_dir", "bench-results"),
                   warmup=int(cfg.get("warmup", 1)),
                   metrics_interval=float(cfg.get("metrics_interval", 0.25)),
