@@ -42,6 +42,14 @@ if [ ! -f "$M/config.json" ]; then
 fi
 [ -n "${STOCK_PYTHONPATH:-}" ] || say "WARNING: STOCK_PYTHONPATH unset: the stock arm will be skipped"
 
+# W4A16 GEMMs: Marlin, the kernel vLLM picks on a 3090, by default (REF_GEMM=marlin disables Machete,
+# which vLLM picks on the H200; REF_GEMM=vllm keeps vLLM's choice; the 2026-12-02 quick run had
+# Machete). Both arms get the same kernel; the provenance records VLLM_DISABLED_KERNELS.
+case "${REF_GEMM:-marlin}" in
+  marlin) export VLLM_DISABLED_KERNELS=MacheteLinearKernel; say "W4A16 GEMMs on Marlin (the 3090's kernel; REF_GEMM=vllm for Machete)" ;;
+  vllm) say "W4A16 GEMMs on vLLM's choice (Machete on sm_90; a 3090 runs Marlin)" ;;
+  *) say "REF_GEMM=${REF_GEMM} invalid; valid: marlin, vllm"; exit 2 ;;
+esac
 tier="${REF_TIER:-quick}"
 case "$tier" in
   quick) limit=820 ;;
