@@ -6,6 +6,7 @@ these knobs. `render_readme()` writes single-user/README.md from this module.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from onecard import memory
@@ -243,6 +244,38 @@ def feature_installed(name: str) -> bool:
     ``vllm/<name>_installed.txt`` inside the installed vllm package (kvarn/install.sh writes
     ``kvarn_installed.txt``)."""
     return _feature_marker(name) is not None
+
+
+@contextmanager
+def pretend_installed(directory):
+    """Inside the block every optional feature (KVarN, DFlash2) counts as installed into vLLM, for
+    this process only: each feature's marker file in ``directory`` (KVarN's with the current
+    installer's text, so it is not stale) and ``importlib.util.find_spec("vllm")`` answering with
+    that directory; every other lookup is the real one. For dry runs and tests on a machine
+    without them (scripts/profile_table.py, gpu/lib/fit.py, tests/conftest.py fake_features)."""
+    import importlib.util
+    import types
+    from pathlib import Path
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    for name, marker in FEATURE_MARKERS.items():
+        text = "1"
+        if name == "kvarn":
+            try:  # KVarN's marker records hashes of its patch series, which takes unidiff to read
+                from onecard.kvarn.installer import marker_text
+
+                text = marker_text()
+            except ImportError:
+                continue  # without unidiff KVarN stays 'not installed' (CTX=huge refused)
+        (d / marker).write_text(text)
+    fake = types.SimpleNamespace(submodule_search_locations=[str(d)])
+    real = importlib.util.find_spec
+    importlib.util.find_spec = lambda name, *a, **k: fake if name == "vllm" else real(name, *a, **k)
+    try:
+        yield d
+    finally:
+        importlib.util.find_spec = real
 
 
 def feature_stale(name: str) -> str:

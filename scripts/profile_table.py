@@ -5,7 +5,7 @@ For each CTX in fast/long/huge and SPEC in off/mtp/dflash2 it builds the plan th
 ``CARD_GIB=24 CTX=.. SPEC=.. ./start_qwen.sh --dry-run`` builds (onecard.plan.make_plan: knobs ->
 preflight -> prediction) on a machine where KVarN and patch 0080 are installed and the published
 27B DFlash2 drafter sits in DRAFT. Here they need not be: while the plans are built, the script
-pretends they are, as the tests do (tests/conftest.py ``fake_features``: the features' marker files
+pretends they are, as the tests do (onecard.profiles.pretend_installed: the features' marker files
 in a fake vllm package dir that ``importlib.util.find_spec("vllm")`` returns; the drafter: its
 config.json from onecard.dflash.tiny_drafter.build_geometry_drafter, as the ``drafter_27b`` fixture
 of tests/test_plan_dflash2_ring.py). Nothing outside this process changes. The plans are machine-
@@ -19,11 +19,8 @@ Usage: python scripts/profile_table.py            write docs/profiles.md (temp f
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import tempfile
-import types
-from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,30 +36,6 @@ CARD_GIB = 24
 TMP_PREFIX = "onecard-profile-table-"
 # notes every --dry-run prints that are not about what the profile gives on the card
 LEFT_OUT = ("prefix cache:", "PREFIX_CACHE=1 with SPEC=", "each resident sequence holds")
-
-
-@contextmanager
-def pretend_installed(tmp: Path):
-    """KVarN and patch 0080 (DFlash2) 'installed' into vLLM, for this process and only inside the
-    block (tests/conftest.py fake_features: each feature's marker file, KVarN's with the current
-    installer's text, in a fake vllm dir that importlib finds; every other find_spec is real)."""
-    from onecard.kvarn.installer import marker_text
-
-    fake_dir = tmp / "fakevllm"
-    fake_dir.mkdir()
-    for name, marker in profiles.FEATURE_MARKERS.items():
-        (fake_dir / marker).write_text(marker_text() if name == "kvarn" else "1")
-    fake = types.SimpleNamespace(submodule_search_locations=[str(fake_dir)])
-    real = importlib.util.find_spec
-
-    def find_spec(name, package=None):
-        return fake if name == "vllm" else real(name, package)
-
-    importlib.util.find_spec = find_spec
-    try:
-        yield
-    finally:
-        importlib.util.find_spec = real
 
 
 def published_drafter(tmp: Path) -> Path:
@@ -83,7 +56,7 @@ def build_plans() -> list[tuple[str, str, P.ServePlan | str]]:
         root = tmp / "root"  # no .env, no api_key.txt
         root.mkdir()
         draft = published_drafter(tmp)
-        with pretend_installed(tmp):
+        with profiles.pretend_installed(tmp / "fakevllm"):
             for ctx in CTXS:
                 for spec in SPECS:
                     env = {"CARD_GIB": str(CARD_GIB), "CTX": ctx, "SPEC": spec,

@@ -5,7 +5,6 @@ import importlib.util
 import re
 import shutil
 import subprocess
-import types
 from pathlib import Path
 
 import pytest
@@ -112,19 +111,13 @@ def _no_real_warmup(monkeypatch):
 
 
 @pytest.fixture
-def fake_features(tmp_path, monkeypatch) -> Path:
-    """Pretend every optional feature (KVarN, DFlash2, ...) is installed into vLLM: marker files
-    in a fake vllm dir that importlib finds (KVarN's marker: the current installer's text)."""
-    from onecard import profiles
-    from onecard.kvarn.installer import marker_text
+def fake_features(tmp_path) -> Path:
+    """Pretend every optional feature (KVarN, DFlash2, ...) is installed into vLLM
+    (onecard.profiles.pretend_installed: marker files in a fake vllm dir that importlib finds)."""
+    from onecard.profiles import pretend_installed
 
-    d = tmp_path / "fakevllm"
-    d.mkdir()
-    for name, marker in profiles.FEATURE_MARKERS.items():
-        (d / marker).write_text(marker_text() if name == "kvarn" else "1")
-    fake = types.SimpleNamespace(submodule_search_locations=[str(d)])
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: fake)
-    return d
+    with pretend_installed(tmp_path / "fakevllm") as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

@@ -185,20 +185,19 @@ if [ "${JOB31_DRY:-0}" = 1 ]; then
     samp=$(arm_sampling "$label" "$extra") || exit 2
     say "-- plan $label: SPEC=$spec WIDE_VERIFY=$wv$([ "$k" != - ] && echo " DFLASH_TOKENS=$k")${extra:+ $extra}"
     say "   requests: $samp"
-    # a vLLM without patch 0080's marker (the pristine CPU test vLLM) refuses SPEC=dflash2 at
-    # plan time; the dry run plans as if it were installed (patch 0080 writes it on the GPU host)
+    # a vLLM without patch 0080's / KVarN's markers (the pristine CPU test vLLM) refuses
+    # SPEC=dflash2 / CTX=huge at plan time; the dry run plans as if they were installed
+    # (onecard.profiles.pretend_installed; the GPU host has them)
     env $(arm_env "$spec" "$wv" "$k") $xenv MODEL=tiny python3 - <<'PY' 2>&1 | grep -E '^(argv|child env|WIDE_VERIFY|KV |KV_MEM|SPEC|DFLASH|MAX_LEN|DRAFT|\(dry)' | tee -a "$summary"
-import importlib.util, pathlib, sys, tempfile, types
+import sys, tempfile
 from onecard import profiles
-if not profiles.feature_installed("dflash2"):
-    d = pathlib.Path(tempfile.mkdtemp())
-    (d / profiles.FEATURE_MARKERS["dflash2"]).write_text("job 31 dry run\n")
-    real = importlib.util.find_spec
-    importlib.util.find_spec = lambda name, *a: (types.SimpleNamespace(submodule_search_locations=[str(d)])
-                                                 if name == "vllm" else real(name, *a))
-    print("(dry run: this vLLM lacks patch 0080's dflash2 marker; planned as if installed)")
 from onecard.launch import main
-sys.exit(main(["--dry-run"]))
+if all(profiles.feature_installed(f) for f in profiles.FEATURE_MARKERS):
+    sys.exit(main(["--dry-run"]))
+print("(dry run: this vLLM lacks patch 0080's or KVarN's marker; planned as if installed)")
+with profiles.pretend_installed(tempfile.mkdtemp()):
+    rc = main(["--dry-run"])
+sys.exit(rc)
 PY
   done
   say "== 31-verify-e2e dry run done"

@@ -170,20 +170,15 @@ print(json.dumps({"pid": os.getpid(), "context_mib": ctx, "context_cublas_mib": 
 """
 
 # `python3 -m onecard.launch --json` with every optional feature 'installed' (the CPU dry run and
-# tests: the pristine CPU vLLM lacks patch 0080's and KVarN's markers; tests/conftest.py
-# fake_features, job 31's dry run). Nothing outside the process changes.
+# tests: the pristine CPU vLLM lacks patch 0080's and KVarN's markers;
+# onecard.profiles.pretend_installed). Nothing outside the process changes.
 PRETEND_LAUNCH = r"""
-import importlib.util, pathlib, sys, tempfile, types
-from onecard import profiles
-from onecard.kvarn.installer import marker_text
-d = pathlib.Path(tempfile.mkdtemp(prefix="fit-pretend-"))
-for name, marker in profiles.FEATURE_MARKERS.items():
-    (d / marker).write_text(marker_text() if name == "kvarn" else "1")
-real = importlib.util.find_spec
-importlib.util.find_spec = lambda name, *a: (types.SimpleNamespace(submodule_search_locations=[str(d)])
-                                             if name == "vllm" else real(name, *a))
+import sys, tempfile
+from onecard.profiles import pretend_installed
 from onecard.launch import main
-sys.exit(main(sys.argv[1:]))
+with pretend_installed(tempfile.mkdtemp(prefix="fit-pretend-")):
+    rc = main(sys.argv[1:])
+sys.exit(rc)
 """
 
 H200_NOTES = (
