@@ -169,6 +169,12 @@ def proposer_extend():
                 and int(lane_c.count[slot]) == 14)
     pc._lane_feed([[9, 4], [5]], None, pc.runner.requests, pc.runner.input_batch)
     same.append(int(lane_c.count[slot]) == 16 and int(lane_c.count[lane_c.slots.owner["b"]]) == 4)
+    # the host lane (LOOKUP_LANE=host) on the same CPU-path first step: no double count either
+    ph = proposer("host")
+    ph.runner.requests["a"].output_token_ids = [9]
+    ph._sampled, ph._valid_counts = [[9], []], None
+    ph._lookup_rows(torch.tensor([[1, 2, 3], [4, 5, 6]]), 7)
+    same.append(ph.lanes.lanes["a"].ids == list(range(10, 23)) + [9])
     # without lookup: the last draft repeated
     p2 = object.__new__(DFlash2Proposer)
     p2.lookup_enabled, p2.runner, p2._last_draft_probs = False, None, None

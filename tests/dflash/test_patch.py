@@ -146,8 +146,9 @@ def test_block_assembly(checks):
     assert lane_tail == [22, 10, 11]
     assert plain == [[12, 13, 14, 14, 14], [7, 7, 8, 8, 8]]
     # ONECARD_DFLASH_LANE=device (the default) picks the same tokens and q rows, two steps;
-    # the CPU path's first step (after vLLM's bookkeeping) seeds without a double count
-    assert device_same == [True, True, True, True, True, True]
+    # the CPU path's first step (after vLLM's bookkeeping) seeds without a double count, in the
+    # device lane and in the host lane
+    assert device_same == [True, True, True, True, True, True, True]
 
 
 def test_proposer_walk_from_logits_equals_reference(checks):

@@ -250,11 +250,13 @@ class DFlash2Proposer(DFlashProposer):
                 out.append(assemble_block(row, [], k))
                 continue
             # a new lane is seeded with prompt + outputs known so far (async scheduling
-            # leaves -1 placeholders there: skipped); this step's accepted tokens follow
+            # leaves -1 placeholders there: skipped); this step's accepted tokens follow, except
+            # on the CPU path (lists, after vLLM's bookkeeping), where the seed already holds them
+            fresh = rid not in self.lanes.lanes
             lane = self.lanes.lane(
                 rid, lambda s=state: list(s.prompt_token_ids or [])
                 + list(s.output_token_ids))
-            if i < len(new_tokens):
+            if i < len(new_tokens) and not (fresh and isinstance(sampled, list)):
                 lane.extend(t for t in new_tokens[i] if t >= 0)
             room = self.max_model_len - len(lane) - rows - 1
             out.append(assemble_block(row, lane.propose(row, cap=k - rows, room=room), k))
