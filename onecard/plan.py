@@ -20,10 +20,9 @@ from typing import Mapping
 from onecard import memory, profiles
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-
-
 # variables onecard reads besides its knobs (a near-miss of a knob name that is not a typo)
 NOT_KNOBS = {"MODELS"}
+SERVE_PREFIX = ["-m", "vllm.entrypoints.cli.main", "serve"]
 
 
 def is_loopback(host: str) -> bool:
@@ -36,7 +35,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-SERVE_PREFIX = ["-m", "vllm.entrypoints.cli.main", "serve"]
 
 
 class PlanError(ValueError):

@@ -89,14 +89,19 @@ def test_decode_arms_are_validated():
             raise AssertionError(bad)
 
 
-def test_job61_quality_reports_the_k4v4_arm(tmp_path, capsys):
-    job61 = _load()
-    (tmp_path / "compare.json").write_text(json.dumps({"arms": {
-        "kvarn": {"ppl": 52.28, "base_ppl": 52.05, "delta_ppl_pct": 0.435, "first_divergence_min": 10},
-        "kvarn-v4": {"ppl": 52.1, "delta_ppl_pct": 0.09}}}))
+def _quality(tmp_path, capsys, arms: dict) -> tuple[int, str]:
+    """Job 61's quality report over a compare.json holding ``arms``: (exit code, what it printed)."""
     import types
-    rc = job61.quality(types.SimpleNamespace(dir=str(tmp_path), max_delta=25))
-    out = capsys.readouterr().out
+
+    (tmp_path / "compare.json").write_text(json.dumps({"arms": arms}))
+    rc = _load().quality(types.SimpleNamespace(dir=str(tmp_path), max_delta=25))
+    return rc, capsys.readouterr().out
+
+
+def test_job61_quality_reports_the_k4v4_arm(tmp_path, capsys):
+    rc, out = _quality(tmp_path, capsys, {
+        "kvarn": {"ppl": 52.28, "base_ppl": 52.05, "delta_ppl_pct": 0.435, "first_divergence_min": 10},
+        "kvarn-v4": {"ppl": 52.1, "delta_ppl_pct": 0.09}})
     assert rc == 0 and "kvarn k4v4_g128 perplexity 52.1000: +0.090 % vs bf16 (goal <= 0.5 %: MET)" in out
 
 
@@ -133,14 +138,10 @@ def test_prompt_sized_with_the_served_tokenizer(monkeypatch):
 def test_job61_quality_names_the_default_rule_and_the_old_one(tmp_path, capsys, monkeypatch):
     """The kvarn arm is the server's default read rule (window 3 + two sinks since session 17);
     the old default's arm (kvarn-w2s1) is judged against the goal beside it."""
-    job61 = _load()
     for v in ("ONECARD_KVARN_WINDOW", "ONECARD_KVARN_SINKS"):
         monkeypatch.delenv(v, raising=False)
-    (tmp_path / "compare.json").write_text(json.dumps({"arms": {
+    rc, out = _quality(tmp_path, capsys, {
         "kvarn": {"ppl": 51.922, "base_ppl": 51.709, "delta_ppl_pct": 0.413, "first_divergence_min": 6},
-        "kvarn-w2s1": {"ppl": 52.044, "delta_ppl_pct": 0.649}}}))
-    import types
-    rc = job61.quality(types.SimpleNamespace(dir=str(tmp_path), max_delta=25))
-    out = capsys.readouterr().out
+        "kvarn-w2s1": {"ppl": 52.044, "delta_ppl_pct": 0.649}})
     assert rc == 0 and "goal |delta| <= 0.5 % vs bf16 (window 3 + sinks 2): MET" in out
     assert "kvarn fp16 window 2 + sink 1 perplexity 52.0440: +0.649 % vs bf16 (goal <= 0.5 %: NOT MET)" in out
