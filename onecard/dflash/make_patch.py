@@ -41,6 +41,11 @@ What:     SpeculativeConfig accepts method "dflash2" (served by 0.27.1's DFlash 
           get no KV-cache spec and keep their K/V in per-request bf16 rings of their sliding
           window outside vLLM's pool (DFlash2Proposer: slot map, ring block table, -1 for
           context rows the ring cannot hold; docs/dflash2-huge.md section 3).
+          dflash2_draft_quant ("fp8_per_block"; the launcher's DRAFT_QUANT=fp8):
+          the drafter's fc, o_proj and MLP are quantized to FP8 while they load (vLLM's online
+          scheme; qkv_proj stays bf16 for the context K/V precompute) through a third hook,
+          draft_quant_config: stock 0.27.1 cannot quantize a drafter online (its draft
+          ModelConfig gets a callable hf_overrides, which get_quant_config refuses).
 Why:      DFlash2 drafters (architectures DFlash2DraftModel) do not load in stock 0.27.1, and
           DFLASH_TOKENS 8..15 (verify width past the drafter's block) needs the lookup lane;
           the KVarN pool (CTX=huge) cannot hold the drafter's non-causal layers.
@@ -77,6 +82,11 @@ _FIELDS = '''
     """DFlash2 lookup lane: tokens that must match before an occurrence counts (1..8)."""
     dflash2_lookup_max_match: int = 16
     """DFlash2 lookup lane: longest backwards match examined per occurrence (key_len..64)."""
+    dflash2_draft_quant: str | None = None
+    """DFlash2: quantize the bf16 drafter's linear layers to FP8 while it loads, with vLLM's
+    online scheme of that name ("fp8_per_block": a scale per 128 x 128 block; W8A16 Marlin on
+    GPUs without FP8 units); qkv_proj stays bf16 (DFlash's context K/V precompute reads its weight). Drafts
+    only: the target verifies every token. None: the drafter as stored."""
 '''
 
 _METHODS = '''
@@ -85,7 +95,9 @@ _METHODS = '''
         "dflash2_lookup": True,
         "dflash2_lookup_key_len": 2,
         "dflash2_lookup_max_match": 16,
+        "dflash2_draft_quant": None,
     }
+    _DFLASH2_DRAFT_QUANT = ("fp8_per_block",)
     _DFLASH2_KEYS = (
         "block_size",
         "mask_token_id",
@@ -130,6 +142,12 @@ _METHODS = '''
         if not kl <= mm <= 64:
             raise ValueError(
                 f"speculative_config: dflash2_lookup_max_match={mm}; valid: {kl}..64"
+            )
+        dq = self.dflash2_draft_quant
+        if dq is not None and dq not in self._DFLASH2_DRAFT_QUANT:
+            raise ValueError(
+                f"speculative_config: dflash2_draft_quant={dq!r}; valid: "
+                f"{' | '.join(self._DFLASH2_DRAFT_QUANT)}, or unset (bf16)"
             )
 
     def _onecard_dflash2_post(self) -> None:
@@ -203,8 +221,13 @@ EDITS: list[tuple[str, str, str]] = [
      "    )\n"
      "    # onecard 0080: DFlash2 (qwen3_dflash2.py) substitutes its layer class\n"
      "    decoder_layer_cls = DFlashQwen3DecoderLayer\n"
+     "    # ... and its drafter's quantization (online FP8, dflash2_draft_quant)\n"
+     "    draft_quant_config = staticmethod(get_draft_quant_config)\n"
      "\n"
      "    def __init__(\n"),
+    ("vllm/model_executor/models/qwen3_dflash.py",
+     "        self.quant_config = get_draft_quant_config(vllm_config)\n",
+     "        self.quant_config = self.draft_quant_config(vllm_config)\n"),
     ("vllm/model_executor/models/qwen3_dflash.py",
      "                DFlashQwen3DecoderLayer(\n"
      "                    current_vllm_config,\n",

@@ -360,6 +360,165 @@ def model_forward():
     return [type(m.model).__name__, m.model.layers[0].block_rows, loaded, worst, prop_state]
 
 
+def _fp8_block_dequant(w: torch.Tensor) -> torch.Tensor:
+    """w through FP8 e4m3 with one scale per 128 x 128 block, back in float64: the reference for
+    vLLM's online fp8_per_block, written here. The scale is amax / 448 and the quantized value
+    float32 w * (1 / scale), as vLLM computes them: bf16 weights often sit exactly halfway
+    between two FP8 values, so x / scale in float64 rounds some of them the other way."""
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=torch.float64)
+    for i in range(0, n, 128):
+        for j in range(0, k, 128):
+            blk = w[i:i + 128, j:j + 128].float()
+            scale = blk.abs().amax().clamp(min=1e-4) / 448.0
+            fp8 = (blk * (1.0 / scale)).to(torch.float8_e4m3fn)
+            out[i:i + 128, j:j + 128] = fp8.double() * scale.double()
+    return out
+
+
+def draft_quant():
+    """dflash2_draft_quant="fp8_per_block": the patched drafter built and loaded by vLLM's code
+    with vLLM's online FP8 method (its FP8 GEMM replaced by a torch stand-in that multiplies by
+    the block scales: no FP8 kernel on CPU). Which linear layers are FP8 and which stay bf16;
+    the forward equals onecard.dflash.drafter.forward over weights put through FP8 blocks here
+    (and differs from the bf16 forward); bad values are one-line errors."""
+    import math
+    import os
+    import socket
+
+    import vllm.config.device as device
+
+    device.DeviceConfig.__post_init__ = lambda self: None
+    from safetensors.torch import load_file
+
+    import vllm.model_executor.layers.quantization.online.fp8 as online_fp8
+    import vllm.model_executor.models.qwen3_dflash as q
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config.parallel import ParallelConfig
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.custom_op import CustomOp
+
+    class Fp8StandIn:
+        def __init__(self, **kw):
+            self.kw = kw
+
+        def process_weights_after_loading(self, layer):
+            pass
+
+        def apply_weights(self, layer, x, bias=None):
+            w = layer.weight.to(torch.float32)
+            s = layer.weight_scale_inv.to(torch.float32)  # a scale per block: [N/128, K/128]
+            s = s.repeat_interleave(128, 0)[:w.shape[0]].repeat_interleave(128, 1)[:, :w.shape[1]]
+            w = w * s
+            return torch.nn.functional.linear(x, w.to(x.dtype), bias)
+
+    tgt = ModelConfig(model=ARGS["target"], skip_tokenizer_init=True, max_model_len=2048)
+
+    def make(**kw):
+        return SpeculativeConfig(method="dflash2", model=ARGS["drafter"], num_speculative_tokens=7,
+                                 target_model_config=tgt, target_parallel_config=ParallelConfig(), **kw)
+
+    errors = {}
+    for name, kw in {"bad": dict(dflash2_draft_quant="fp8_per_tensor"),
+                     "without_dflash2": dict(method="ngram", model=None, prompt_lookup_max=3,
+                                             dflash2_draft_quant="fp8_per_block")}.items():
+        try:
+            (SpeculativeConfig(num_speculative_tokens=3, target_model_config=tgt,
+                               target_parallel_config=ParallelConfig(), **kw)
+             if name == "without_dflash2" else make(**kw))
+            errors[name] = "ACCEPTED"
+        except Exception as e:  # noqa: BLE001
+            lines = [ln for ln in str(e).splitlines() if "speculative_config:" in ln]
+            errors[name] = lines[0].split("Value error, ", 1)[-1] if lines else str(e)
+    cfg = DrafterConfig.load(ARGS["drafter"])
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rows = 1 + min(7, cfg.block_size - 1)
+
+    class BlockAttention(torch.nn.Module):
+        def __init__(self, *a, **k):
+            super().__init__()
+
+        def forward(self, qq, kk, vv):
+            n = qq.shape[0]
+            qq = qq.view(n // rows, rows, nh, hd)
+            kk = kk.view(n // rows, rows, nkv, hd).repeat_interleave(nh // nkv, 2)
+            vv = vv.view(n // rows, rows, nkv, hd).repeat_interleave(nh // nkv, 2)
+            sc_ = torch.einsum("bqhd,bkhd->bhqk", qq, kk) / math.sqrt(hd)
+            return torch.einsum("bhqk,bkhd->bqhd", sc_.softmax(-1), vv).reshape(n, nh * hd)
+
+    attention, kernel = q.Attention, online_fp8.init_fp8_linear_kernel
+    q.Attention = BlockAttention
+    online_fp8.init_fp8_linear_kernel = lambda **kw: Fp8StandIn(**kw)
+    out = {"errors": errors}
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            with socket.socket() as s_:
+                s_.bind(("127.0.0.1", 0))
+                port = s_.getsockname()[1]
+            with set_current_vllm_config(VllmConfig(model_config=tgt, speculative_config=make())):
+                init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                             distributed_init_method=f"tcp://127.0.0.1:{port}")
+                initialize_model_parallel(1, 1)
+        from vllm.model_executor.models.qwen3_dflash2 import DFlash2Qwen3ForCausalLM
+
+        w = load_file(os.path.join(ARGS["drafter"], "model.safetensors"))
+        emb = torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.5
+        anchors = [5, 77]
+        ids = torch.tensor([a if j == 0 else cfg.mask_token_id for a in anchors for j in range(rows)])
+        pos = torch.arange(rows).repeat(len(anchors))
+
+        def build(scheme):
+            vc = VllmConfig(model_config=tgt, speculative_config=make(dflash2_draft_quant=scheme))
+            with set_current_vllm_config(vc):
+                m = DFlash2Qwen3ForCausalLM(vllm_config=vc, prefix="draft")
+                kinds = {n: type(mod.quant_method).__name__ for n, mod in m.named_modules()
+                         if "Linear" in type(mod).__name__}
+                m.load_weights(w.items())
+                dtypes = {n: str(mod.weight.dtype).removeprefix("torch.")
+                          for n, mod in m.named_modules() if "Linear" in type(mod).__name__}
+                m = m.float()
+                for mod in m.modules():
+                    if isinstance(mod, CustomOp):
+                        mod._forward_method = mod.forward_native
+                m.model.embed_tokens.weight.data.copy_(emb)
+                with torch.no_grad():
+                    hid = q.DFlashQwen3Model.forward(m.model, ids, pos)
+            return kinds, dtypes, hid
+
+        def reference(wts):
+            worst = []
+            for i, a in enumerate(anchors):
+                ref = ref_drafter.forward(cfg, wts, target_hidden=torch.zeros(0, cfg.fc_in),
+                                          block_ids=ref_drafter.block_ids_for(cfg, a, rows),
+                                          block_start=0, embed=emb,
+                                          lm_head=torch.zeros(1, cfg.hidden_size))
+                worst.append(ref.hidden)
+            return torch.cat(worst)
+
+        kinds, dtypes, hid = build("fp8_per_block")
+        fp8_names = [k for k in w if k == "fc.weight" or k.endswith(
+            ("self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+             "mlp.down_proj.weight"))]
+        wq = {k: (_fp8_block_dequant(v.float()).float() if k in fp8_names else v.float())
+              for k, v in w.items()}
+        ref_q = reference(wq)
+        ref_bf16 = reference({k: v.float() for k, v in w.items()})
+        out["fp8_per_block"] = {
+            "fp8": sorted(n for n, d in dtypes.items() if d == "float8_e4m3fn"),
+            "kept": sorted(n for n, d in dtypes.items() if d != "float8_e4m3fn"),
+            "methods": sorted(set(kinds.values())),
+            "n_fp8_tensors": len(fp8_names),
+            "worst_vs_fp8_ref": (hid - ref_q).abs().max().item(),
+            "worst_vs_bf16_ref": (hid - ref_bf16).abs().max().item(),
+        }
+    finally:
+        q.Attention, online_fp8.init_fp8_linear_kernel = attention, kernel
+    return out
+
+
 class _KernelStandIn:
     """copy_and_expand_dflash_inputs_kernel in plain torch (no Triton on this CPU): the same
     per-request loops over context and query rows, for DFlashProposer.set_inputs_first_pass."""
@@ -633,4 +792,5 @@ if ARGS.get("target"):
     check("spec_config", spec_config)
     check("model_forward", model_forward)
     check("ring_mode", ring_mode)
+    check("draft_quant", draft_quant)
 print("PATCH_CHECK " + json.dumps(R, default=str))

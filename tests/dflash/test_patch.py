@@ -230,3 +230,28 @@ def test_ring_mode(checks):
     assert ctx_a and ctx_b and query
     assert kept_b == 72                      # the 150-row chunk keeps its last 80 - 8 rows
     assert seq_lens == [305 + 8, 150 + 8]
+
+
+def test_draft_quant_fp8(checks):
+    """dflash2_draft_quant="fp8_per_block" (the launcher's DRAFT_QUANT=fp8) in the patched vLLM
+    on CPU, vLLM's FP8 GEMM replaced by a torch stand-in: vLLM's online FP8 method takes the
+    drafter's fc, o_proj and MLP; qkv_proj (read directly by the context K/V precompute), the
+    convs' kernel_projection and the selector's hidden_projection stay bf16; the loaded drafter's
+    forward equals the reference over FP8-rounded weights, and is not the bf16 forward."""
+    r = checks["draft_quant"]
+    assert isinstance(r, dict), r
+    errs = r["errors"]
+    assert "dflash2_draft_quant='fp8_per_tensor'; valid: fp8_per_block, or unset" in errs["bad"]
+    assert "dflash2_draft_quant needs method 'dflash2'" in errs["without_dflash2"]
+    q = r["fp8_per_block"]
+    layers = sorted({n.split(".")[2] for n in q["fp8"] if n.startswith("model.layers.")})
+    assert layers == ["0", "1"]
+    want = ["model.fc"] + [f"model.layers.{i}.{m}" for i in layers
+                           for m in ("mlp.down_proj", "mlp.gate_up_proj", "self_attn.o_proj")]
+    assert q["fp8"] == sorted(want)
+    assert all(n.endswith(("qkv_proj", "kernel_projection", "hidden_projection")) for n in q["kept"])
+    assert sum(n.endswith("qkv_proj") for n in q["kept"]) == len(layers)
+    assert q["methods"] == ["Fp8PerBlockOnlineLinearMethod", "UnquantizedLinearMethod"]
+    assert q["n_fp8_tensors"] == 1 + 4 * len(layers)   # fc + o, gate, up, down per layer
+    assert q["worst_vs_fp8_ref"] < 1e-4
+    assert q["worst_vs_bf16_ref"] > 1e-2

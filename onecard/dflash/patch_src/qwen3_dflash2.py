@@ -73,6 +73,39 @@ def ring_cache_config(cache_config):
     return cc
 
 
+# dflash2_draft_quant: vLLM's online FP8 of the drafter's linear layers, except the attention
+# projections (matched with and without 0.27.1's qkv fusion): DFlashQwen3Model's context K/V
+# precompute slices qkv_proj.weight and multiplies with it directly, which only a bf16 weight
+# supports. Quantized: fc, o_proj, gate_up_proj, down_proj. The convs' kernel_projection and the
+# selector's hidden_projection are built without a quant config and stay bf16 too.
+DRAFT_QUANT_KEEP_BF16 = r"re:.*\.self_attn\.(qkv|q|k|v)_proj$"
+
+
+def dflash2_draft_quant_config(vllm_config: VllmConfig):
+    """The drafter's quant config: with dflash2_draft_quant, vLLM's online scheme of that name
+    over a bf16 drafter (qkv_proj kept bf16); otherwise 0.27.1's own (get_draft_quant_config).
+    Built here because 0.27.1's path cannot reach online quantization for a drafter: the draft
+    ModelConfig carries a callable hf_overrides, which get_quant_config refuses."""
+    from vllm.model_executor.models.utils import get_draft_quant_config
+
+    spec = vllm_config.speculative_config
+    scheme = getattr(spec, "dflash2_draft_quant", None)
+    if scheme is None:
+        return get_draft_quant_config(vllm_config)
+    stored = spec.draft_model_config.quantization
+    if stored is not None:
+        raise ValueError(
+            f"dflash2: dflash2_draft_quant={scheme!r} needs a bf16 drafter, but "
+            f"{spec.model} is stored quantized ({stored}); valid: unset dflash2_draft_quant "
+            "(DRAFT_QUANT=bf16) for this drafter"
+        )
+    from vllm.config.quantization import resolve_quantization_config
+    from vllm.model_executor.layers.quantization.online.base import OnlineQuantizationConfig
+
+    args = resolve_quantization_config(scheme, {"ignore": [DRAFT_QUANT_KEEP_BF16]})
+    return OnlineQuantizationConfig(args)
+
+
 def dflash2_query_rows(vllm_config: VllmConfig) -> int:
     """Query rows per request of one drafter pass: the anchor + min(k, block_size - 1)."""
     spec = vllm_config.speculative_config
@@ -191,6 +224,7 @@ class DFlash2DecoderLayer(DFlashQwen3DecoderLayer):
 
 class DFlash2Qwen3Model(DFlashQwen3Model):
     decoder_layer_cls = DFlash2DecoderLayer
+    draft_quant_config = staticmethod(dflash2_draft_quant_config)
 
     def __init__(self, *, vllm_config: VllmConfig, start_layer_id: int = 0,
                  prefix: str = "") -> None:
