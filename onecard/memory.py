@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -300,6 +301,12 @@ DFLASH2_27B_PARAMS = 1_924_404_480
 DFLASH2_27B_LAYERS = 5
 DFLASH2_27B_KV_HEADS = 8
 DFLASH2_27B_HEAD_DIM = 128
+# ... and what DRAFT_QUANT=fp8 quantizes of it (drafter_fp8_linears): hidden, query heads x head
+# size, MLP width, the fc's input (5 target layers x hidden)
+DFLASH2_27B_HIDDEN = 5120
+DFLASH2_27B_Q_WIDTH = 32 * 128
+DFLASH2_27B_INTERMEDIATE = 17408
+DFLASH2_27B_FC_IN = 5 * 5120
 
 
 @dataclass
@@ -673,6 +680,46 @@ def drafter_param_count(cfg) -> int:
     return n + cfg.num_layers * per_layer
 
 
+# DRAFT_QUANT=fp8 (patch 0080's dflash2_draft_quant="fp8_per_block"): vLLM's online FP8 of the
+# drafter's fc, o_proj and MLP while it loads; qkv_proj (read directly by DFlash's context K/V
+# precompute), the convs' kernel_projection, the selector and the norms stay bf16. On the GPU a
+# quantized weight is one byte per element plus Marlin's scales (the 3090's FP8 GEMM, W8A16):
+# prepare_fp8_layer_for_marlin turns the 128 x 128 block scales into one bf16 per output row for
+# each 128-wide group of the input.
+DRAFT_FP8_TENSOR = re.compile(r"(?:^|\.)(?:fc|layers\.\d+\.(?:self_attn\.o_proj|mlp\.(?:gate|up|down)_proj))\.weight$")
+FP8_BLOCK = 128
+
+
+def fp8_block_bytes(out_features: int, in_features: int) -> int:
+    """GPU bytes of one weight [out, in] under fp8_per_block on Marlin: FP8 values + bf16 scales."""
+    return out_features * in_features + -(-in_features // FP8_BLOCK) * out_features * 2
+
+
+def drafter_fp8_linears(hidden: int, q_width: int, intermediate: int, fc_in: int,
+                        layers: int) -> list[tuple[int, int]]:
+    """(out, in) of every weight DRAFT_QUANT=fp8 quantizes: the fc, then per layer o_proj and the
+    MLP's gate, up and down (checkpoint tensors; vLLM fuses gate and up, same bytes)."""
+    per_layer = [(hidden, q_width), (intermediate, hidden), (intermediate, hidden), (hidden, intermediate)]
+    return [(hidden, fc_in)] + per_layer * layers
+
+
+def fp8_saving(linears: list[tuple[int, int]], elem_bytes: int = 2) -> int:
+    """Bytes DRAFT_QUANT=fp8 saves on these weights, stored with ``elem_bytes`` per element."""
+    return sum(o * i * elem_bytes - fp8_block_bytes(o, i) for o, i in linears)
+
+
+def _header_fp8_saving(draft_dir: Path) -> int:
+    """fp8_saving over the drafter's safetensors headers (the tensors DRAFT_FP8_TENSOR names)."""
+    saved = 0
+    for fp in sorted(draft_dir.glob("*.safetensors")):
+        for name, meta in safetensors_header(fp).items():
+            if name == "__metadata__" or not DRAFT_FP8_TENSOR.search(name) or len(meta["shape"]) != 2:
+                continue
+            start, end = meta["data_offsets"]
+            saved += (end - start) - fp8_block_bytes(*meta["shape"])
+    return saved
+
+
 @dataclass
 class DrafterVRAM:
     weight_bytes: int
@@ -689,9 +736,11 @@ class DrafterVRAM:
                 "draft_kv_heads": self.kv_heads, "draft_head_dim": self.head_dim}
 
 
-def dflash_drafter_vram(draft_dir: str | os.PathLike | None, ring: bool = False) -> DrafterVRAM:
+def dflash_drafter_vram(draft_dir: str | os.PathLike | None, ring: bool = False, fp8: bool = False) -> DrafterVRAM:
     """The DFlash2 drafter's weights and KV layers: safetensors headers of DRAFT when it has them
     (as the target's), else its config's shape in bf16, else the published 27B drafter.
+
+    ``fp8`` (DRAFT_QUANT=fp8): less what FP8 saves on its fc, o_proj and MLP (fp8_saving).
 
     ``ring`` (DFLASH_RING=1, docs/dflash2-huge.md section 3): the drafter's layers hand vLLM no
     KV-cache spec, so none of them shares the pool (``attn_layers`` 0); their K/V take
@@ -715,12 +764,18 @@ def dflash_drafter_vram(draft_dir: str | os.PathLike | None, ring: bool = False)
             why = "DRAFT has no DFlash2 config that parses"
     layers = 0 if ring else cfg.num_layers if cfg else DFLASH2_27B_LAYERS
     shape = {"kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim} if cfg else {}
+    q8 = " with FP8 fc/o_proj/MLP (DRAFT_QUANT=fp8)" if fp8 else ""
     if d is not None and d.is_dir() and any(d.glob("*.safetensors")):
-        return DrafterVRAM(weight_bytes(d), layers, "drafter safetensors headers", **shape)
+        saved = _header_fp8_saving(d) if fp8 else 0
+        return DrafterVRAM(weight_bytes(d) - saved, layers, f"drafter safetensors headers{q8}", **shape)
     if cfg is not None:
-        return DrafterVRAM(drafter_param_count(cfg) * 2, layers, "drafter config shape, bf16", **shape)
-    return DrafterVRAM(DFLASH2_27B_PARAMS * 2, layers,
-                       f"estimate: the published 27B DFlash2 drafter, bf16 ({why})")
+        saved = fp8_saving(drafter_fp8_linears(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size,
+                                               cfg.fc_in, cfg.num_layers)) if fp8 else 0
+        return DrafterVRAM(drafter_param_count(cfg) * 2 - saved, layers, f"drafter config shape, bf16{q8}", **shape)
+    saved = fp8_saving(drafter_fp8_linears(DFLASH2_27B_HIDDEN, DFLASH2_27B_Q_WIDTH, DFLASH2_27B_INTERMEDIATE,
+                                           DFLASH2_27B_FC_IN, DFLASH2_27B_LAYERS)) if fp8 else 0
+    return DrafterVRAM(DFLASH2_27B_PARAMS * 2 - saved, layers,
+                       f"estimate: the published 27B DFlash2 drafter, bf16{q8} ({why})")
 
 
 @dataclass(frozen=True)

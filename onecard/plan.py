@@ -389,6 +389,14 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
                             f"valid: {OWNED_FLAGS[flag]}")
     plan.set("EXTRA_ARGS", extra, plan.values["EXTRA_ARGS"].source)
     _resolve_dflash_ring(plan, ctx, spec)
+    rq = plan.values["DRAFT_QUANT"]
+    if spec.name != "dflash2":
+        if rq.source != "default":
+            raise PlanError(f"DRAFT_QUANT={rq.value} needs SPEC=dflash2 (the DFlash2 drafter's weights); "
+                            "valid otherwise: leave DRAFT_QUANT unset")
+        plan.set("DRAFT_QUANT", "bf16", "profile", f"SPEC={spec.name}: no DFlash2 drafter")
+    # DRAFT_QUANT=auto with SPEC=dflash2 is decided by the preflight (onecard.preflight._draft_quant),
+    # which knows whether the plan fits the card
 
     # tensor parallel: the TP knob or --tensor-parallel-size/-tp in EXTRA_ARGS, decided here only
     valid_tp = "|".join(profiles.KNOBS["TP"].choices)
@@ -623,6 +631,8 @@ def build_argv(plan: ServePlan, python: str = sys.executable, model_path: str | 
             # fields of patches/0080-dflash2.patch's SpeculativeConfig
             sc["model"] = draft_path(plan, model_path)
             sc["dflash2_lookup"] = v("LOOKUP") == "1"
+            if v("DRAFT_QUANT") == "fp8":
+                sc["dflash2_draft_quant"] = "fp8_per_block"
         argv += ["--speculative-config", json.dumps(sc, separators=(",", ":"))]
     if "CUDAGRAPH_SIZES" in plan.values:
         argv += ["-cc", json.dumps({"cudagraph_capture_sizes": plan.get("CUDAGRAPH_SIZES")}, separators=(",", ":"))]

@@ -181,6 +181,39 @@ def _drafter(plan: ServePlan) -> memory.DrafterVRAM | None:
     return memory.dflash_drafter_vram(str(plan.get("DRAFT")), ring=_ring(plan))
 
 
+def _draft_quant(plan: ServePlan, geom: memory.ModelGeometry, drafter: memory.DrafterVRAM | None,
+                 weights: tuple, attn_layers: int) -> memory.DrafterVRAM | None:
+    """DRAFT_QUANT (SPEC=dflash2): the drafter record the rest of the preflight counts. auto ->
+    fp8 exactly when the plan with a bf16 drafter does not fit the card (CARD_GIB, nvidia-smi at a
+    real launch, else the 24 GiB assumption of the VRAM note), with a note; else bf16."""
+    rv = plan.values["DRAFT_QUANT"]
+    if drafter is None:  # the tiny drafter: no VRAM budget (an explicit fp8 still reaches the server)
+        if rv.value == "auto":
+            plan.set("DRAFT_QUANT", "bf16", "profile", "the tiny drafter: no VRAM budget")
+        return drafter
+    fp8 = memory.dflash_drafter_vram(str(plan.get("DRAFT")), ring=_ring(plan), fp8=True)
+    if rv.value == "fp8":
+        return fp8
+    if rv.value == "bf16":
+        return drafter
+    b, _, _ = _vram(plan, geom, int(plan.get("KV_MEM")), drafter, weights, attn_layers)
+    if b is None:
+        plan.set("DRAFT_QUANT", "bf16", "profile", "auto: the target's weights are unknown (no VRAM budget)")
+        return drafter
+    card = _card_name(plan)
+    if b["fits"]:
+        plan.set("DRAFT_QUANT", "bf16", "profile", f"auto: the plan fits the {card} with a bf16 drafter")
+        return drafter
+    saved = drafter.weight_bytes - fp8.weight_bytes
+    plan.set("DRAFT_QUANT", "fp8", "profile", f"auto: with a bf16 drafter the plan needs {_gib(b['total'])} GiB "
+                                               f"of the {card}")
+    plan.notes.append(f"DRAFT_QUANT=auto -> fp8: with a bf16 drafter the plan needs {_gib(b['total'])} GiB of the "
+                      f"{card}; FP8 weights for the drafter's fc, o_proj and MLP (quantized while it loads) save "
+                      f"{_gib(saved)} GiB. Drafts only: the target verifies every token, so output stays exact; "
+                      f"acceptance with FP8 drafter weights is not yet measured (DRAFT_QUANT=bf16 keeps bf16)")
+    return fp8
+
+
 def _ring_bytes(plan: ServePlan) -> int:
     """DFLASH_RING=1: the drafter's K/V rings beside the pin (memory.dflash2_ring_bytes) at the
     plan's MAX_SEQS and DFLASH_TOKENS; 0 otherwise."""
@@ -384,6 +417,9 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
     _prefix_cache_spec_note(plan, geom, k)
     # 4-6. pool
     kv_mem = plan.get("KV_MEM")
+    if plan.get("DRAFT_QUANT") == "auto" and (tp > 1 or kv_mem == "auto"):
+        plan.set("DRAFT_QUANT", "bf16", "profile", f"auto with {'TP>1' if tp > 1 else 'KV_MEM=auto'}: no "
+                                                   f"single-card fit is predicted")
     if tp > 1:
         weights = _tp_weights(plan, geom, tp)
         if weights is None:
@@ -416,6 +452,7 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
         attn_layers = geom.num_full_attention
     # 9a. the card, when known: a profile pin that does not fit is lowered before the pool is sized
     weights = _weights(plan, geom, environ) if str(plan.get("MODEL")) != "tiny" else (None, "", 0, "")
+    drafter = _draft_quant(plan, geom, drafter, weights, attn_layers)
     _fit_card(plan, geom, drafter, weights, attn_layers)
     kv_mem = plan.get("KV_MEM")
     pred = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), max_len, k, prefix, **pool_kw)

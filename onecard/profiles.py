@@ -100,6 +100,13 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          "auto: 1 with CTX=huge (whose KVarN pool cannot take the drafter's layers), else 0. CPU-tested only, "
          "not yet run on a GPU. No effect with SPEC=off|mtp. Passed to the server as ONECARD_DFLASH_RING",
          ("auto", "0", "1")),
+    Knob("DRAFT_QUANT", "auto", "auto|bf16|fp8", "SPEC=dflash2: the drafter's weights as stored (bf16) or its fc, "
+         "o_proj and MLP in FP8 (fp8: quantized while it loads, vLLM's online fp8_per_block, patch 0080; Marlin "
+         "W8A16 GEMMs on an RTX 3090; qkv_proj, selector and convs stay bf16; the published 27B drafter 3.58 -> "
+         "2.14 GiB); auto: fp8 exactly when the plan with a bf16 drafter does not fit the card (CARD_GIB or "
+         "nvidia-smi; every dflash2 profile on a 24 GiB card), else bf16. Drafts only: the target verifies every "
+         "token, so output stays exact; acceptance with FP8 weights is not yet measured. CPU-tested only, not yet "
+         "run on a GPU. No effect with SPEC=off|mtp", ("auto", "bf16", "fp8")),
     Knob("KV", "", "bf16|fp8|int8_per_token_head|int4_per_token_head", "override the profile's KV cache dtype",
          ("bf16", "fp8", "int8_per_token_head", "int4_per_token_head")),
     Knob("SSM_DTYPE", "auto", "auto|bfloat16|float32",
@@ -177,6 +184,19 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("EXTRA_ARGS", "", "shell words", "appended last to vllm serve"),
     Knob("VLLM_API_KEY", "", "string", "API key (or .env, or api_key.txt mode 0600); never printed"),
 ]}
+
+
+# The GEMM kernels an RTX 3090 (sm_86) runs, chosen on a Hopper GPU (the lent H200) for side-by-side
+# figures: vLLM 0.27.1 picks Machete for the W4A16 GEMMs on sm_90 (Marlin on a 3090), and for FP8
+# linears (DRAFT_QUANT=fp8) a block-scaled W8A8 kernel (DeepGEMM / CUTLASS) where a 3090 runs
+# Marlin's W8A16 (model_executor/kernels/linear: is_supported_and_can_implement_kernel reads
+# VLLM_DISABLED_KERNELS; MarlinFP8ScaledMMLinearKernel needs VLLM_TEST_FORCE_FP8_MARLIN=1 on
+# sm_89+). Used by GPU jobs 41 (FIT_GEMM=marlin), 80 (REF_GEMM=marlin) and 31 (an arm's GEMM=ampere).
+AMPERE_GEMM_ENV: dict[str, str] = {
+    "VLLM_DISABLED_KERNELS": "MacheteLinearKernel,FlashInferFp8DeepGEMMDynamicBlockScaledKernel,"
+                             "DeepGemmFp8BlockScaledMMKernel,CutlassFp8BlockScaledMMKernel",
+    "VLLM_TEST_FORCE_FP8_MARLIN": "1",
+}
 
 
 # Knobs the launcher hands to the server under a variable of its own (onecard.plan sets these in the

@@ -77,7 +77,10 @@ def _gib(n: int) -> str:
 
 def _spec_cell(spec: str, plan: P.ServePlan) -> str:
     k = int(plan.get("SPEC_K"))
-    return {"off": "off", "mtp": f"mtp (k={k})", "dflash2": f"dflash2 ({k} tokens)"}[spec]
+    cell = {"off": "off", "mtp": f"mtp (k={k})", "dflash2": f"dflash2 ({k} tokens)"}[spec]
+    if spec == "dflash2" and plan.get("DRAFT_QUANT") == "fp8":
+        cell += ", FP8 drafter"
+    return cell
 
 
 def _kv_cell(plan: P.ServePlan) -> str:
@@ -147,7 +150,9 @@ launcher's knobs, preflight and prediction; `--dry-run` prints every value, note
 - The plans assume what a full install has: KVarN (`./install.sh --kvarn`, for `CTX=huge`), patch
   0080 (`SPEC=dflash2`), the prepared 27B checkpoint (its weights as the memory model lays them
   out: int8 lm_head/embed/MTP) and the published 27B DFlash2 drafter in `DRAFT` (its config's
-  shape, bf16 weights). **`SPEC=dflash2` needs that drafter checkpoint, and `install.sh` does not
+  shape, bf16 weights; "FP8 drafter": `DRAFT_QUANT=auto` quantizes its fc, o_proj and MLP to FP8
+  while it loads, because with bf16 the plan does not fit the card: 3.58 -> 2.14 GiB; not yet run
+  on a GPU). **`SPEC=dflash2` needs that drafter checkpoint, and `install.sh` does not
   fetch it** (`models/dflash2-drafter`, or `DRAFT=DIR`); without it the launcher refuses
   `SPEC=dflash2`.
 

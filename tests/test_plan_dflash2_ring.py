@@ -61,7 +61,10 @@ def test_huge_dflash2_plans_with_rings(tmp_path, features, drafter_27b):
     # the rings beside the pin: 5 layers x (2 x 129 + 1) blocks x 16 x 8 x 128 x 2 x 2 B
     assert p["dflash2_ring_bytes"] == p["vram"]["dflash2_ring_bytes"] == ring.ring_bytes(5, 2, 2048, 7, 8, 128) \
         == 84_869_120
-    assert p["vram"]["drafter_weights"] == memory.DFLASH2_27B_PARAMS * 2   # the drafter's weights counted
+    # the drafter's weights counted: FP8 fc/o_proj/MLP (DRAFT_QUANT=auto on the 24 GiB assumption)
+    assert plan.get("DRAFT_QUANT") == "fp8" and sc["dflash2_draft_quant"] == "fp8_per_block"
+    assert p["vram"]["drafter_weights"] == memory.dflash_drafter_vram(str(drafter_27b), fp8=True).weight_bytes \
+        < memory.DFLASH2_27B_PARAMS * 2
     notes = "\n".join(plan.notes)
     assert "84,869,120 B (84.9 MB)" in notes and "keep no KV in the pool" in notes
     assert "DFlash2 drafter K/V rings 0.08 (DFLASH_RING=1, MAX_SEQS=2, DFLASH_TOKENS=7)" in notes

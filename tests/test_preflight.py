@@ -105,7 +105,7 @@ def test_dflash2_drafter_weights_and_kv_layers(tmp_path, monkeypatch):
     """The drafter's 5 attention layers share the pool (MAX_LEN cap names them) and its 3.58 GiB
     of weights push the 3090 fast pin over a 24 GiB card (the note names it and the pin that fits)."""
     draft = _dflash2_installed(tmp_path, monkeypatch)
-    plan = mk({"CTX": "fast", "SPEC": "dflash2", "DRAFT": str(draft)}, tmp_path)
+    plan = mk({"CTX": "fast", "SPEC": "dflash2", "DRAFT": str(draft), "DRAFT_QUANT": "bf16"}, tmp_path)
     v = plan.values["MAX_LEN"]
     assert v.source == "cap" and "drafter's 5 attention layers hold KV in the same pool" in v.reason
     assert plan.prediction["group_size"] == 5  # its own bucket: 8 KV heads x 128 vs 4 x 256
@@ -115,11 +115,78 @@ def test_dflash2_drafter_weights_and_kv_layers(tmp_path, monkeypatch):
     assert "does NOT fit a 24 GiB card because of the DFlash2 drafter's weights" in note
     assert f"KV_MEM <= {vram['kv_max'] // memory.MiB}M" in note
     # at that pin it fits
-    fit = mk({"CTX": "fast", "SPEC": "dflash2", "DRAFT": str(draft), "KV_MEM": f"{vram['kv_max'] // memory.MiB}M"}, tmp_path)
+    fit = mk({"CTX": "fast", "SPEC": "dflash2", "DRAFT": str(draft), "DRAFT_QUANT": "bf16",
+              "KV_MEM": f"{vram['kv_max'] // memory.MiB}M"}, tmp_path)
     assert fit.prediction["vram"]["fits"]
     # without a drafter nothing of this
     off = mk({"CTX": "fast", "SPEC": "off"}, tmp_path)
     assert off.prediction["vram"]["drafter_weights"] == 0 and off.prediction["vram"]["fits"]
+
+
+def test_draft_quant_auto_fp8_where_bf16_does_not_fit(tmp_path, monkeypatch):
+    """DRAFT_QUANT=auto: fp8 exactly when the plan with a bf16 drafter does not fit the card
+    (the 24 GiB assumption of --dry-run, or CARD_GIB), with a note naming what it saves; bf16 on
+    a card it fits; explicit values win; the server gets dflash2_draft_quant only with fp8."""
+    import json
+
+    draft = _dflash2_installed(tmp_path, monkeypatch)
+
+    def spec_config(plan):
+        return json.loads(plan.argv[plan.argv.index("--speculative-config") + 1])
+
+    saved = memory.fp8_saving(memory.drafter_fp8_linears(5120, 32 * 128, 17408, 5 * 5120, 5))
+    assert round(saved / memory.GiB, 2) == 1.44
+    auto = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft)}, tmp_path)
+    v = auto.values["DRAFT_QUANT"]
+    assert (v.value, v.source) == ("fp8", "profile") and "25.13 GiB of the 24 GiB card" in v.reason
+    assert auto.prediction["vram"]["drafter_weights"] == memory.DFLASH2_27B_PARAMS * 2 - saved
+    assert auto.prediction["vram"]["fits"]                  # 23.69 GiB with the reserves
+    note = next(n for n in auto.notes if n.startswith("DRAFT_QUANT=auto -> fp8"))
+    assert "save 1.44 GiB" in note and "output stays exact" in note
+    assert spec_config(auto)["dflash2_draft_quant"] == "fp8_per_block"
+    big = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "141"}, tmp_path)
+    assert big.get("DRAFT_QUANT") == "bf16" and "fits the 141 GiB card" in big.values["DRAFT_QUANT"].reason
+    assert "dflash2_draft_quant" not in spec_config(big)
+    assert big.prediction["vram"]["drafter_weights"] == memory.DFLASH2_27B_PARAMS * 2
+    forced = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "141", "DRAFT_QUANT": "fp8"}, tmp_path)
+    assert spec_config(forced)["dflash2_draft_quant"] == "fp8_per_block"
+    assert not any(n.startswith("DRAFT_QUANT=auto") for n in forced.notes)
+    kept = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "DRAFT_QUANT": "bf16"}, tmp_path)
+    assert "dflash2_draft_quant" not in spec_config(kept) and not kept.prediction["vram"]["fits"]
+    tp = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "TP": "2"}, tmp_path)
+    assert tp.get("DRAFT_QUANT") == "bf16" and "TP>1" in tp.values["DRAFT_QUANT"].reason
+
+
+def test_draft_quant_needs_dflash2_and_a_valid_value(tmp_path):
+    with pytest.raises(P.PlanError, match="DRAFT_QUANT=fp8 needs SPEC=dflash2.*valid otherwise: leave DRAFT_QUANT unset"):
+        mk({"CTX": "long", "SPEC": "mtp", "DRAFT_QUANT": "fp8"}, tmp_path)
+    with pytest.raises(P.PlanError, match="DRAFT_QUANT.*valid: auto\\|bf16\\|fp8"):
+        mk({"CTX": "long", "SPEC": "mtp", "DRAFT_QUANT": "int4"}, tmp_path)
+    assert mk({"CTX": "long", "SPEC": "mtp"}, tmp_path).get("DRAFT_QUANT") == "bf16"
+
+
+def test_draft_quant_saving_from_safetensors_headers(tmp_path):
+    """With weights in DRAFT the saving comes from their headers: the fc, o_proj and MLP tensors
+    (any prefix), FP8 bytes + Marlin's bf16 scale per 128-wide input group per output row."""
+    from safetensors.torch import save_file
+    import torch
+
+    d = tmp_path / "drafter"
+    d.mkdir()
+    t = {"fc.weight": torch.zeros(256, 384, dtype=torch.bfloat16),
+         "model.layers.0.self_attn.o_proj.weight": torch.zeros(256, 256, dtype=torch.bfloat16),
+         "layers.0.mlp.gate_proj.weight": torch.zeros(512, 256, dtype=torch.bfloat16),
+         "layers.0.mlp.down_proj.weight": torch.zeros(256, 200, dtype=torch.bfloat16),
+         "layers.0.self_attn.q_proj.weight": torch.zeros(256, 256, dtype=torch.bfloat16),
+         "candidate_selector.predecessor_codebook": torch.zeros(1000, 32, dtype=torch.bfloat16)}
+    save_file(t, str(d / "model.safetensors"))
+    whole = memory.weight_bytes(d)
+    got = memory.dflash_drafter_vram(d, fp8=True)
+    want = {"fc.weight": 256 * 384 + 3 * 256 * 2, "model.layers.0.self_attn.o_proj.weight": 256 * 256 + 2 * 256 * 2,
+            "layers.0.mlp.gate_proj.weight": 512 * 256 + 2 * 512 * 2, "layers.0.mlp.down_proj.weight": 256 * 200 + 2 * 256 * 2}
+    assert got.weight_bytes == whole - sum(t[k].numel() * 2 - v for k, v in want.items())
+    assert "FP8 fc/o_proj/MLP (DRAFT_QUANT=fp8)" in got.source
+    assert memory.dflash_drafter_vram(d).weight_bytes == whole
 
 
 def test_mtp_draft_lm_head_counted_unless_disabled(tmp_path):
@@ -166,7 +233,7 @@ def test_known_card_over_only_by_the_estimated_reserves_keeps_the_pin(tmp_path, 
     23.13 GiB without the graph/activation part (weights 14.10 + drafter 3.58 + KV 4.95 + context
     0.5): not certain to fail, so the pin stays and the note names the pin that fits by the estimate."""
     draft = _dflash2_installed(tmp_path, monkeypatch)
-    env = {"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "24"}
+    env = {"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "24", "DRAFT_QUANT": "bf16"}
     plan = mk(env, tmp_path)
     assert plan.values["KV_MEM"].source == "profile" and plan.get("MAX_LEN") == 70_912
     note = next(n for n in plan.notes if n.startswith("VRAM on one GPU"))
@@ -180,7 +247,7 @@ def test_known_card_caps_a_profile_pin_that_cannot_fit(tmp_path, monkeypatch):
     """On a 23 GiB card the certain part (23.13 GiB) is over: the pin drops to the largest that fits
     by the estimate, the pool and MAX_LEN follow, the note says it fits."""
     draft = _dflash2_installed(tmp_path, monkeypatch)
-    env = {"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "23"}
+    env = {"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "23", "DRAFT_QUANT": "bf16"}
     plan = mk(env, tmp_path)
     kv = plan.values["KV_MEM"]
     b = plan.prediction["vram"]
@@ -202,7 +269,7 @@ def test_known_card_caps_a_profile_pin_that_cannot_fit(tmp_path, monkeypatch):
 
 def test_known_card_refuses_an_explicit_pin_that_cannot_fit(tmp_path, monkeypatch):
     draft = _dflash2_installed(tmp_path, monkeypatch)
-    env = {"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "24", "KV_MEM": "6G"}
+    env = {"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "24", "KV_MEM": "6G", "DRAFT_QUANT": "bf16"}
     with pytest.raises(P.PlanError, match=r"KV_MEM=6442450944 does not fit the 24 GiB card .*valid: KV_MEM "
                                           r"<= 3906M, or VRAM_CHECK=0"):
         mk(env, tmp_path)
@@ -213,10 +280,10 @@ def test_known_card_refuses_an_explicit_pin_that_cannot_fit(tmp_path, monkeypatc
 def test_known_card_too_small_is_refused(tmp_path, monkeypatch):
     draft = _dflash2_installed(tmp_path, monkeypatch)
     with pytest.raises(P.PlanError, match="does not fit the 16 GiB card .*even without a KV pool"):
-        mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "16"}, tmp_path)
+        mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "16", "DRAFT_QUANT": "bf16"}, tmp_path)
     # a pin that fits but holds no useful pool
     with pytest.raises(P.PlanError, match=r"on the 20\.50 GiB card \(CARD_GIB\) the KV pin that fits, \d+M, gives a pool"):
-        mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "20.5"}, tmp_path)
+        mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "20.5", "DRAFT_QUANT": "bf16"}, tmp_path)
 
 
 def test_mtp_and_off_profiles_fit_a_24_gib_card_unchanged(tmp_path):
@@ -235,7 +302,7 @@ def test_card_gib_validated(tmp_path, bad):
 def test_unknown_card_stays_a_note(tmp_path, monkeypatch):
     """No CARD_GIB and no nvidia-smi answer (a dry run, or a machine without one): today's note."""
     draft = _dflash2_installed(tmp_path, monkeypatch)
-    plan = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft)}, tmp_path)
+    plan = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "DRAFT_QUANT": "bf16"}, tmp_path)
     assert plan.values["KV_MEM"].source == "profile" and plan.get("CARD_GIB") == ""
     assert any("does NOT fit a 24 GiB card because of" in n for n in plan.notes)
 
@@ -256,7 +323,12 @@ def test_real_launch_asks_nvidia_smi(tmp_path, monkeypatch):
     plan = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "MODEL": str(model)}, tmp_path,
               check_paths=True)
     assert asked == [True] and plan.values["CARD_GIB"].source == "nvidia-smi"
-    assert any("does NOT fit a 24 GiB card (nvidia-smi)" in n and "so the pin stays" in n for n in plan.notes)
+    # DRAFT_QUANT=auto decides on nvidia-smi's card: FP8, and then it fits
+    assert plan.get("DRAFT_QUANT") == "fp8" and "24 GiB card (nvidia-smi)" in plan.values["DRAFT_QUANT"].reason
+    assert any(n.startswith("VRAM on one GPU") and n.endswith("fits a 24 GiB card (nvidia-smi)") for n in plan.notes)
+    kept = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "MODEL": str(model), "DRAFT_QUANT": "bf16"},
+              tmp_path, check_paths=True)
+    assert any("does NOT fit a 24 GiB card (nvidia-smi)" in n and "so the pin stays" in n for n in kept.notes)
 
 
 def _smi(monkeypatch, out: str):
