@@ -56,7 +56,7 @@ def test_parse_cases():
             fit.parse_cases(bad)
         msg = str(e.value)
         assert what in msg and "\n" not in msg
-        assert "valid: long-dflash2 fast-dflash2 long-mtp long-off huge-dflash2 huge-mtp" in msg
+        assert "valid: long-dflash2 long-dflash2-bf16 fast-dflash2 long-mtp long-off huge-dflash2 huge-mtp" in msg
 
 
 def test_bad_cases_refused_before_any_boot(tmp_path):
@@ -66,7 +66,7 @@ def test_bad_cases_refused_before_any_boot(tmp_path):
     r = subprocess.run(["bash", str(JOB)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [ln for ln in r.stdout.splitlines() if "FIT_CASES" in ln]
-    assert lines == ["41-fit: FIT_CASES: 'huge-off' is not a case; valid: long-dflash2 fast-dflash2 long-mtp "
+    assert lines == ["41-fit: FIT_CASES: 'huge-off' is not a case; valid: long-dflash2 long-dflash2-bf16 fast-dflash2 long-mtp "
                      "long-off huge-dflash2 huge-mtp (space- or comma-separated; default: long-dflash2 "
                      "fast-dflash2 long-mtp long-off)"], r.stdout
     assert not list(out.glob("server-*.log")) and not (out / "run.txt").exists()
@@ -201,7 +201,7 @@ def test_dry_run_prints_the_3090_plans(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "[fit] case long-dflash2: CTX=long SPEC=dflash2 KV=int8_per_token_head MAX_LEN 70,912 MAX_SEQS 4" in out
-    assert "predicted 25.13 GiB" in out   # docs/profiles.md's CTX=long SPEC=dflash2 row
+    assert "predicted 23.69 GiB" in out   # docs/profiles.md's CTX=long SPEC=dflash2 row (FP8 drafter)
     argv = next(ln for ln in out.splitlines() if "argv:" in ln)
     assert "--gpu-memory-utilization 0.1 " in argv and "--kv-cache-memory-bytes" in argv
     assert "--enforce-eager" not in argv and "--port" in argv and '"method":"dflash2"' in argv
@@ -242,7 +242,15 @@ def test_geometry_checkpoint_gets_the_products_plan(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "MAX_LEN 70,912 MAX_SEQS 4 KV_MEM 4.95 GiB" in r.stdout and "no checkpoint" not in r.stdout
     pred = re.search(r"predicted ([\d.]+) GiB .*; prepared 27B layout ([\d.]+) GiB", r.stdout)
-    assert pred and float(pred.group(1)) > 27 and float(pred.group(2)) == 25.13, r.stdout
+    assert pred and float(pred.group(1)) > 25.5 and float(pred.group(2)) == 23.69, r.stdout
+    assert "dflash2_draft_quant" in r.stdout   # DRAFT_QUANT=auto: fp8 for both layouts on 24 GiB
+    # the same case with the drafter as stored (DRAFT_QUANT=bf16): 1.44 GiB more
+    env["FIT_CASES"] = "long-dflash2-bf16"
+    r = subprocess.run([sys.executable, str(DRIVER), "--dry-run", "--out", str(tmp_path / "out2")], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    pred = re.search(r"predicted ([\d.]+) GiB .*; prepared 27B layout ([\d.]+) GiB", r.stdout)
+    assert pred and float(pred.group(2)) == 25.13 and "dflash2_draft_quant" not in r.stdout, r.stdout
     assert "FAIL" not in r.stdout
 
 
@@ -369,7 +377,10 @@ def test_gpu_readme_lists_job_41_and_plans_it():
 def test_gemm_choice_runs_the_3090_kernel_by_default(tmp_path):
     """FIT_GEMM: marlin (default) disables vLLM's Machete so the H200 runs the 3090's W4A16 kernel;
     vllm keeps vLLM's choice; anything else is one line, exit 2, before any plan or boot."""
-    assert fit.gemm_env("marlin") == {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"}
+    from onecard.profiles import AMPERE_GEMM_ENV
+
+    assert fit.gemm_env("marlin") == AMPERE_GEMM_ENV
+    assert AMPERE_GEMM_ENV["VLLM_DISABLED_KERNELS"].startswith("MacheteLinearKernel,")
     assert fit.gemm_env("vllm") == {}
     r = subprocess.run([sys.executable, str(REPO / "gpu/lib/fit.py"), "--check-cases", "--gemm", "cutlass"],
                        capture_output=True, text=True, timeout=60, cwd=str(tmp_path))

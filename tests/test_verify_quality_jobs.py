@@ -459,7 +459,8 @@ def test_job31_sampled_and_env_arms_dry_run(tmp_path):
            "ARMS": "d2k7:dflash2:1:7:0 d2k7-t07:dflash2:1:7:0:-:TEMPERATURE=0.7 "
                    "d2k7-tk:dflash2:1:7:0:-:TEMPERATURE=1,TOP_P=0.95,TOP_K=20,SEED=7,PREFIX_CACHE=0 "
                    "d2k15-host:dflash2:1:15:0:-:LOOKUP_LANE=host "
-                   "off-marlin:off:1:-:1:-:VLLM_DISABLED_KERNELS=MacheteLinearKernel"}
+                   "off-marlin:off:1:-:1:-:VLLM_DISABLED_KERNELS=MacheteLinearKernel "
+                   "d2k7-q8:dflash2:1:7:1:-:DRAFT_QUANT=fp8,GEMM=ampere"}
     for k in ("TEMPERATURE", "SEED"):
         env.pop(k, None)
     r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
@@ -473,6 +474,9 @@ def test_job31_sampled_and_env_arms_dry_run(tmp_path):
     assert "requests: --temperature 0\n" in plans["d2k15-host"]
     assert "LOOKUP_LANE=host" in plans["d2k15-host"].splitlines()[0]
     assert "VLLM_DISABLED_KERNELS=MacheteLinearKernel" in plans["off-marlin"].splitlines()[0]
+    # GEMM=ampere (every variable of onecard.profiles.AMPERE_GEMM_ENV) beside a launcher knob
+    assert "DRAFT_QUANT=fp8,GEMM=ampere" in plans["d2k7-q8"].splitlines()[0]
+    assert '"dflash2_draft_quant":"fp8_per_block"' in plans["d2k7-q8"]
     # the job-wide default: every arm without its own TEMPERATURE= samples
     env["TEMPERATURE"], env["ARMS"] = "0.6", "off:off:1:-:1 mtp-t1:mtp:1:-:1:-:TEMPERATURE=1.0"
     r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
@@ -493,6 +497,7 @@ def test_job31_sampled_and_env_arms_dry_run(tmp_path):
     ("d2k7-d:dflash2:1:15:0:-:ONECARD_DFLASH_LANE=host", {}, "'ONECARD_DFLASH_LANE=host' is not valid; valid: the launcher knob LOOKUP_LANE=VALUE"),
     ("d2k7-v:dflash2:1:7:0:-:VLLM_USE_V1=0", {}, "'VLLM_USE_V1=0' is not valid; valid: KNOB=VALUE"),
     ("d2k7-l:dflash2:1:7:0:-:onecard_dflash_lane=host", {}, "'onecard_dflash_lane=host' is not valid; valid: KNOB=VALUE"),
+    ("d2k7-g:dflash2:1:7:0:-:GEMM=h200", {}, "'GEMM=h200' is not valid; valid: GEMM=ampere (the 3090's Marlin kernels) or GEMM=vllm"),
     ("d2k7:dflash2:1:7:0", {"TEMPERATURE": "warm"}, "31-verify-e2e: TEMPERATURE='warm' is not valid; valid: a number >= 0"),
     ("d2k7:dflash2:1:7:0", {"SEED": "-3"}, "31-verify-e2e: SEED='-3' is not valid; valid: an integer >= 0"),
 ])

@@ -51,7 +51,9 @@
 # hands its environment on to vLLM), e.g. d2k15-host:dflash2:1:15:0:-:LOOKUP_LANE=host;
 # one the launcher sets from a knob of its own (ONECARD_WIDE_VERIFY: WIDE_VERIFY) is refused.
 # VLLM_DISABLED_KERNELS=MacheteLinearKernel too: the H200 then runs the W4A16 GEMMs on Marlin, the
-# kernel vLLM picks on a 3090 (on sm_90 it picks Machete), e.g. off-marlin:off:1:-:1:-:VLLM_DISABLED_KERNELS=MacheteLinearKernel.
+# kernel vLLM picks on a 3090 (on sm_90 it picks Machete), e.g. off-marlin:off:1:-:1:-:VLLM_DISABLED_KERNELS=MacheteLinearKernel;
+# or GEMM=ampere: every variable of onecard.profiles.AMPERE_GEMM_ENV (Marlin for W4A16 and for an FP8
+# drafter, DRAFT_QUANT=fp8), e.g. d2k7-q8:dflash2:1:7:1:-:DRAFT_QUANT=fp8,GEMM=ampere.
 # Every arm's fields are checked before any boot: a bad one is a one-line error, exit 2.
 # SAME_TEXT="a=b c=d" prints, per depth, whether those arms' greedy texts are equal (a knob that
 # must leave the target's logits alone, e.g. `d2k7=d2k7-m0` with GDN_SHARED_META=0 in d2k7-m0).
@@ -112,6 +114,14 @@ extra_env() {
   for kv in ${field//,/ }; do
     name=${kv%%=*}
     [[ "$kv" =~ ^[A-Z][A-Z0-9_]*=[^[:space:]]*$ ]] && [[ "$CLIENT_FIELDS" == *" $name "* ]] && continue
+    if [ "$name" = GEMM ]; then
+      case "$kv" in
+        GEMM=ampere) python3 -c 'from onecard.profiles import AMPERE_GEMM_ENV as E; print("\n".join(f"{k}={v}" for k, v in E.items()))' ;;
+        GEMM=vllm) ;;
+        *) echo "31-verify-e2e: arm $label: '$kv' is not valid; valid: GEMM=ampere (the 3090's Marlin kernels) or GEMM=vllm (vLLM's choice)" >&2; return 1 ;;
+      esac
+      continue
+    fi
     if [[ "$kv" =~ ^ONECARD_[A-Z0-9_]+=[^[:space:]]*$ ]] && [[ "$SERVER_VARS" == *" $name="* ]]; then
       # the plan's child env sets it from the knob and would silently win over the arm's value
       knob=${SERVER_VARS#* $name=}; knob=${knob%% *}
@@ -119,7 +129,7 @@ extra_env() {
       return 1
     fi
     if [[ ! "$kv" =~ ^[A-Z][A-Z0-9_]*=[^[:space:]]*$ ]] || { [[ "$KNOB_NAMES" != *" $name "* ]] && [[ "$name" != ONECARD_?* ]] && [[ "$name" != VLLM_DISABLED_KERNELS ]]; }; then
-      echo "31-verify-e2e: arm $label: '$kv' is not valid; valid: KNOB=VALUE[,KNOB=VALUE] with a launcher knob (e.g. PREFIX_CACHE=0), an ONECARD_* server variable the launcher does not set itself (e.g. ONECARD_HOST_TIMING=0), VLLM_DISABLED_KERNELS (e.g. MacheteLinearKernel: the 3090's Marlin GEMMs on the H200) or a request field TEMPERATURE|TOP_P|TOP_K|SEED" >&2
+      echo "31-verify-e2e: arm $label: '$kv' is not valid; valid: KNOB=VALUE[,KNOB=VALUE] with a launcher knob (e.g. PREFIX_CACHE=0), an ONECARD_* server variable the launcher does not set itself (e.g. ONECARD_HOST_TIMING=0), VLLM_DISABLED_KERNELS (e.g. MacheteLinearKernel: the 3090's Marlin GEMMs on the H200), GEMM=ampere|vllm or a request field TEMPERATURE|TOP_P|TOP_K|SEED" >&2
       return 1
     fi
     echo "$kv"

@@ -2,10 +2,12 @@
 # timeout: 540
 # prejit: no-wait   (measures memory, times nothing)
 # 41-fit: does `CTX=long SPEC=dflash2 ./start_qwen.sh` fit a 24 GB card? onecard's memory model
-# predicts every SPEC=dflash2 profile at 25.1-25.5 GiB (docs/profiles.md), over 24 GiB only by its
-# ESTIMATED reserves (CUDA graphs 0.75 + activations 1.25 + CUDA context 0.5 GiB). This job measures
+# predicts every SPEC=dflash2 profile at 25.1-25.5 GiB with the drafter as stored (bf16) and
+# 23.7-24.1 GiB with DRAFT_QUANT=auto's FP8 drafter (docs/profiles.md), counting ESTIMATED reserves
+# (CUDA graphs 0.75 + activations 1.25 + CUDA context 0.5 GiB). This job measures
 # the real footprint: gpu/lib/fit.py boots each case of FIT_CASES (default "long-dflash2
-# fast-dflash2 long-mtp long-off"; also huge-dflash2 huge-mtp, which install KVarN into a private
+# fast-dflash2 long-mtp long-off"; also long-dflash2-bf16 (DRAFT_QUANT=bf16), and huge-dflash2
+# huge-mtp, which install KVarN into a private
 # site first, as jobs 61-63 do) through `python3 -m onecard.launch` with MODEL=$MODELS/qwen38-27b-geom
 # (job 20; FIT_MODEL overrides, e.g. job 22's $MODELS/qwen38-27b-geom-prep), DRAFT=
 # $MODELS/qwen38-27b-geom-dflash2 (job 20), CARD_GIB=24 (the 3090's plan: KV_MEM pin, MAX_LEN caps,

@@ -42,11 +42,13 @@ if [ ! -f "$M/config.json" ]; then
 fi
 [ -n "${STOCK_PYTHONPATH:-}" ] || say "WARNING: STOCK_PYTHONPATH unset: the stock arm will be skipped"
 
-# W4A16 GEMMs: Marlin, the kernel vLLM picks on a 3090, by default (REF_GEMM=marlin disables Machete,
-# which vLLM picks on the H200; REF_GEMM=vllm keeps vLLM's choice; the 2026-12-02 quick run had
-# Machete). Both arms get the same kernel; the provenance records VLLM_DISABLED_KERNELS.
+# GEMMs: Marlin, the kernels vLLM picks on a 3090, by default (REF_GEMM=marlin disables Machete for
+# W4A16 and the W8A8 FP8 kernels for an FP8 drafter, which vLLM picks on the H200:
+# onecard.profiles.AMPERE_GEMM_ENV; REF_GEMM=vllm keeps vLLM's choice; the 2026-12-02 quick run had
+# Machete). Both arms get the same kernels; the provenance records the VLLM_* variables.
 case "${REF_GEMM:-marlin}" in
-  marlin) export VLLM_DISABLED_KERNELS=MacheteLinearKernel; say "W4A16 GEMMs on Marlin (the 3090's kernel; REF_GEMM=vllm for Machete)" ;;
+  marlin) eval "$(python3 -c 'from onecard.profiles import AMPERE_GEMM_ENV as E; print("; ".join(f"export {k}={v}" for k, v in E.items()))')" || exit 2
+          say "W4A16 and FP8 GEMMs on Marlin (the 3090's kernels; REF_GEMM=vllm for Machete): VLLM_DISABLED_KERNELS=$VLLM_DISABLED_KERNELS" ;;
   vllm) say "W4A16 GEMMs on vLLM's choice (Machete on sm_90; a 3090 runs Marlin)" ;;
   *) say "REF_GEMM=${REF_GEMM} invalid; valid: marlin, vllm"; exit 2 ;;
 esac

@@ -2,8 +2,9 @@
 
 onecard's memory model (onecard/memory.py ``vram_budget``, docs/profiles.md) predicts every
 SPEC=dflash2 profile at 25.1-25.5 GiB with its reserves (CUDA graphs 0.75 + activations 1.25 + CUDA
-context 0.5 GiB, all ESTIMATES) and 23.1-23.5 GiB without: over a 24 GiB card only by the estimated
-reserves. This driver measures the real footprint on the H200 with the 3090's plan.
+context 0.5 GiB, all ESTIMATES) and 23.1-23.5 GiB without, with the drafter as stored (bf16); the
+24 GiB plans therefore load its fc, o_proj and MLP in FP8 (DRAFT_QUANT=auto: 23.7-24.1 GiB with the
+reserves). This driver measures the real footprint on the H200 with the 3090's plan.
 
 Each case boots ``python3 -m onecard.launch`` (the real plan, preflight and argv) with
 MODEL=<27B-geometry checkpoint, job 20>, CARD_GIB=24 (the plan is exactly a 3090's: its KV_MEM pin,
@@ -12,7 +13,9 @@ default CUDA graphs (no --enforce-eager: graphs are part of the footprint), GDN_
 port of its own and GPU_UTIL=--gpu-util (0.10: with a KV_MEM pin vLLM only checks that this
 fraction of the GPU is free at boot, so several servers boot side by side; onecard/profiles.py).
 
-  long-dflash2  CTX=long SPEC=dflash2 (the headline: `CTX=long SPEC=dflash2 ./start_qwen.sh`)
+  long-dflash2  CTX=long SPEC=dflash2 (the headline: `CTX=long SPEC=dflash2 ./start_qwen.sh`; on a
+                24 GiB card DRAFT_QUANT=auto gives the drafter FP8 fc/o_proj/MLP)
+  long-dflash2-bf16  the same with DRAFT_QUANT=bf16 (the drafter as stored)
   fast-dflash2  CTX=fast SPEC=dflash2
   long-mtp      CTX=long SPEC=mtp
   long-off      CTX=long SPEC=off
@@ -72,6 +75,8 @@ MiB = 1 << 20
 CARD_MIB = 24 * 1024                 # the 3090's 24 GiB
 CASES = {
     "long-dflash2": {"CTX": "long", "SPEC": "dflash2"},
+    # the headline with the drafter as stored: DRAFT_QUANT=auto picks fp8 on a 24 GiB card
+    "long-dflash2-bf16": {"CTX": "long", "SPEC": "dflash2", "DRAFT_QUANT": "bf16"},
     "fast-dflash2": {"CTX": "fast", "SPEC": "dflash2"},
     "long-mtp": {"CTX": "long", "SPEC": "mtp"},
     "long-off": {"CTX": "long", "SPEC": "off"},
@@ -83,7 +88,7 @@ SERVED = "geom"
 OUT_TOKENS = 64                      # generated per request
 BATCH_PROMPT = 128                   # prompt ids of each decode-batch request
 PHASES = ("boot", "prefill", "decode")
-PRODUCT_KEYS = ("KV_MEM", "MAX_LEN", "MAX_SEQS", "KV", "SPEC_K")   # what sizes the server beside its weights
+PRODUCT_KEYS = ("KV_MEM", "MAX_LEN", "MAX_SEQS", "KV", "SPEC_K", "DRAFT_QUANT")   # what sizes the server beside its weights
 GPU_SLACK_MIB = 4096                 # kept free of the scheduler's reservations
 H200_EXTRA_MIB = 2048                # reserved per server beyond its predicted total (H200 context etc.)
 MIN_START_S = 150                    # a case starts only with this much of the deadline left
@@ -362,7 +367,7 @@ def _n(x, signed: bool = False) -> str:
 def render_table(recs: list[dict], top: dict) -> str:
     """The job's table (fit-table.txt): one row per case, then the phases, vLLM's lines and notes."""
     probe = top.get("context") or {}
-    head = (f"{'case':<13} {'MAX_LEN':>8} {'seqs':>4} | {'H200 peak MiB (procs)':>21} | {'predicted (certain)':>19} | "
+    head = (f"{'case':<17} {'MAX_LEN':>8} {'seqs':>4} | {'H200 peak MiB (procs)':>21} | {'predicted (certain)':>19} | "
             f"{'meas-pred':>9} | {'reserves meas/est':>17} | {'3090 est.':>9} | {'prepared 27B est.':>17} | "
             f"24 GiB = {CARD_MIB:,} MiB (prepared 27B est.)")
     lines = [f"41-fit: GPU memory of one server per profile, {top.get('model_note', '27B geometry')}, "
@@ -375,7 +380,7 @@ def render_table(recs: list[dict], top: dict) -> str:
         peak = f"{_n(r.get('peak_mib'))} ({r.get('procs') or 0})" if r.get("peak_mib") else "-"
         pred = f"{_n(d.get('predicted_mib'))} ({_n(d.get('certain_mib'))})"
         res = f"{_n(d.get('reserves_measured_mib'))}/{_n(d.get('reserves_est_mib'))}"
-        row = (f"{r['name']:<13} {_n(v.get('MAX_LEN')):>8} {str(v.get('MAX_SEQS', '-')):>4} | {peak:>21} | {pred:>19} | "
+        row = (f"{r['name']:<17} {_n(v.get('MAX_LEN')):>8} {str(v.get('MAX_SEQS', '-')):>4} | {peak:>21} | {pred:>19} | "
                f"{_n(d.get('diff_mib'), True):>9} | {res:>17} | {_n(d.get('est_3090_mib')):>9} | "
                f"{_n(d.get('est_prepared_mib')):>17} | ")
         if not r.get("measured"):
@@ -390,7 +395,7 @@ def render_table(recs: list[dict], top: dict) -> str:
         ph = r.get("phases") or {}
         w = r.get("workload") or {}
         parts = [f"{p} {_n((ph.get(p) or {}).get('peak_mib'))} ({(ph.get(p) or {}).get('procs', 0)})" for p in PHASES]
-        lines.append(f"  {r['name']:<13} " + ", ".join(parts)
+        lines.append(f"  {r['name']:<17} " + ", ".join(parts)
                      + (f"; boot {r['boot_s']:.0f} s" if r.get("boot_s") is not None else "")
                      + (f"; prefill {w['prefill_tokens']:,} ids in {w['prefill_s']:.1f} s"
                         if w.get("prefill_s") is not None else "")
@@ -421,7 +426,7 @@ def render_table(recs: list[dict], top: dict) -> str:
                         f"graphs {u['cudagraph_gib']} GiB")
         if lg.get("oom"):
             bits.append("CUDA OUT OF MEMORY in the log")
-        lines.append(f"  {r['name']:<13} " + ("; ".join(bits) or "-"))
+        lines.append(f"  {r['name']:<17} " + ("; ".join(bits) or "-"))
     ctx = probe.get("context_mib")
     lines.append(f"H200 bare CUDA context (torch.zeros(1) process, nvidia-smi): {_n(ctx)} MiB; after a bf16 matmul "
                  f"(cuBLAS): {_n(probe.get('context_cublas_mib'))} MiB. 3090 context: {_n(top.get('ctx_3090_mib'))} MiB "
@@ -569,21 +574,25 @@ def gpu_memory(smi: str = "nvidia-smi") -> dict:
 
 # ----------------------------------------------------------------------------- plans
 
-# The W4A16 GEMM kernel: vLLM 0.27.1 picks Machete (CUTLASS, sm_90 only) on the H200 and Marlin on
-# a 3090 (sm_86): model_executor/kernels/linear/mixed_precision/machete.py can_implement. Their
-# weights take the same bytes, their workspaces do not; "marlin" runs the 3090's kernel here.
+# The GEMM kernels: vLLM 0.27.1 picks Machete (CUTLASS, sm_90 only) for W4A16 on the H200 and Marlin
+# on a 3090 (sm_86): model_executor/kernels/linear/mixed_precision/machete.py can_implement; for the
+# FP8 drafter (DRAFT_QUANT=fp8, which the 24 GiB plans pick) a block-scaled W8A8 kernel here, Marlin's
+# W8A16 there. Their weights take the same bytes, their workspaces and scales do not; "marlin" runs
+# the 3090's kernels here (onecard.profiles.AMPERE_GEMM_ENV).
 GEMM_CHOICES = ("marlin", "vllm")
 GEMM_NOTES = {
-    "marlin": "W4A16 GEMMs on Marlin, the kernel vLLM picks on a 3090 (VLLM_DISABLED_KERNELS=MacheteLinearKernel; "
-              "on the H200 vLLM would pick Machete; FIT_GEMM=vllm keeps that)",
-    "vllm": "W4A16 GEMMs on vLLM's choice for the H200 (Machete); a 3090 runs Marlin (FIT_GEMM=marlin)",
+    "marlin": "W4A16 and FP8 GEMMs on Marlin, the kernels vLLM picks on a 3090 (onecard.profiles.AMPERE_GEMM_ENV; "
+              "on the H200 vLLM would pick Machete and a W8A8 FP8 kernel; FIT_GEMM=vllm keeps those)",
+    "vllm": "GEMMs on vLLM's choice for the H200 (Machete; W8A8 FP8); a 3090 runs Marlin (FIT_GEMM=marlin)",
 }
 
 
 def gemm_env(gemm: str) -> dict:
+    from onecard.profiles import AMPERE_GEMM_ENV
+
     if gemm not in GEMM_CHOICES:
         raise CaseError(f"FIT_GEMM={gemm!r} is not valid; valid: {' | '.join(GEMM_CHOICES)}")
-    return {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"} if gemm == "marlin" else {}
+    return dict(AMPERE_GEMM_ENV) if gemm == "marlin" else {}
 
 
 def case_env(name: str, model: str, draft: str, port: int, gpu_util: str) -> dict:
@@ -599,6 +608,7 @@ def case_env(name: str, model: str, draft: str, port: int, gpu_util: str) -> dic
            "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
     if c["SPEC"] == "dflash2":
         env["DRAFT"] = str(draft)
+    env.update({k: v for k, v in c.items() if k not in ("CTX", "SPEC")})  # a case's own knobs
     return env
 
 
@@ -641,7 +651,7 @@ def plan_case(name: str, model: str, draft: str, gpu_util: str, port: int, no_ck
     return {"env": env, "argv": plan["argv"], "values": values, "product_differs": differ,
             "vram": (plan.get("prediction") or {}).get("vram"),
             "prepared_vram": (prep.get("prediction") or {}).get("vram"),
-            "notes": [n for n in plan.get("notes", []) if n.startswith(("VRAM", "MAX_LEN", "DFLASH_RING", "KV_MEM"))]}
+            "notes": [n for n in plan.get("notes", []) if n.startswith(("VRAM", "MAX_LEN", "DFLASH_RING", "KV_MEM", "DRAFT_QUANT"))]}
 
 
 def product_note(rec: dict) -> str:
@@ -972,7 +982,7 @@ def self_check_ok(r: dict) -> bool:
             and r["verdict"] == "does NOT fit, 2 MiB over" and r["verdict_over"] == "does NOT fit, 568 MiB over"
             and r["sampler"] == {"peak_mib": 27434, "procs": 2, "pids": [12001, 12002], "phases": ["boot", "decode"]}
             and "27,434 (2)" in r["table_row"] and "does NOT fit, 2 MiB over" in r["table_row"]
-            and r["refused"].startswith("FIT_CASES: 'bogus' is not a case; valid: long-dflash2 fast-dflash2")
+            and r["refused"].startswith("FIT_CASES: 'bogus' is not a case; valid: long-dflash2 long-dflash2-bf16 fast-dflash2")
             and r["waves"] == [["a", "b", "c", "d"], ["e"]])
 
 

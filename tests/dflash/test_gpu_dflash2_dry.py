@@ -68,3 +68,5 @@ def test_server_argv_parse_with_vllm(dry, monkeypatch):
             assert sc["num_speculative_tokens"] == (7 if name == "d2k7" else 15)
             assert sc.get("draft_sample_method", "greedy") == (
                 "probabilistic" if name == "d2k15" else "greedy")
+            # d2k7: the FP8 drafter (DRAFT_QUANT=fp8); d2k15 keeps the stored bf16
+            assert sc.get("dflash2_draft_quant") == ("fp8_per_block" if name == "d2k7" else None)

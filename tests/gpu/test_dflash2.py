@@ -6,7 +6,8 @@ with MODEL=tiny, so DRAFT is the tiny DFlash2 drafter beside the tiny model), pr
 
   off    SPEC=off, GDN_SHARED_META=0 (vLLM's own GDN metadata build per KV cache group; the
          DFlash2 servers use patch 0082's one shared build)
-  d2k7   SPEC=dflash2 DFLASH_TOKENS=7   (drafter rows only; greedy drafting: point-mass q)
+  d2k7   SPEC=dflash2 DFLASH_TOKENS=7   (drafter rows only; greedy drafting: point-mass q;
+         DRAFT_QUANT=fp8 on the 3090's Marlin FP8 kernel: the FP8 drafter's exactness)
   d2k15  SPEC=dflash2 DFLASH_TOKENS=15  (7 drafter rows + 8 lookup positions; sampled drafting:
          speculative_config.draft_sample_method="probabilistic", the walk's q rows + one-hot
          lookup rows go to the rejection sampler)
@@ -65,9 +66,12 @@ HOST = "127.0.0.1"
 # the reference runs vLLM's own GDN metadata path (a build per KV cache group): the DFlash2
 # servers use patch 0082's shared build (the tiny model's 6 GDN layers sit in 3 groups), so
 # d2k7 / d2k15 == off also proves 0082 exact
+# d2k7's drafter runs with FP8 fc/o_proj/MLP (DRAFT_QUANT=fp8, what the 24 GiB plans pick) on the
+# 3090's Marlin W8A16 kernel (ENV: onecard.profiles.AMPERE_GEMM_ENV, for that server's process
+# only): its greedy and sampled checks prove the FP8 drafter exact; d2k15's stays bf16
 SERVERS = {
     "off": {"SPEC": "off", "GDN_SHARED_META": "0"},
-    "d2k7": {"SPEC": "dflash2", "DFLASH_TOKENS": "7"},
+    "d2k7": {"SPEC": "dflash2", "DFLASH_TOKENS": "7", "DRAFT_QUANT": "fp8", "ENV": "ampere"},
     "d2k15": {"SPEC": "dflash2", "DFLASH_TOKENS": "15"},
 }
 PROBABILISTIC = {"d2k15"}
@@ -261,8 +265,10 @@ def server_plan(name: str, model: Path, port: int, root: Path, servers: dict | N
     from onecard import memory
     from onecard.plan import make_plan
 
+    from onecard.profiles import AMPERE_GEMM_ENV
+
     servers = SERVERS if servers is None else servers
-    knobs = {k: v for k, v in servers[name].items() if k != "EXTRA"}
+    knobs = {k: v for k, v in servers[name].items() if k not in ("EXTRA", "ENV")}
     words = [*(EXTRA if extra is None else extra), *servers[name].get("EXTRA", [])]
     env = {**(BASE_KNOBS if base is None else base), **knobs, "PORT": str(port),
            "EXTRA_ARGS": shlex.join(words)}
@@ -274,7 +280,10 @@ def server_plan(name: str, model: Path, port: int, root: Path, servers: dict | N
         sc = json.loads(argv[i])
         sc["draft_sample_method"] = "probabilistic"
         argv[i] = json.dumps(sc, separators=(",", ":"))
-    return argv, dict(plan.child_env), plan
+    child_env = dict(plan.child_env)
+    if servers[name].get("ENV") == "ampere":  # the 3090's GEMM kernels in this server
+        child_env.update(AMPERE_GEMM_ENV)
+    return argv, child_env, plan
 
 
 def server_argv(name: str, model: Path, port: int, root: Path, **kw) -> list[str]:
