@@ -56,6 +56,8 @@ class Installer:
     pristine: bool = False  # leave vLLM unpatched (the test environment: tests patch a view of it)
     summary: list[tuple[str, str, str]] = field(default_factory=list)  # step, outcome, detail
     model_dir: Path | None = None  # where step_model left the prepared checkpoint
+    drafter: str | None = None  # --drafter: the DFlash2 drafter (Hub id or path) for SPEC=dflash2
+    drafter_dir: Path | None = None  # where step_drafter left it
 
     @property
     def py(self) -> Path:
@@ -203,6 +205,23 @@ class Installer:
         self.model_dir = default_dest(self.model)
         self.note("model", "prepared", f"{self.model} -> {self.model_dir}")
 
+    def step_drafter(self) -> None:
+        if not self.drafter:
+            self.note("drafter", "skipped", "add --drafter for SPEC=dflash2 (the published DFlash2 drafter)")
+            return
+        cmd = [self.py, "-m", "onecard", "prepare", "drafter", self.drafter]
+        if self.model_dir:
+            cmd += ["--target", str(self.model_dir)]
+        self.sh("drafter", cmd,
+                "read the error line above; re-running resumes the download; HF_HUB_OFFLINE=1 uses only the "
+                "local Hugging Face cache; SPEC=off|mtp need no drafter")
+        from onecard.prepare.drafter import launcher_default_draft  # stdlib-only at import
+        from onecard.prepare.model import classify
+
+        kind, src = classify(self.drafter)
+        self.drafter_dir = src if kind == "local" else launcher_default_draft().absolute()
+        self.note("drafter", "prepared", f"{self.drafter} -> {self.drafter_dir}")
+
     def step_verify(self) -> None:
         if not self.verify:
             self.note("verify", "skipped")
@@ -210,12 +229,14 @@ class Installer:
         env = {"VENV": str(self.venv)}
         if self.model:
             env["MODEL"] = str(self.model_dir or self.model)
+        if self.drafter_dir:
+            env["DRAFT"] = str(self.drafter_dir)
         self.sh("verify", ["bash", REPO / "verify.sh", "--no-server"], "fix the FAIL lines above, then ./verify.sh --no-server", env=env)
         self.note("verify", "passed")
 
     def run(self) -> int:
         steps = [self.step_python, self.step_venv, self.step_packages, self.step_companions,
-                 self.step_patches, self.step_kvarn, self.step_model, self.step_verify]
+                 self.step_patches, self.step_kvarn, self.step_model, self.step_drafter, self.step_verify]
         try:
             for step in steps:
                 step()
@@ -233,7 +254,13 @@ class Installer:
 
             if self.model_dir != (REPO / launcher_default_model()).absolute():
                 model = f"MODEL={self.model_dir} "  # not where the launcher looks by default
-        print(f"venv: {self.venv}   next: {model}CTX=long ./start_qwen.sh   (./start_qwen.sh --dry-run shows the plan)")
+        spec = ""
+        if self.drafter_dir:
+            from onecard.prepare.drafter import launcher_default_draft
+
+            spec = "SPEC=dflash2 " + ("" if self.drafter_dir == launcher_default_draft().absolute()
+                                      else f"DRAFT={self.drafter_dir} ")
+        print(f"venv: {self.venv}   next: {model}CTX=long {spec}./start_qwen.sh   (./start_qwen.sh --dry-run shows the plan)")
         return 0
 
 
@@ -242,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--venv", default=os.environ.get("VENV", str(REPO / "venv")), help="virtual environment (default: venv/, or $VENV)")
     parser.add_argument("--wheelhouse", type=Path, help="install from this folder of wheels only (no index)")
     parser.add_argument("--model", default=os.environ.get("INSTALL_MODEL"), help="download (huggingface_hub) and prepare this model id or path")
+    from onecard.prepare.drafter import DEFAULT_DRAFTER_ID  # stdlib-only at import
+
+    parser.add_argument("--drafter", nargs="?", const=DEFAULT_DRAFTER_ID, default=os.environ.get("INSTALL_DRAFTER"),
+                        help="download (huggingface_hub) and check the DFlash2 drafter SPEC=dflash2 needs into "
+                             f"models/dflash2-drafter (default id {DEFAULT_DRAFTER_ID}; or ID|PATH)")
     parser.add_argument("--kvarn", action="store_true", help="also install the KVarN 4/2-bit KV cache (CTX=huge)")
     parser.add_argument("--no-verify", action="store_true", help="skip the final ./verify.sh --no-server")
     parser.add_argument("--extras", default="", help=argparse.SUPPRESS)  # tests/run.sh: onecard[test]
@@ -250,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.wheelhouse and not args.wheelhouse.is_dir():
         parser.error(f"--wheelhouse {args.wheelhouse}: not a directory")
     return Installer(Path(args.venv).expanduser().absolute(), args.wheelhouse, args.model, args.kvarn,
-                     not args.no_verify, args.extras, args.pristine).run()
+                     not args.no_verify, args.extras, args.pristine, drafter=args.drafter).run()
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ GDN blocks each request holds and the block rounding take ~16% of it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -666,18 +667,10 @@ def predict_tp(geom: ModelGeometry, tp: int, weights: TPWeights, kv: str, max_le
 
 def drafter_param_count(cfg) -> int:
     """Parameters of a DFlash/DFlash2 drafter from its parsed config
-    (``onecard.dflash.config.DrafterConfig``); the same tensors as
-    ``onecard.dflash.drafter.tensor_shapes`` without importing torch."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    n = h * cfg.fc_in + 2 * h  # fc, hidden_norm, norm
-    per_layer = (2 * h + 2 * hd  # the two layernorms, q_norm, k_norm
-                 + 2 * cfg.num_heads * hd * h + 2 * cfg.num_kv_heads * hd * h  # q, o / k, v
-                 + 3 * cfg.intermediate_size * h)
-    if cfg.version == 2:
-        k, g = cfg.conv_kernel_size, cfg.conv_groups
-        per_layer += 2 * (2 * k * h + 2 * k * g * h)  # attention_conv, mlp_conv
-        n += cfg.selector_rank * h + 2 * cfg.vocab_size * cfg.selector_rank
-    return n + cfg.num_layers * per_layer
+    (``onecard.dflash.config.DrafterConfig``): its checkpoint's tensors (``tensor_shapes``)."""
+    from onecard.dflash.config import tensor_shapes
+
+    return sum(math.prod(shape) for shape in tensor_shapes(cfg).values())
 
 
 # DRAFT_QUANT=fp8 (patch 0080's dflash2_draft_quant="fp8_per_block"): vLLM's online FP8 of the
@@ -769,8 +762,10 @@ def dflash_drafter_vram(draft_dir: str | os.PathLike | None, ring: bool = False,
         saved = _header_fp8_saving(d) if fp8 else 0
         return DrafterVRAM(weight_bytes(d) - saved, layers, f"drafter safetensors headers{q8}", **shape)
     if cfg is not None:
-        saved = fp8_saving(drafter_fp8_linears(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size,
-                                               cfg.fc_in, cfg.num_layers)) if fp8 else 0
+        from onecard.dflash.config import tensor_shapes
+
+        saved = fp8_saving([shape for name, shape in tensor_shapes(cfg).items()
+                            if DRAFT_FP8_TENSOR.search(name)]) if fp8 else 0
         return DrafterVRAM(drafter_param_count(cfg) * 2 - saved, layers, f"drafter config shape, bf16{q8}", **shape)
     saved = fp8_saving(drafter_fp8_linears(DFLASH2_27B_HIDDEN, DFLASH2_27B_Q_WIDTH, DFLASH2_27B_INTERMEDIATE,
                                            DFLASH2_27B_FC_IN, DFLASH2_27B_LAYERS)) if fp8 else 0

@@ -363,7 +363,9 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
     elif spec.name == "dflash2":
         draft = Path(plan.get("DRAFT"))
         if not (draft / "config.json").is_file():
-            raise PlanError(f"SPEC=dflash2 needs a drafter: DRAFT={draft} has no config.json; valid: DRAFT=<drafter dir with config.json>")
+            raise PlanError(f"SPEC=dflash2 needs a drafter: DRAFT={draft} has no config.json; valid: ./install.sh --drafter "
+                            f"(fetches the published DFlash2 drafter into {profiles.KNOBS['DRAFT'].default}), "
+                            f"DRAFT=<drafter dir with config.json>, or SPEC=mtp|off")
         if check_paths:
             check_drafter(draft, int(plan.get("SPEC_K")), None if model == "tiny" else Path(model))
     if plan.values["DRAFT"].source != "default" and spec.name != "dflash2":

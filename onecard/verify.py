@@ -359,6 +359,34 @@ def check_draft_vocab(ctx) -> Result | None:
                                        + (f", held-out coverage {cov:.4f}" if cov is not None else ""))
 
 
+def check_drafter(ctx) -> Result:
+    """The DFlash2 drafter SPEC=dflash2 reads (DRAFT: the environment, .env, else the launcher's
+    default): a DFlash2 config, every tensor with its shape, and it fits the target when that is
+    there (onecard.prepare.drafter.check, headers only). None there: a WARN naming the fix."""
+    from onecard import plan
+    from onecard.prepare import drafter as prep_drafter
+    from onecard.prepare.model import PrepareError
+
+    repo = Path(__file__).resolve().parents[1]
+    raw = os.environ.get("DRAFT") or plan.read_dotenv(repo / ".env").get("DRAFT")
+    d = Path(raw).expanduser() if raw else prep_drafter.launcher_default_draft()
+    d = d if d.is_absolute() else repo / d
+    if not (d / "config.json").is_file():
+        return Result(WARN, "drafter", f"no DFlash2 drafter at {d}: SPEC=dflash2 (the headline CTX=long SPEC=dflash2) "
+                                       f"refuses until ./install.sh --drafter (or DRAFT=DIR); SPEC=mtp|off need none")
+    model = ctx.get("model") or os.environ.get("MODEL")
+    target = resolve_model_dir(model) if model and model != "tiny" else (
+        None if model == "tiny" else _launcher_default_model()[1])
+    try:
+        s = prep_drafter.check(d, target)
+    except PrepareError as e:
+        return Result(FAIL, "drafter", f"{e}; `onecard prepare drafter {d}` re-checks it")
+    gib = 1 << 30
+    return Result(PASS, "drafter", f"{d}: DFlash2, {s['layers']} layers, {s['bytes'] / gib:.2f} GiB as stored "
+                                   f"({s['bytes_fp8'] / gib:.2f} with DRAFT_QUANT=fp8)"
+                                   + (f", fits {s['target']}" if s["target"] else ""))
+
+
 def check_plan(ctx) -> Result:
     """Would ./start_qwen.sh start with this environment and .env? The launcher's own plan and
     preflight (``python -m onecard.launch --json``, no boot) on the card a real launch would see:
@@ -417,6 +445,7 @@ OFFLINE_CHECKS: list[Callable[[dict], Result | None]] = [
     check_model,
     check_model_requant,
     check_draft_vocab,
+    check_drafter,
     check_plan,
 ]
 

