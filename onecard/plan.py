@@ -496,8 +496,10 @@ TINY_DRAFT = "tiny"  # DRAFT value: the tiny drafter beside the tiny model (MODE
 
 def check_drafter(draft: Path, k: int, model: Path | None) -> None:
     """At launch (not in --dry-run): the drafter config parses, DFLASH_TOKENS fits its block
-    (drafter rows + up to 8 lookup positions) and it matches the target's text config."""
-    from onecard.dflash.config import DrafterConfig, DrafterConfigError
+    (drafter rows + up to 8 lookup positions), its safetensors headers hold every tensor the
+    config implies (a half-copied drafter fails here, not minutes into the boot) and it matches
+    the target's text config."""
+    from onecard.dflash.config import DrafterConfig, DrafterConfigError, check_layout
 
     try:
         cfg = DrafterConfig.load(draft)
@@ -511,6 +513,16 @@ def check_drafter(draft: Path, k: int, model: Path | None) -> None:
             cfg.check_target(json.loads((model / "config.json").read_text()))
     except DrafterConfigError as e:
         raise PlanError(f"DRAFT={draft}: {e}") from None
+    files = sorted(draft.glob("*.safetensors"))
+    if not files:
+        raise PlanError(f"DRAFT={draft} has no *.safetensors; valid: ./install.sh --drafter (the published "
+                        f"DFlash2 drafter), or a complete drafter directory")
+    try:
+        check_layout({n: tuple(m["shape"]) for f in files for n, m in memory.safetensors_header(f).items()
+                      if n != "__metadata__"}, cfg)
+    except (DrafterConfigError, ValueError) as e:
+        raise PlanError(f"DRAFT={draft}: {e}; valid: the complete drafter (./install.sh --drafter resumes "
+                        f"a download and checks it)") from None
 
 
 def draft_path(plan: ServePlan, model_path: str | None) -> str:

@@ -307,6 +307,25 @@ def test_unknown_card_stays_a_note(tmp_path, monkeypatch):
     assert any("does NOT fit a 24 GiB card because of" in n for n in plan.notes)
 
 
+def header_only_weights(draft):
+    """A model.safetensors whose header lists every tensor of DRAFT's config (no data: the launch
+    reads headers only)."""
+    import json
+    import struct
+
+    from onecard.dflash.config import DrafterConfig, tensor_shapes
+
+    hdr, off = {}, 0
+    for name, shape in tensor_shapes(DrafterConfig.load(draft)).items():
+        n = 2
+        for x in shape:
+            n *= x
+        hdr[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(hdr).encode()
+    (draft / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+
+
 def test_real_launch_asks_nvidia_smi(tmp_path, monkeypatch):
     """make_plan(check_paths=True) is the real launch: the card comes from plan.card_memory."""
     from onecard.dflash.tiny_drafter import build_geometry_drafter
@@ -314,6 +333,7 @@ def test_real_launch_asks_nvidia_smi(tmp_path, monkeypatch):
     _dflash2_installed(tmp_path, monkeypatch)
     draft = tmp_path / "geometry-drafter"
     build_geometry_drafter(draft, config_only=True)  # a real DFlash2 config (checked at launch)
+    header_only_weights(draft)                       # and its tensors, as far as a launch reads them
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import re
 import types
 from pathlib import Path
@@ -92,6 +93,21 @@ def test_drafter_checked_at_launch(tmp_path, installed, tiny_pair):
         with pytest.raises(P.PlanError, match=re.escape(needle)) as e:
             P.make_plan({**env, "DRAFT": str(draft)}, tmp_path, python="python3", check_paths=True)
         assert "\n" not in str(e.value) and "valid" in str(e.value)
+    # a drafter without its weights, or with one tensor short, fails at the plan, not in the boot
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy2(drafter / "config.json", bare / "config.json")
+    with pytest.raises(P.PlanError, match=r"has no \*\.safetensors; valid: \./install\.sh --drafter"):
+        P.make_plan({**env, "DRAFT": str(bare)}, tmp_path, python="python3", check_paths=True)
+    from safetensors.torch import load_file, save_file
+
+    cut = tmp_path / "cut"
+    shutil.copytree(drafter, cut)
+    t = load_file(str(cut / "model.safetensors"))
+    t.pop("norm.weight")
+    save_file(t, str(cut / "model.safetensors"))
+    with pytest.raises(P.PlanError, match=r"1 tensors missing, first norm\.weight; valid: the complete drafter"):
+        P.make_plan({**env, "DRAFT": str(cut)}, tmp_path, python="python3", check_paths=True)
 
 
 def test_tiny_cli_writes_the_drafter(tmp_path, capsys):
