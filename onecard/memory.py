@@ -679,7 +679,7 @@ def drafter_param_count(cfg) -> int:
 # quantized weight is one byte per element plus Marlin's scales (the 3090's FP8 GEMM, W8A16):
 # prepare_fp8_layer_for_marlin turns the 128 x 128 block scales into one bf16 per output row for
 # each 128-wide group of the input.
-DRAFT_FP8_TENSOR = re.compile(r"(?:^|\.)(?:fc|layers\.\d+\.(?:self_attn\.o_proj|mlp\.(?:gate|up|down)_proj))\.weight$")
+DRAFT_FP8_TENSOR = re.compile(r"(?:^|\.)(?:fc|layers\.\d+\.(?:self_attn\.o_proj|mlp\.(?:gate|up|down|gate_up)_proj))\.weight$")
 FP8_BLOCK = 128
 
 
@@ -699,6 +699,13 @@ def drafter_fp8_linears(hidden: int, q_width: int, intermediate: int, fc_in: int
 def fp8_saving(linears: list[tuple[int, int]], elem_bytes: int = 2) -> int:
     """Bytes DRAFT_QUANT=fp8 saves on these weights, stored with ``elem_bytes`` per element."""
     return sum(o * i * elem_bytes - fp8_block_bytes(o, i) for o, i in linears)
+
+
+def fused_kv_copy_bytes(layers: int, kv_heads: int, head_dim: int, hidden: int) -> int:
+    """0.27.1's DFlash keeps a bf16 copy of every layer's K and V projection rows, concatenated,
+    for its context K/V precompute (qwen3_dflash.py _build_context_kv_buffers: torch.cat of the
+    qkv_proj.weight slices): 100 MiB for the 27B drafter, beside its weights in either mode."""
+    return layers * 2 * kv_heads * head_dim * hidden * 2
 
 
 def _header_fp8_saving(draft_dir: Path) -> int:
@@ -734,6 +741,8 @@ def dflash_drafter_vram(draft_dir: str | os.PathLike | None, ring: bool = False,
     (as the target's), else its config's shape in bf16, else the published 27B drafter.
 
     ``fp8`` (DRAFT_QUANT=fp8): less what FP8 saves on its fc, o_proj and MLP (fp8_saving).
+    Both include ``fused_kv_copy_bytes``: the bf16 copy of every layer's K/V projection rows that
+    0.27.1's DFlash keeps for its context precompute.
 
     ``ring`` (DFLASH_RING=1, docs/dflash2-huge.md section 3): the drafter's layers hand vLLM no
     KV-cache spec, so none of them shares the pool (``attn_layers`` 0); their K/V take
@@ -758,18 +767,22 @@ def dflash_drafter_vram(draft_dir: str | os.PathLike | None, ring: bool = False,
     layers = 0 if ring else cfg.num_layers if cfg else DFLASH2_27B_LAYERS
     shape = {"kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim} if cfg else {}
     q8 = " with FP8 fc/o_proj/MLP (DRAFT_QUANT=fp8)" if fp8 else ""
+    # (weights without a config that parses: no shape to size the copy by; the launcher refuses them)
+    kv_copy = fused_kv_copy_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size) if cfg else 0
     if d is not None and d.is_dir() and any(d.glob("*.safetensors")):
         saved = _header_fp8_saving(d) if fp8 else 0
-        return DrafterVRAM(weight_bytes(d) - saved, layers, f"drafter safetensors headers{q8}", **shape)
+        return DrafterVRAM(weight_bytes(d) - saved + kv_copy, layers, f"drafter safetensors headers{q8}", **shape)
     if cfg is not None:
         from onecard.dflash.config import tensor_shapes
 
         saved = fp8_saving([shape for name, shape in tensor_shapes(cfg).items()
                             if DRAFT_FP8_TENSOR.search(name)]) if fp8 else 0
-        return DrafterVRAM(drafter_param_count(cfg) * 2 - saved, layers, f"drafter config shape, bf16{q8}", **shape)
+        return DrafterVRAM(drafter_param_count(cfg) * 2 - saved + kv_copy, layers,
+                           f"drafter config shape, bf16{q8}", **shape)
     saved = fp8_saving(drafter_fp8_linears(DFLASH2_27B_HIDDEN, DFLASH2_27B_Q_WIDTH, DFLASH2_27B_INTERMEDIATE,
                                            DFLASH2_27B_FC_IN, DFLASH2_27B_LAYERS)) if fp8 else 0
-    return DrafterVRAM(DFLASH2_27B_PARAMS * 2 - saved, layers,
+    kv_copy = fused_kv_copy_bytes(DFLASH2_27B_LAYERS, DFLASH2_27B_KV_HEADS, DFLASH2_27B_HEAD_DIM, DFLASH2_27B_HIDDEN)
+    return DrafterVRAM(DFLASH2_27B_PARAMS * 2 - saved + kv_copy, layers,
                        f"estimate: the published 27B DFlash2 drafter, bf16{q8} ({why})")
 
 

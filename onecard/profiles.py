@@ -191,7 +191,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
 # linears (DRAFT_QUANT=fp8) a block-scaled W8A8 kernel (DeepGEMM / CUTLASS) where a 3090 runs
 # Marlin's W8A16 (model_executor/kernels/linear: is_supported_and_can_implement_kernel reads
 # VLLM_DISABLED_KERNELS; MarlinFP8ScaledMMLinearKernel needs VLLM_TEST_FORCE_FP8_MARLIN=1 on
-# sm_89+). Used by GPU jobs 41 (FIT_GEMM=marlin), 80 (REF_GEMM=marlin) and 31 (an arm's GEMM=ampere).
+# sm_89+; it also sends FP8 / NVFP4 MoE layers to Marlin, which the dense 27B has none of). Used by
+# GPU jobs 41 (FIT_GEMM=marlin), 80 (REF_GEMM=marlin), 31 (an arm's GEMM=ampere) and 70 (d2k7).
 AMPERE_GEMM_ENV: dict[str, str] = {
     "VLLM_DISABLED_KERNELS": "MacheteLinearKernel,FlashInferFp8DeepGEMMDynamicBlockScaledKernel,"
                              "DeepGemmFp8BlockScaledMMKernel,CutlassFp8BlockScaledMMKernel",

@@ -201,7 +201,7 @@ def test_dry_run_prints_the_3090_plans(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "[fit] case long-dflash2: CTX=long SPEC=dflash2 KV=int8_per_token_head MAX_LEN 70,912 MAX_SEQS 4" in out
-    assert "predicted 23.69 GiB" in out   # docs/profiles.md's CTX=long SPEC=dflash2 row (FP8 drafter)
+    assert "predicted 23.79 GiB" in out   # docs/profiles.md's CTX=long SPEC=dflash2 row (FP8 drafter)
     argv = next(ln for ln in out.splitlines() if "argv:" in ln)
     assert "--gpu-memory-utilization 0.1 " in argv and "--kv-cache-memory-bytes" in argv
     assert "--enforce-eager" not in argv and "--port" in argv and '"method":"dflash2"' in argv
@@ -242,7 +242,7 @@ def test_geometry_checkpoint_gets_the_products_plan(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "MAX_LEN 70,912 MAX_SEQS 4 KV_MEM 4.95 GiB" in r.stdout and "no checkpoint" not in r.stdout
     pred = re.search(r"predicted ([\d.]+) GiB .*; prepared 27B layout ([\d.]+) GiB", r.stdout)
-    assert pred and float(pred.group(1)) > 25.5 and float(pred.group(2)) == 23.69, r.stdout
+    assert pred and float(pred.group(1)) > 25.5 and float(pred.group(2)) == 23.79, r.stdout
     assert "dflash2_draft_quant" in r.stdout   # DRAFT_QUANT=auto: fp8 for both layouts on 24 GiB
     # the same case with the drafter as stored (DRAFT_QUANT=bf16): 1.44 GiB more
     env["FIT_CASES"] = "long-dflash2-bf16"
@@ -250,7 +250,7 @@ def test_geometry_checkpoint_gets_the_products_plan(tmp_path):
                        env=env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     pred = re.search(r"predicted ([\d.]+) GiB .*; prepared 27B layout ([\d.]+) GiB", r.stdout)
-    assert pred and float(pred.group(2)) == 25.13 and "dflash2_draft_quant" not in r.stdout, r.stdout
+    assert pred and float(pred.group(2)) == 25.23 and "dflash2_draft_quant" not in r.stdout, r.stdout
     assert "FAIL" not in r.stdout
 
 

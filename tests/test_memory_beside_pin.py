@@ -35,14 +35,19 @@ def test_dflash_drafter_vram_sources(tmp_path):
     d.mkdir()
     (d / "config.json").write_text("{}")
     est = m.dflash_drafter_vram(d)
-    assert est.weight_bytes == m.DFLASH2_27B_PARAMS * 2 and est.attn_layers == 5 and "estimate" in est.source
+    # the weights and DFlash's bf16 K/V copy (5 layers x K and V rows of 8 x 128 x 5120: 100 MiB)
+    assert m.fused_kv_copy_bytes(5, 8, 128, 5120) == 100 * m.MiB
+    assert est.weight_bytes == m.DFLASH2_27B_PARAMS * 2 + 100 * m.MiB and est.attn_layers == 5
+    assert "estimate" in est.source
     (d / "config.json").write_text(json.dumps(small_config(num_hidden_layers=3)))
     cfg = DrafterConfig.load(d)
+    copy = m.fused_kv_copy_bytes(3, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size)
     shp = m.dflash_drafter_vram(d)
-    assert shp.weight_bytes == m.drafter_param_count(cfg) * 2 and shp.attn_layers == 3 and "config shape" in shp.source
+    assert shp.weight_bytes == m.drafter_param_count(cfg) * 2 + copy and shp.attn_layers == 3
+    assert "config shape" in shp.source
     save_file({"fc.weight": torch.zeros(32, 64, dtype=torch.bfloat16), "norm.weight": torch.zeros(32)}, d / "model.safetensors")
     hdr = m.dflash_drafter_vram(d)
-    assert hdr.weight_bytes == 32 * 64 * 2 + 32 * 4 and hdr.attn_layers == 3 and "headers" in hdr.source
+    assert hdr.weight_bytes == 32 * 64 * 2 + 32 * 4 + copy and hdr.attn_layers == 3 and "headers" in hdr.source
 
 
 def test_drafter_of_another_shape_gets_its_own_bucket():

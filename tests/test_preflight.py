@@ -103,14 +103,14 @@ def _dflash2_installed(tmp_path, monkeypatch):
 
 def test_dflash2_drafter_weights_and_kv_layers(tmp_path, monkeypatch):
     """The drafter's 5 attention layers share the pool (MAX_LEN cap names them) and its 3.58 GiB
-    of weights push the 3090 fast pin over a 24 GiB card (the note names it and the pin that fits)."""
+    of weights (+ DFlash's 0.10 GiB K/V copy) push the 3090 fast pin over a 24 GiB card (the note names it and the pin that fits)."""
     draft = _dflash2_installed(tmp_path, monkeypatch)
     plan = mk({"CTX": "fast", "SPEC": "dflash2", "DRAFT": str(draft), "DRAFT_QUANT": "bf16"}, tmp_path)
     v = plan.values["MAX_LEN"]
     assert v.source == "cap" and "drafter's 5 attention layers hold KV in the same pool" in v.reason
     assert plan.prediction["group_size"] == 5  # its own bucket: 8 KV heads x 128 vs 4 x 256
     vram = plan.prediction["vram"]
-    assert vram["drafter_weights"] == memory.DFLASH2_27B_PARAMS * 2 and not vram["fits"]
+    assert vram["drafter_weights"] == memory.DFLASH2_27B_PARAMS * 2 + 100 * memory.MiB and not vram["fits"]
     note = next(n for n in plan.notes if n.startswith("VRAM on one GPU"))
     assert "does NOT fit a 24 GiB card because of the DFlash2 drafter's weights" in note
     assert f"KV_MEM <= {vram['kv_max'] // memory.MiB}M" in note
@@ -138,16 +138,17 @@ def test_draft_quant_auto_fp8_where_bf16_does_not_fit(tmp_path, monkeypatch):
     assert round(saved / memory.GiB, 2) == 1.44
     auto = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft)}, tmp_path)
     v = auto.values["DRAFT_QUANT"]
-    assert (v.value, v.source) == ("fp8", "profile") and "25.13 GiB of the 24 GiB card" in v.reason
-    assert auto.prediction["vram"]["drafter_weights"] == memory.DFLASH2_27B_PARAMS * 2 - saved
-    assert auto.prediction["vram"]["fits"]                  # 23.69 GiB with the reserves
+    assert (v.value, v.source) == ("fp8", "profile") and "25.23 GiB of the 24 GiB card" in v.reason
+    kv_copy = memory.fused_kv_copy_bytes(5, 8, 128, 5120)  # DFlash's bf16 K/V rows, either way
+    assert auto.prediction["vram"]["drafter_weights"] == memory.DFLASH2_27B_PARAMS * 2 - saved + kv_copy
+    assert auto.prediction["vram"]["fits"]                  # 23.79 GiB with the reserves
     note = next(n for n in auto.notes if n.startswith("DRAFT_QUANT=auto -> fp8"))
     assert "save 1.44 GiB" in note and "output stays exact" in note
     assert spec_config(auto)["dflash2_draft_quant"] == "fp8_per_block"
     big = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "141"}, tmp_path)
     assert big.get("DRAFT_QUANT") == "bf16" and "fits the 141 GiB card" in big.values["DRAFT_QUANT"].reason
     assert "dflash2_draft_quant" not in spec_config(big)
-    assert big.prediction["vram"]["drafter_weights"] == memory.DFLASH2_27B_PARAMS * 2
+    assert big.prediction["vram"]["drafter_weights"] == memory.DFLASH2_27B_PARAMS * 2 + kv_copy
     forced = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "141", "DRAFT_QUANT": "fp8"}, tmp_path)
     assert spec_config(forced)["dflash2_draft_quant"] == "fp8_per_block"
     assert not any(n.startswith("DRAFT_QUANT=auto") for n in forced.notes)
@@ -229,22 +230,22 @@ def test_vram_note_when_over_without_new_terms(tmp_path):
 
 
 def test_known_card_over_only_by_the_estimated_reserves_keeps_the_pin(tmp_path, monkeypatch):
-    """CTX=long SPEC=dflash2 on a 24 GiB card: 25.13 GiB with the 2.5 GiB of estimated reserves, but
-    23.13 GiB without the graph/activation part (weights 14.10 + drafter 3.58 + KV 4.95 + context
+    """CTX=long SPEC=dflash2 on a 24 GiB card: 25.23 GiB with the 2.5 GiB of estimated reserves, but
+    23.23 GiB without the graph/activation part (weights 14.10 + drafter 3.68 + KV 4.95 + context
     0.5): not certain to fail, so the pin stays and the note names the pin that fits by the estimate."""
     draft = _dflash2_installed(tmp_path, monkeypatch)
     env = {"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "24", "DRAFT_QUANT": "bf16"}
     plan = mk(env, tmp_path)
     assert plan.values["KV_MEM"].source == "profile" and plan.get("MAX_LEN") == 70_912
     note = next(n for n in plan.notes if n.startswith("VRAM on one GPU"))
-    assert "= 25.13 GiB: does NOT fit a 24 GiB card (CARD_GIB) because of the DFlash2 drafter's weights" in note
-    assert "KV_MEM <= 3906M; without the estimated graph/activation reserves it is 23.13 GiB, so the pin stays" in note
+    assert "= 25.23 GiB: does NOT fit a 24 GiB card (CARD_GIB) because of the DFlash2 drafter's weights" in note
+    assert "KV_MEM <= 3806M; without the estimated graph/activation reserves it is 23.23 GiB, so the pin stays" in note
     # an explicit pin in the same spot is kept too (not certain to fail)
     assert mk({**env, "KV_MEM": "4800M"}, tmp_path).values["KV_MEM"].source == "env"
 
 
 def test_known_card_caps_a_profile_pin_that_cannot_fit(tmp_path, monkeypatch):
-    """On a 23 GiB card the certain part (23.13 GiB) is over: the pin drops to the largest that fits
+    """On a 23 GiB card the certain part (23.23 GiB) is over: the pin drops to the largest that fits
     by the estimate, the pool and MAX_LEN follow, the note says it fits."""
     draft = _dflash2_installed(tmp_path, monkeypatch)
     env = {"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "23", "DRAFT_QUANT": "bf16"}
@@ -252,7 +253,7 @@ def test_known_card_caps_a_profile_pin_that_cannot_fit(tmp_path, monkeypatch):
     kv = plan.values["KV_MEM"]
     b = plan.prediction["vram"]
     assert kv.source == "cap" and kv.value == b["kv_max"] // memory.MiB * memory.MiB < 5_309_988_864
-    assert "does not fit the 23 GiB card (CARD_GIB)" in kv.reason and "still 23.13 GiB" in kv.reason
+    assert "does not fit the 23 GiB card (CARD_GIB)" in kv.reason and "still 23.23 GiB" in kv.reason
     assert plan.argv[plan.argv.index("--kv-cache-memory-bytes") + 1] == str(kv.value)
     assert b["fits"] and plan.get("MAX_LEN") < 70_912
     assert plan.get("MAX_LEN") <= plan.prediction["num_blocks"] * plan.prediction["block_size"]
@@ -271,9 +272,9 @@ def test_known_card_refuses_an_explicit_pin_that_cannot_fit(tmp_path, monkeypatc
     draft = _dflash2_installed(tmp_path, monkeypatch)
     env = {"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "24", "KV_MEM": "6G", "DRAFT_QUANT": "bf16"}
     with pytest.raises(P.PlanError, match=r"KV_MEM=6442450944 does not fit the 24 GiB card .*valid: KV_MEM "
-                                          r"<= 3906M, or VRAM_CHECK=0"):
+                                          r"<= 3806M, or VRAM_CHECK=0"):
         mk(env, tmp_path)
-    assert mk({**env, "KV_MEM": "3906M"}, tmp_path).values["KV_MEM"].source == "env"
+    assert mk({**env, "KV_MEM": "3806M"}, tmp_path).values["KV_MEM"].source == "env"
     assert mk({**env, "VRAM_CHECK": "0"}, tmp_path).get("KV_MEM") == 6 * memory.GiB
 
 

@@ -116,7 +116,7 @@ extra_env() {
     [[ "$kv" =~ ^[A-Z][A-Z0-9_]*=[^[:space:]]*$ ]] && [[ "$CLIENT_FIELDS" == *" $name "* ]] && continue
     if [ "$name" = GEMM ]; then
       case "$kv" in
-        GEMM=ampere) python3 -c 'from onecard.profiles import AMPERE_GEMM_ENV as E; print("\n".join(f"{k}={v}" for k, v in E.items()))' ;;
+        GEMM=ampere) python3 -c 'from onecard.profiles import AMPERE_GEMM_ENV as E; print("\n".join(f"{k}={v}" for k, v in E.items()))' || return 1 ;;
         GEMM=vllm) ;;
         *) echo "31-verify-e2e: arm $label: '$kv' is not valid; valid: GEMM=ampere (the 3090's Marlin kernels) or GEMM=vllm (vLLM's choice)" >&2; return 1 ;;
       esac

@@ -2,8 +2,8 @@
 # timeout: 540
 # prejit: no-wait   (measures memory, times nothing)
 # 41-fit: does `CTX=long SPEC=dflash2 ./start_qwen.sh` fit a 24 GB card? onecard's memory model
-# predicts every SPEC=dflash2 profile at 25.1-25.5 GiB with the drafter as stored (bf16) and
-# 23.7-24.1 GiB with DRAFT_QUANT=auto's FP8 drafter (docs/profiles.md), counting ESTIMATED reserves
+# predicts every SPEC=dflash2 profile at 25.2-25.6 GiB with the drafter as stored (bf16) and
+# 23.8-24.2 GiB with DRAFT_QUANT=auto's FP8 drafter (docs/profiles.md), counting ESTIMATED reserves
 # (CUDA graphs 0.75 + activations 1.25 + CUDA context 0.5 GiB). This job measures
 # the real footprint: gpu/lib/fit.py boots each case of FIT_CASES (default "long-dflash2
 # fast-dflash2 long-mtp long-off"; also long-dflash2-bf16 (DRAFT_QUANT=bf16), and huge-dflash2

@@ -47,7 +47,8 @@ fi
 # onecard.profiles.AMPERE_GEMM_ENV; REF_GEMM=vllm keeps vLLM's choice; the 2026-12-02 quick run had
 # Machete). Both arms get the same kernels; the provenance records the VLLM_* variables.
 case "${REF_GEMM:-marlin}" in
-  marlin) eval "$(python3 -c 'from onecard.profiles import AMPERE_GEMM_ENV as E; print("; ".join(f"export {k}={v}" for k, v in E.items()))')" || exit 2
+  marlin) gemm=$(python3 -c 'from onecard.profiles import AMPERE_GEMM_ENV as E; print("; ".join(f"export {k}={v}" for k, v in E.items()))') || { say "REF_GEMM=marlin: onecard.profiles.AMPERE_GEMM_ENV unreadable"; exit 2; }
+          eval "$gemm"
           say "W4A16 and FP8 GEMMs on Marlin (the 3090's kernels; REF_GEMM=vllm for Machete): VLLM_DISABLED_KERNELS=$VLLM_DISABLED_KERNELS" ;;
   vllm) say "W4A16 GEMMs on vLLM's choice (Machete on sm_90; a 3090 runs Marlin)" ;;
   *) say "REF_GEMM=${REF_GEMM} invalid; valid: marlin, vllm"; exit 2 ;;

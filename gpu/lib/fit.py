@@ -1,9 +1,9 @@
 """GPU job 41: what one server of each CTX x SPEC profile really holds on the GPU, against 24 GiB.
 
 onecard's memory model (onecard/memory.py ``vram_budget``, docs/profiles.md) predicts every
-SPEC=dflash2 profile at 25.1-25.5 GiB with its reserves (CUDA graphs 0.75 + activations 1.25 + CUDA
-context 0.5 GiB, all ESTIMATES) and 23.1-23.5 GiB without, with the drafter as stored (bf16); the
-24 GiB plans therefore load its fc, o_proj and MLP in FP8 (DRAFT_QUANT=auto: 23.7-24.1 GiB with the
+SPEC=dflash2 profile at 25.2-25.6 GiB with its reserves (CUDA graphs 0.75 + activations 1.25 + CUDA
+context 0.5 GiB, all ESTIMATES) and 23.2-23.6 GiB without, with the drafter as stored (bf16); the
+24 GiB plans therefore load its fc, o_proj and MLP in FP8 (DRAFT_QUANT=auto: 23.8-24.2 GiB with the
 reserves). This driver measures the real footprint on the H200 with the 3090's plan.
 
 Each case boots ``python3 -m onecard.launch`` (the real plan, preflight and argv) with

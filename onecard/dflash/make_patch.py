@@ -206,6 +206,21 @@ EDITS: list[tuple[str, str, str]] = [
     ("vllm/config/speculative.py",
      "    def _validate_suffix_decoding(self):\n",
      _METHODS.lstrip("\n") + "\n    def _validate_suffix_decoding(self):\n"),
+    ("vllm/config/speculative.py",
+     "                factors.append(tuple(layer_ids))\n"
+     "\n"
+     "        hash_str = safe_hash(str(factors).encode(), usedforsecurity=False).hexdigest()\n",
+     "                factors.append(tuple(layer_ids))\n"
+     "\n"
+     "        if self.dflash2:\n"
+     "            # onecard 0080: the DFlash2 drafter's classes, its FP8 layers and ring mode\n"
+     "            # change its compiled graph (the compile cache is keyed by this hash)\n"
+     "            import os\n"
+     "\n"
+     "            factors.append((\"dflash2\", self.dflash2_draft_quant,\n"
+     "                            os.environ.get(\"ONECARD_DFLASH_RING\", \"0\")))\n"
+     "\n"
+     "        hash_str = safe_hash(str(factors).encode(), usedforsecurity=False).hexdigest()\n"),
     ("vllm/model_executor/models/registry.py",
      '    "DFlashDraftModel": ("qwen3_dflash", "DFlashQwen3ForCausalLM"),\n',
      '    "DFlashDraftModel": ("qwen3_dflash", "DFlashQwen3ForCausalLM"),\n'

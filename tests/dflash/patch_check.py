@@ -450,7 +450,10 @@ def draft_quant():
     attention, kernel = q.Attention, online_fp8.init_fp8_linear_kernel
     q.Attention = BlockAttention
     online_fp8.init_fp8_linear_kernel = lambda **kw: Fp8StandIn(**kw)
-    out = {"errors": errors}
+    # the compile cache is keyed by the config hash: bf16 and FP8 drafters must not share a key
+    out = {"errors": errors,
+           "hash": [make().compute_hash() == make().compute_hash(),
+                    make().compute_hash() != make(dflash2_draft_quant="fp8_per_block").compute_hash()]}
     try:
         import torch.distributed as dist
 

@@ -243,6 +243,7 @@ def test_draft_quant_fp8(checks):
     errs = r["errors"]
     assert "dflash2_draft_quant='fp8_per_tensor'; valid: fp8_per_block, or unset" in errs["bad"]
     assert "dflash2_draft_quant needs method 'dflash2'" in errs["without_dflash2"]
+    assert r["hash"] == [True, True]   # SpeculativeConfig.compute_hash tells the two drafters apart
     q = r["fp8_per_block"]
     layers = sorted({n.split(".")[2] for n in q["fp8"] if n.startswith("model.layers.")})
     assert layers == ["0", "1"]

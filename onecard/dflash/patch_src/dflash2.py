@@ -327,6 +327,12 @@ class DFlash2Proposer(DFlashProposer):
     @override
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
+        if getattr(self.speculative_config, "dflash2_draft_quant", None) and torch.cuda.is_available():
+            # vLLM's online FP8 leaves a layer's bf16 copy and its quantization scratch (about
+            # 1.8 GB for the 27B drafter's gate_up) in the caching allocator; with a KV pin
+            # nothing empties it before the pool is allocated, and on a 24 GB card the pool's
+            # large blocks may not fit beside those cached ones
+            torch.cuda.empty_cache()
         if not self.ring_mode:
             return
         # the base class keeps only layers with a KV-cache spec; ring layers have none
