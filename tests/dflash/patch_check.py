@@ -509,6 +509,19 @@ def draft_quant():
               for k, v in w.items()}
         ref_q = reference(wq)
         ref_bf16 = reference({k: v.float() for k, v in w.items()})
+        # vLLM's own loader (get_model: DefaultModelLoader, its online-quant finalize and its
+        # every-weight-loaded check), as the proposer loads the drafter
+        from vllm.model_executor.model_loader import get_model
+
+        vcq = VllmConfig(model_config=tgt, speculative_config=make(dflash2_draft_quant="fp8_per_block"))
+        vcq.device_config.device = torch.device("cpu")
+        with set_current_vllm_config(vcq):
+            ml = get_model(vllm_config=vcq, model_config=vcq.speculative_config.draft_model_config,
+                           load_config=vcq.speculative_config.draft_load_config)
+        out["loader"] = [sorted(n for n, mod in ml.named_modules() if "Linear" in type(mod).__name__
+                                and mod.weight.dtype == torch.float8_e4m3fn) == sorted(
+                                    n for n, d in dtypes.items() if d == "float8_e4m3fn"),
+                         str(ml.model._fused_kv_weight.dtype).removeprefix("torch.")]
         out["fp8_per_block"] = {
             "fp8": sorted(n for n, d in dtypes.items() if d == "float8_e4m3fn"),
             "kept": sorted(n for n, d in dtypes.items() if d != "float8_e4m3fn"),

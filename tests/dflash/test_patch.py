@@ -244,6 +244,8 @@ def test_draft_quant_fp8(checks):
     assert "dflash2_draft_quant='fp8_per_tensor'; valid: fp8_per_block, or unset" in errs["bad"]
     assert "dflash2_draft_quant needs method 'dflash2'" in errs["without_dflash2"]
     assert r["hash"] == [True, True]   # SpeculativeConfig.compute_hash tells the two drafters apart
+    # vLLM's own loader (get_model) gives the same FP8 layers, and DFlash's K/V copy stays bf16
+    assert r["loader"] == [True, "bfloat16"]
     q = r["fp8_per_block"]
     layers = sorted({n.split(".")[2] for n in q["fp8"] if n.startswith("model.layers.")})
     assert layers == ["0", "1"]
