@@ -270,12 +270,33 @@ def spec_config():
     return out
 
 
+def block_attention(cfg, rows: int) -> type:
+    """A stand-in for vLLM's Attention on CPU (no backend here): plain non-causal attention inside
+    each request's block of ``rows`` query rows, GQA over the drafter's heads."""
+    import math
+
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    class BlockAttention(torch.nn.Module):
+        def __init__(self, *a, **k):
+            super().__init__()
+
+        def forward(self, qq, kk, vv):
+            n = qq.shape[0]
+            qq = qq.view(n // rows, rows, nh, hd)
+            kk = kk.view(n // rows, rows, nkv, hd).repeat_interleave(nh // nkv, 2)
+            vv = vv.view(n // rows, rows, nkv, hd).repeat_interleave(nh // nkv, 2)
+            sc_ = torch.einsum("bqhd,bkhd->bhqk", qq, kk) / math.sqrt(hd)
+            return torch.einsum("bhqk,bkhd->bqhd", sc_.softmax(-1), vv).reshape(n, nh * hd)
+
+    return BlockAttention
+
+
 def model_forward():
     """DFlash2Qwen3ForCausalLM built by vLLM's code (attention swapped for a plain non-causal
     block attention: no backend on CPU), the tiny drafter loaded through its load_weights, run
     in float32 with every CustomOp on forward_native: the final hidden rows equal
     onecard.dflash.drafter.forward with an empty context, for two requests of 1 + rows rows."""
-    import math
     import os
     import socket
 
@@ -296,22 +317,8 @@ def model_forward():
                            target_model_config=tgt, target_parallel_config=ParallelConfig())
     vc = VllmConfig(model_config=tgt, speculative_config=sc)
     cfg = DrafterConfig.load(ARGS["drafter"])
-    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     rows = 1 + min(15, cfg.block_size - 1)
-
-    class BlockAttention(torch.nn.Module):
-        def __init__(self, *a, **k):
-            super().__init__()
-
-        def forward(self, qq, kk, vv):
-            n = qq.shape[0]
-            qq = qq.view(n // rows, rows, nh, hd)
-            kk = kk.view(n // rows, rows, nkv, hd).repeat_interleave(nh // nkv, 2)
-            vv = vv.view(n // rows, rows, nkv, hd).repeat_interleave(nh // nkv, 2)
-            sc_ = torch.einsum("bqhd,bkhd->bhqk", qq, kk) / math.sqrt(hd)
-            return torch.einsum("bhqk,bkhd->bqhd", sc_.softmax(-1), vv).reshape(n, nh * hd)
-
-    q.Attention = BlockAttention
+    q.Attention = block_attention(cfg, rows)
     with socket.socket() as s_:
         s_.bind(("127.0.0.1", 0))
         port = s_.getsockname()[1]
@@ -382,7 +389,6 @@ def draft_quant():
     the block scales: no FP8 kernel on CPU). Which linear layers are FP8 and which stay bf16;
     the forward equals onecard.dflash.drafter.forward over weights put through FP8 blocks here
     (and differs from the bf16 forward); bad values are one-line errors."""
-    import math
     import os
     import socket
 
@@ -432,23 +438,9 @@ def draft_quant():
             lines = [ln for ln in str(e).splitlines() if "speculative_config:" in ln]
             errors[name] = lines[0].split("Value error, ", 1)[-1] if lines else str(e)
     cfg = DrafterConfig.load(ARGS["drafter"])
-    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     rows = 1 + min(7, cfg.block_size - 1)
-
-    class BlockAttention(torch.nn.Module):
-        def __init__(self, *a, **k):
-            super().__init__()
-
-        def forward(self, qq, kk, vv):
-            n = qq.shape[0]
-            qq = qq.view(n // rows, rows, nh, hd)
-            kk = kk.view(n // rows, rows, nkv, hd).repeat_interleave(nh // nkv, 2)
-            vv = vv.view(n // rows, rows, nkv, hd).repeat_interleave(nh // nkv, 2)
-            sc_ = torch.einsum("bqhd,bkhd->bhqk", qq, kk) / math.sqrt(hd)
-            return torch.einsum("bhqk,bkhd->bqhd", sc_.softmax(-1), vv).reshape(n, nh * hd)
-
     attention, kernel = q.Attention, online_fp8.init_fp8_linear_kernel
-    q.Attention = BlockAttention
+    q.Attention = block_attention(cfg, rows)
     online_fp8.init_fp8_linear_kernel = lambda **kw: Fp8StandIn(**kw)
     # the compile cache is keyed by the config hash: bf16 and FP8 drafters must not share a key
     out = {"errors": errors,
