@@ -493,7 +493,44 @@ def check_live_completion(ctx) -> Result:
     return Result(PASS, "completion", f"{n} tokens (usage.completion_tokens)")
 
 
-LIVE_CHECKS: list[Callable[[dict], Result | None]] = [check_live_models, check_live_completion]
+# fewer drafts than this say nothing about a drafter (the launcher's warm-up alone sends a few)
+SPEC_MIN_DRAFTS = 32
+
+
+def check_live_spec(ctx) -> Result | None:
+    """What speculative decoding has done since the server started, from its /metrics (vLLM's
+    spec_decode counters, parsed by onecard.bench.metrics): tokens per verify step (1 + accepted
+    / drafts, the step's own token included) and the acceptance of the first positions. None
+    when the server speculates not at all (no such counters). A WARN when enough drafts went by
+    and none was accepted: a drafter that does not belong to this model (DRAFT), or a broken one
+    (DRAFT_QUANT=bf16 tells an FP8 problem from the rest)."""
+    import httpx
+
+    from onecard.bench import metrics
+
+    try:
+        r = httpx.get(f"{ctx['url']}/metrics", headers=ctx["headers"], timeout=10)
+        r.raise_for_status()
+        snap = metrics.parse(r.text)
+    except Exception as exc:  # noqa: BLE001
+        return Result(WARN, "speculation", f"{ctx['url']}/metrics unreadable ({type(exc).__name__}: {exc})")
+    if metrics.COUNTERS["spec_drafts"] not in snap.values:
+        return None
+    drafts = snap.get(metrics.COUNTERS["spec_drafts"])
+    accepted = snap.get(metrics.COUNTERS["spec_accepted"])
+    if drafts <= 0:
+        return Result(PASS, "speculation", "on; no drafts yet (no request since the start)")
+    per_pos = ", ".join(f"{snap.per_pos.get(i, 0.0) / drafts:.2f}" for i in range(min(4, len(snap.per_pos))))
+    detail = (f"{1 + accepted / drafts:.2f} tokens per verify step over {drafts:.0f} drafts since the start "
+              f"(acceptance by position: {per_pos or 'not exported'}; /metrics, all requests incl. warm-up)")
+    if accepted == 0 and drafts >= SPEC_MIN_DRAFTS:
+        return Result(WARN, "speculation", f"no draft token accepted in {drafts:.0f} drafts: the drafter does not "
+                                           f"fit this model (DRAFT), or it is broken (DRAFT_QUANT=bf16 rules out "
+                                           f"FP8); SPEC=mtp|off serve without it")
+    return Result(PASS, "speculation", detail)
+
+
+LIVE_CHECKS: list[Callable[[dict], Result | None]] = [check_live_models, check_live_completion, check_live_spec]
 
 
 # --------------------------------------------------------------------------- runner

@@ -62,14 +62,42 @@ def test_live_checks_against_a_server():
     with FakeServer() as srv:
         ctx = {"url": srv.url, "headers": {}}
         results = verify.run_checks(verify.LIVE_CHECKS, ctx, out=io.StringIO())
-    assert [r.status for r in results] == [verify.PASS, verify.PASS]
+    assert [r.status for r in results] == [verify.PASS, verify.PASS, verify.PASS]
     assert "usage.completion_tokens" in results[1].detail
+    assert results[2].name == "speculation"   # the fake's counters (its plain completions draft nothing)
+
+
+def test_live_spec_check_warns_when_nothing_is_accepted_and_skips_without_speculation(monkeypatch):
+    import httpx
+
+    def serve(text):
+        monkeypatch.setattr(httpx, "get", lambda url, **kw: httpx.Response(200, text=text, request=httpx.Request("GET", url)))
+
+    base = "# TYPE vllm:spec_decode_num_drafts counter\nvllm:spec_decode_num_drafts_total{{engine=\"0\"}} {d}\n" \
+           "# TYPE vllm:spec_decode_num_accepted_tokens counter\nvllm:spec_decode_num_accepted_tokens_total{{engine=\"0\"}} {a}\n"
+    ctx = {"url": "http://x", "headers": {}}
+    serve(base.format(d=200, a=0))
+    r = verify.check_live_spec(ctx)
+    assert r.status == verify.WARN and "no draft token accepted in 200 drafts" in r.detail and "DRAFT_QUANT=bf16" in r.detail
+    serve(base.format(d=100, a=150) + "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter\n"
+          + "".join(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} {v}\n'
+                    for i, v in enumerate((80, 50, 20))))
+    r = verify.check_live_spec(ctx)
+    assert r.status == verify.PASS and r.detail.startswith("2.50 tokens per verify step over 100 drafts")
+    assert "acceptance by position: 0.80, 0.50, 0.20" in r.detail
+    serve(base.format(d=5, a=0))          # too few drafts to judge
+    assert verify.check_live_spec(ctx).status == verify.PASS
+    serve(base.format(d=0, a=0))
+    assert "no drafts yet" in verify.check_live_spec(ctx).detail
+    serve("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 0\n")
+    assert verify.check_live_spec(ctx) is None   # SPEC=off: no speculation counters
 
 
 def test_live_checks_without_a_server():
     ctx = {"url": "http://127.0.0.1:9", "headers": {}}
     results = verify.run_checks(verify.LIVE_CHECKS, ctx, out=io.StringIO())
     assert results[0].status == verify.FAIL and results[1].status == verify.FAIL
+    assert results[2].name == "speculation" and results[2].status == verify.WARN   # /metrics unreadable
 
 
 # --------------------------------------------------------------------------- flash-attn verdict
