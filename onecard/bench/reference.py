@@ -27,7 +27,7 @@ boots of the CTX profiles no other boot covers. Boots the launcher refuses for a
 is made with the arm's own vLLM: stock 0.27.1 has no DFlash2 and no KVarN) become skipped rows and
 cost no time; every boot after the first SPEC=off ones runs only while the budget still fits it.
 SPEC=dflash2 boots take ``DRAFT`` from ``--draft`` (default ``<model>-dflash2``, which job 20
-builds); the patched arm's CTX=huge boots take ``--kvarn-pythonpath`` when given (a vLLM view with
+builds) and ``DRAFT_QUANT=fp8`` (what a 24 GiB card's plan picks; an arm's env may set it); the patched arm's CTX=huge boots take ``--kvarn-pythonpath`` when given (a vLLM view with
 KVarN installed, as jobs 61/62 make).
 
     python -m onecard.bench.reference --tier quick --model $MODELS/qwen38-27b-geom --md docs/performance.md
@@ -308,6 +308,10 @@ class Reference:
             draft = self.cfg.draft or f"{self.cfg.model.rstrip('/')}-dflash2"
             if self.cfg.draft or (Path(draft) / "config.json").is_file():
                 env["DRAFT"] = draft
+        if spec == "dflash2" and "DRAFT_QUANT" not in env:
+            # what DRAFT_QUANT=auto picks on a 24 GiB card (every dflash2 plan there); on the lent
+            # GPU auto would keep bf16, nvidia-smi reporting 141 GiB
+            env["DRAFT_QUANT"] = "fp8"
         return env
 
     def plan(self, env: dict) -> dict:
@@ -327,7 +331,7 @@ class Reference:
         vals = {k: v.value for k, v in p.values.items()}
         return {"prediction": p.prediction, "argv": p.argv,
                 "server_config": {k: vals.get(k) for k in ("CTX", "KV", "KV_MEM", "MAX_LEN", "MAX_SEQS",
-                                                          "PREFIX_CACHE", "SSM_DTYPE", "SPEC")},
+                                                          "PREFIX_CACHE", "SSM_DTYPE", "SPEC", "DRAFT_QUANT")},
                 "spec_k": vals.get("SPEC_K")}
 
     # -- boots ----------------------------------------------------------------------------

@@ -263,13 +263,17 @@ PREFIXES = ("model.", "dflash.")
 
 def check_layout(shapes: dict[str, tuple[int, ...]], cfg: DrafterConfig) -> dict[str, str]:
     """A checkpoint's tensors ({stored name: shape}, from the tensors or their safetensors
-    headers) against ``tensor_shapes(cfg)``: {stored name: name without prefix}. Extra
-    ``embed_tokens`` / ``lm_head`` tensors are allowed (some drafters ship them); any other
-    unknown tensor, a wrong shape or a missing tensor is a DrafterConfigError (one line), so a
-    format we do not implement is not half-loaded."""
+    headers) against ``tensor_shapes(cfg)``: {stored name: name without prefix}. Stored prefixes
+    (``PREFIXES``) are stripped, as the reference loader and patch 0080's model do. Extra
+    ``embed_tokens`` / ``lm_head`` tensors are allowed (some drafters ship them), and so are the
+    draft-vocabulary maps ``d2t`` / ``t2d`` (0.27.1's DFlash loader maps or skips them; they are
+    not in the result); any other unknown tensor, a wrong shape or a missing tensor is a
+    DrafterConfigError (one line), so a format we do not implement is not half-loaded."""
     want = tensor_shapes(cfg)
     keys: dict[str, str] = {}
     for name, shape in shapes.items():
+        if name.split(".")[-1] in ("d2t", "t2d"):
+            continue
         key = name
         for pre in PREFIXES:
             if key.startswith(pre):

@@ -59,7 +59,7 @@ def load_weights(path: str | Path, cfg: DrafterConfig, *, dtype: torch.dtype | N
     for f in files:
         raw.update(load_file(str(f)))
     keys = check_layout({name: tuple(t.shape) for name, t in raw.items()}, cfg)
-    return {keys[name]: (t.to(dtype) if dtype is not None else t) for name, t in raw.items()}
+    return {keys[name]: (t.to(dtype) if dtype is not None else t) for name, t in raw.items() if name in keys}
 
 
 # --------------------------------------------------------------------------- pieces

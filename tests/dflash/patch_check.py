@@ -334,6 +334,12 @@ def model_forward():
         params = dict(m.named_parameters())
         loaded = torch.equal(params["model.candidate_selector.successor_codebook"].data,
                              w["candidate_selector.successor_codebook"])
+        # names stored under a "model." prefix (0.27.1's DFlash loader alone would refuse them)
+        m2 = DFlash2Qwen3ForCausalLM(vllm_config=vc, prefix="draft2")
+        m2.load_weights(("model." + k, v) for k, v in w.items())
+        p2 = dict(m2.named_parameters())
+        prefixed = sorted(p2) == sorted(params) and all(
+            torch.equal(p2[n], params[n]) for n in params if not n.endswith("embed_tokens.weight"))  # the target's
         m = m.float()
         for mod in m.modules():
             if isinstance(mod, CustomOp):
@@ -364,7 +370,7 @@ def model_forward():
     prop_state = [prop.block_rows, prop.selector_top_k, prop.lookup_enabled,
                   prop.num_speculative_tokens, prop.runner, prop.parallel_drafting,
                   prop.dflash_causal]
-    return [type(m.model).__name__, m.model.layers[0].block_rows, loaded, worst, prop_state]
+    return [type(m.model).__name__, m.model.layers[0].block_rows, loaded, worst, prop_state, prefixed]
 
 
 def _fp8_block_dequant(w: torch.Tensor) -> torch.Tensor:

@@ -158,8 +158,9 @@ def test_proposer_walk_from_logits_equals_reference(checks):
 def test_vllm_model_forward_equals_reference(checks):
     """The patched model class, built and loaded by vLLM's code on CPU (block attention stand-in:
     no attention backend here), equals onecard.dflash.drafter.forward (empty context)."""
-    name, rows, loaded, worst, prop = checks["model_forward"]
+    name, rows, loaded, worst, prop, prefixed = checks["model_forward"]
     assert name == "DFlash2Qwen3Model" and rows == 8 and loaded
+    assert prefixed   # a checkpoint stored under "model." loads the same parameters
     assert worst < 1e-4
     # DFlash2Proposer on the same config: 7 drafter rows, top-8, lookup on, k 15, keeps the
     # runner, parallel drafting, non-causal blocks

@@ -175,3 +175,23 @@ def test_verify_checks_the_drafter(tmp_path, monkeypatch, pair):
     monkeypatch.setenv("DRAFT", str(bare))
     r = verify.check_drafter({})
     assert r.status == verify.FAIL and "no *.safetensors" in r.detail
+
+
+def test_prefixed_names_and_vocab_maps_pass(tmp_path, pair):
+    """Names stored under "model." (patch 0080's model strips it: 0.27.1's DFlash loader alone
+    would refuse them) and the draft-vocabulary maps d2t / t2d (mapped or skipped by vLLM) pass
+    the check; anything else unknown does not."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    _, drafter = pair
+    t = load_file(str(drafter / "model.safetensors"))
+    pre = tmp_path / "prefixed"
+    pre.mkdir()
+    shutil.copy2(drafter / "config.json", pre / "config.json")
+    save_file({**{"model." + k: v for k, v in t.items()}, "t2d": torch.ones(8, dtype=torch.bool)},
+              str(pre / "model.safetensors"))
+    assert pd.check(pre, None)["layers"] == 2
+    save_file({**t, "extra.weight": torch.zeros(2)}, str(pre / "model.safetensors"))
+    with pytest.raises(pd.DrafterError, match=r"unknown tensor extra\.weight"):
+        pd.check(pre, None)

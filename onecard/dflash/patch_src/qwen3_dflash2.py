@@ -239,8 +239,24 @@ class DFlash2Qwen3Model(DFlashQwen3Model):
         )
 
 
+# Stored name prefixes seen on drafter checkpoints (onecard.dflash.config.PREFIXES): 0.27.1's
+# DFlash loader prepends "model." to every name, so a prefixed checkpoint would not load
+# ("no module or parameter named 'model'"); they are stripped first.
+STORED_PREFIXES = ("model.", "dflash.")
+
+
+def strip_stored_prefix(name: str) -> str:
+    for pre in STORED_PREFIXES:
+        if name.startswith(pre):
+            return name[len(pre):]
+    return name
+
+
 class DFlash2Qwen3ForCausalLM(DFlashQwen3ForCausalLM):
     model_cls = DFlash2Qwen3Model
+
+    def load_weights(self, weights):
+        return super().load_weights((strip_stored_prefix(n), w) for n, w in weights)
 
     @property
     def candidate_selector(self) -> DFlash2CandidateSelector:
