@@ -310,7 +310,8 @@ class Reference:
                 env["DRAFT"] = draft
         if spec == "dflash2" and "DRAFT_QUANT" not in env:
             # what DRAFT_QUANT=auto picks on a 24 GiB card (every dflash2 plan there); on the lent
-            # GPU auto would keep bf16, nvidia-smi reporting 141 GiB
+            # GPU auto would keep bf16, nvidia-smi reporting 141 GiB. Part of the SPEC=dflash2
+            # boot (the argv's speculative config records it), not of the compared server config
             env["DRAFT_QUANT"] = "fp8"
         return env
 
@@ -331,7 +332,7 @@ class Reference:
         vals = {k: v.value for k, v in p.values.items()}
         return {"prediction": p.prediction, "argv": p.argv,
                 "server_config": {k: vals.get(k) for k in ("CTX", "KV", "KV_MEM", "MAX_LEN", "MAX_SEQS",
-                                                          "PREFIX_CACHE", "SSM_DTYPE", "SPEC", "DRAFT_QUANT")},
+                                                          "PREFIX_CACHE", "SSM_DTYPE", "SPEC")},
                 "spec_k": vals.get("SPEC_K")}
 
     # -- boots ----------------------------------------------------------------------------
