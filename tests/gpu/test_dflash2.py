@@ -543,11 +543,12 @@ def boot_all(names, plan, out: Path, rec: dict, servers: dict, left, min_left: f
         argv, child, p = plan(name, port)
         srv = Server(name, argv, port, out, child)
         # the predicted (groups, block) per attention bucket, for the prefix report's alignment
-        rec["servers"][name] = {"argv": srv.argv,
+        rec["servers"][name] = {"argv": srv.argv, "child_env": dict(child or {}),
                                 "attn_groups": (getattr(p, "prediction", None) or {}).get("attn_groups")}
         srv.start(env)
         servers[name] = srv
-        log(f"launch {name}: {shlex.join(srv.argv)}")
+        kernels = {k: v for k, v in (child or {}).items() if k.startswith("VLLM_")}
+        log(f"launch {name}: {shlex.join(srv.argv)}" + (f" (with {kernels})" if kernels else ""))
     while not all(s.ready() for s in servers.values()):
         if left() < min_left:
             raise RuntimeError("servers not healthy in time: " + ", ".join(
