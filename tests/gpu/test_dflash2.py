@@ -543,7 +543,8 @@ def boot_all(names, plan, out: Path, rec: dict, servers: dict, left, min_left: f
         argv, child, p = plan(name, port)
         srv = Server(name, argv, port, out, child)
         # the predicted (groups, block) per attention bucket, for the prefix report's alignment
-        rec["servers"][name] = {"argv": srv.argv, "child_env": dict(child or {}),
+        rec["servers"][name] = {"argv": srv.argv,  # secrets masked (VLLM_API_KEY)
+                                "child_env": {k: "***" if "KEY" in k else v for k, v in (child or {}).items()},
                                 "attn_groups": (getattr(p, "prediction", None) or {}).get("attn_groups")}
         srv.start(env)
         servers[name] = srv
