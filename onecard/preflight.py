@@ -200,7 +200,7 @@ def _draft_quant(plan: ServePlan, geom: memory.ModelGeometry, drafter: memory.Dr
     if b is None:
         plan.set("DRAFT_QUANT", "bf16", "profile", "auto: the target's weights are unknown (no VRAM budget)")
         return drafter
-    card = _card_name(plan)
+    card = _card_name(plan) + ("" if _card(plan)[1] else " (assumed: CARD_GIB unset and no nvidia-smi answer)")
     if b["fits"]:
         plan.set("DRAFT_QUANT", "bf16", "profile", f"auto: the plan fits the {card} with a bf16 drafter")
         return drafter

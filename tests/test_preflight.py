@@ -139,6 +139,7 @@ def test_draft_quant_auto_fp8_where_bf16_does_not_fit(tmp_path, monkeypatch):
     auto = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft)}, tmp_path)
     v = auto.values["DRAFT_QUANT"]
     assert (v.value, v.source) == ("fp8", "profile") and "25.23 GiB of the 24 GiB card" in v.reason
+    assert "(assumed: CARD_GIB unset and no nvidia-smi answer)" in v.reason   # --dry-run knows no card
     kv_copy = memory.fused_kv_copy_bytes(5, 8, 128, 5120)  # DFlash's bf16 K/V rows, either way
     assert auto.prediction["vram"]["drafter_weights"] == memory.DFLASH2_27B_PARAMS * 2 - saved + kv_copy
     assert auto.prediction["vram"]["fits"]                  # 23.79 GiB with the reserves
