@@ -272,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     from onecard.prepare.drafter import DEFAULT_DRAFTER_ID  # stdlib-only at import
 
     parser.add_argument("--drafter", nargs="?", const=DEFAULT_DRAFTER_ID, default=os.environ.get("INSTALL_DRAFTER"),
-                        help="download (huggingface_hub) and check the DFlash2 drafter SPEC=dflash2 needs into "
-                             f"models/dflash2-drafter (default id {DEFAULT_DRAFTER_ID}; or ID|PATH)")
+                        help="download (huggingface_hub) and check the DFlash2 drafter SPEC=dflash2 needs: a Hub "
+                             f"id (default {DEFAULT_DRAFTER_ID}) goes into models/dflash2-drafter; a local PATH is "
+                             "checked in place (start with DRAFT=PATH)")
     parser.add_argument("--kvarn", action="store_true", help="also install the KVarN 4/2-bit KV cache (CTX=huge)")
     parser.add_argument("--no-verify", action="store_true", help="skip the final ./verify.sh --no-server")
     parser.add_argument("--extras", default="", help=argparse.SUPPRESS)  # tests/run.sh: onecard[test]

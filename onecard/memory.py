@@ -708,6 +708,11 @@ def fused_kv_copy_bytes(layers: int, kv_heads: int, head_dim: int, hidden: int) 
     return layers * 2 * kv_heads * head_dim * hidden * 2
 
 
+def _kv_copy_words(n: int) -> str:
+    """The K/V copy in a drafter's source words, in the VRAM note's GiB (named once it shows)."""
+    return f" + {n / GiB:.2f} bf16 K/V copy" if n >= GiB // 100 else ""
+
+
 def _header_fp8_saving(draft_dir: Path) -> int:
     """fp8_saving over the drafter's safetensors headers (the tensors DRAFT_FP8_TENSOR names)."""
     saved = 0
@@ -766,24 +771,26 @@ def dflash_drafter_vram(draft_dir: str | os.PathLike | None, ring: bool = False,
             why = "DRAFT has no DFlash2 config that parses"
     layers = 0 if ring else cfg.num_layers if cfg else DFLASH2_27B_LAYERS
     shape = {"kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim} if cfg else {}
-    q8 = " with FP8 fc/o_proj/MLP (DRAFT_QUANT=fp8)" if fp8 else ""
+    q8 = ", fc/o_proj/MLP in FP8 (DRAFT_QUANT=fp8)" if fp8 else ""
     # (weights without a config that parses: no shape to size the copy by; the launcher refuses them)
     kv_copy = fused_kv_copy_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size) if cfg else 0
     if d is not None and d.is_dir() and any(d.glob("*.safetensors")):
         saved = _header_fp8_saving(d) if fp8 else 0
-        return DrafterVRAM(weight_bytes(d) - saved + kv_copy, layers, f"drafter safetensors headers{q8}", **shape)
+        return DrafterVRAM(weight_bytes(d) - saved + kv_copy, layers,
+                           f"weights from safetensors headers{q8}{_kv_copy_words(kv_copy)}", **shape)
     if cfg is not None:
         from onecard.dflash.config import tensor_shapes
 
         saved = fp8_saving([shape for name, shape in tensor_shapes(cfg).items()
                             if DRAFT_FP8_TENSOR.search(name)]) if fp8 else 0
         return DrafterVRAM(drafter_param_count(cfg) * 2 - saved + kv_copy, layers,
-                           f"drafter config shape, bf16{q8}", **shape)
+                           f"weights bf16 by config.json{q8}{_kv_copy_words(kv_copy)}", **shape)
     saved = fp8_saving(drafter_fp8_linears(DFLASH2_27B_HIDDEN, DFLASH2_27B_Q_WIDTH, DFLASH2_27B_INTERMEDIATE,
                                            DFLASH2_27B_FC_IN, DFLASH2_27B_LAYERS)) if fp8 else 0
     kv_copy = fused_kv_copy_bytes(DFLASH2_27B_LAYERS, DFLASH2_27B_KV_HEADS, DFLASH2_27B_HEAD_DIM, DFLASH2_27B_HIDDEN)
     return DrafterVRAM(DFLASH2_27B_PARAMS * 2 - saved + kv_copy, layers,
-                       f"estimate: the published 27B DFlash2 drafter, bf16{q8} ({why})")
+                       f"estimate: the published 27B DFlash2 drafter, weights bf16{q8}{_kv_copy_words(kv_copy)} "
+                       f"({why})")
 
 
 @dataclass(frozen=True)

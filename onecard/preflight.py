@@ -209,8 +209,9 @@ def _draft_quant(plan: ServePlan, geom: memory.ModelGeometry, drafter: memory.Dr
                                                f"of the {card}")
     plan.notes.append(f"DRAFT_QUANT=auto -> fp8: with a bf16 drafter the plan needs {_gib(b['total'])} GiB of the "
                       f"{card}; FP8 weights for the drafter's fc, o_proj and MLP (quantized while it loads) save "
-                      f"{_gib(saved)} GiB. Drafts only: the target verifies every token, so output stays exact; "
-                      f"acceptance with FP8 drafter weights is not yet measured (DRAFT_QUANT=bf16 keeps bf16)")
+                      f"{_gib(saved)} GiB. The target verifies every token, so FP8 changes speed, not the output "
+                      f"distribution; acceptance with FP8 weights is not yet measured, and the FP8 drafter is "
+                      f"CPU-tested only, not yet run on any GPU (DRAFT_QUANT=bf16 keeps bf16)")
     return fp8
 
 
@@ -366,7 +367,7 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
     if _card(plan)[1] and b["certain"] <= b["card_bytes"]:
         fix += (f"; without the estimated graph/activation reserves it is {_gib(b['certain'])} GiB, so the pin "
                 f"stays: if the boot runs out of GPU memory, set that KV_MEM")
-    plan.notes.append(f"{line}: {why}; {fix}, or a larger card (reserves are 3090 estimates)")
+    plan.notes.append(f"{line}: {why}; {fix} (or use a larger card; the reserves are 3090 estimates)")
 
 
 def _ring_note(plan: ServePlan) -> None:

@@ -100,13 +100,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          "auto: 1 with CTX=huge (whose KVarN pool cannot take the drafter's layers), else 0. CPU-tested only, "
          "not yet run on a GPU. No effect with SPEC=off|mtp. Passed to the server as ONECARD_DFLASH_RING",
          ("auto", "0", "1")),
-    Knob("DRAFT_QUANT", "auto", "auto|bf16|fp8", "SPEC=dflash2: the drafter's weights as stored (bf16) or its fc, "
-         "o_proj and MLP in FP8 (fp8: quantized while it loads, vLLM's online fp8_per_block, patch 0080; Marlin "
-         "W8A16 GEMMs on an RTX 3090; qkv_proj, selector and convs stay bf16; the published 27B drafter 3.58 -> "
-         "2.14 GiB); auto: fp8 exactly when the plan with a bf16 drafter does not fit the card (CARD_GIB or "
-         "nvidia-smi; every dflash2 profile on a 24 GiB card), else bf16. Drafts only: the target verifies every "
-         "token, so output stays exact; acceptance with FP8 weights is not yet measured. CPU-tested only, not yet "
-         "run on a GPU. No effect with SPEC=off|mtp", ("auto", "bf16", "fp8")),
+    Knob("DRAFT_QUANT", "auto", "auto|bf16|fp8", "SPEC=dflash2: bf16 = the drafter's weights as stored; fp8 = its "
+         "fc, o_proj and MLP quantized to FP8 while it loads (the published 27B drafter 3.58 -> 2.14 GiB; Marlin "
+         "W8A16 on an RTX 3090, a W8A8 kernel on sm_89+ GPUs, untested there); auto = fp8 exactly when the plan with "
+         "bf16 does not fit the card (every dflash2 profile on 24 GiB). The target verifies every token: FP8 "
+         "changes speed, not the output distribution. Not yet run on any GPU (docs/dflash2.md, \"FP8 drafter\")",
+         ("auto", "bf16", "fp8")),
     Knob("KV", "", "bf16|fp8|int8_per_token_head|int4_per_token_head", "override the profile's KV cache dtype",
          ("bf16", "fp8", "int8_per_token_head", "int4_per_token_head")),
     Knob("SSM_DTYPE", "auto", "auto|bfloat16|float32",

@@ -151,9 +151,10 @@ launcher's knobs, preflight and prediction; `--dry-run` prints every value, note
   0080 (`SPEC=dflash2`), the prepared 27B checkpoint (its weights as the memory model lays them
   out: int8 lm_head/embed/MTP) and the published 27B DFlash2 drafter in `DRAFT` (its config's
   shape, bf16 weights; "FP8 drafter": `DRAFT_QUANT=auto` quantizes its fc, o_proj and MLP to FP8
-  while it loads, because with bf16 the plan does not fit the card: 3.58 -> 2.14 GiB; not yet run
-  on a GPU). **`SPEC=dflash2` needs that drafter checkpoint, and `install.sh` does not
-  fetch it** (`models/dflash2-drafter`, or `DRAFT=DIR`); without it the launcher refuses
+  while it loads, because with bf16 the plan does not fit the card: weights 3.58 -> 2.14 GiB, plus
+  DFlash's 0.10 GiB bf16 K/V copy either way; not yet run on any GPU). **`SPEC=dflash2` needs that
+  drafter checkpoint**: `./install.sh --drafter` (or `onecard prepare drafter`) fetches it into
+  `models/dflash2-drafter` (`DRAFT=DIR` points elsewhere); without one the launcher refuses
   `SPEC=dflash2`.
 
 Columns: **MAX_LEN** after the preflight's caps; **KV_MEM pin** the profile's pin (the preflight

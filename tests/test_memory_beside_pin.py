@@ -44,7 +44,7 @@ def test_dflash_drafter_vram_sources(tmp_path):
     copy = m.fused_kv_copy_bytes(3, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size)
     shp = m.dflash_drafter_vram(d)
     assert shp.weight_bytes == m.drafter_param_count(cfg) * 2 + copy and shp.attn_layers == 3
-    assert "config shape" in shp.source
+    assert "by config.json" in shp.source and "+ 0.00 bf16 K/V copy" not in shp.source
     save_file({"fc.weight": torch.zeros(32, 64, dtype=torch.bfloat16), "norm.weight": torch.zeros(32)}, d / "model.safetensors")
     hdr = m.dflash_drafter_vram(d)
     assert hdr.weight_bytes == 32 * 64 * 2 + 32 * 4 + copy and hdr.attn_layers == 3 and "headers" in hdr.source

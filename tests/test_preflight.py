@@ -144,7 +144,7 @@ def test_draft_quant_auto_fp8_where_bf16_does_not_fit(tmp_path, monkeypatch):
     assert auto.prediction["vram"]["drafter_weights"] == memory.DFLASH2_27B_PARAMS * 2 - saved + kv_copy
     assert auto.prediction["vram"]["fits"]                  # 23.79 GiB with the reserves
     note = next(n for n in auto.notes if n.startswith("DRAFT_QUANT=auto -> fp8"))
-    assert "save 1.44 GiB" in note and "output stays exact" in note
+    assert "save 1.44 GiB" in note and "not the output distribution" in note and "not yet run on any GPU" in note
     assert spec_config(auto)["dflash2_draft_quant"] == "fp8_per_block"
     big = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "141"}, tmp_path)
     assert big.get("DRAFT_QUANT") == "bf16" and "fits the 141 GiB card" in big.values["DRAFT_QUANT"].reason
@@ -187,7 +187,7 @@ def test_draft_quant_saving_from_safetensors_headers(tmp_path):
     want = {"fc.weight": 256 * 384 + 3 * 256 * 2, "model.layers.0.self_attn.o_proj.weight": 256 * 256 + 2 * 256 * 2,
             "layers.0.mlp.gate_proj.weight": 512 * 256 + 2 * 512 * 2, "layers.0.mlp.down_proj.weight": 256 * 200 + 2 * 256 * 2}
     assert got.weight_bytes == whole - sum(t[k].numel() * 2 - v for k, v in want.items())
-    assert "FP8 fc/o_proj/MLP (DRAFT_QUANT=fp8)" in got.source
+    assert "fc/o_proj/MLP in FP8 (DRAFT_QUANT=fp8)" in got.source
     assert memory.dflash_drafter_vram(d).weight_bytes == whole
 
 
