@@ -338,8 +338,10 @@ def model_forward():
         m2 = DFlash2Qwen3ForCausalLM(vllm_config=vc, prefix="draft2")
         m2.load_weights(("model." + k, v) for k, v in w.items())
         p2 = dict(m2.named_parameters())
+        # (embed_tokens and lm_head are the target's, shared at load_model: uninitialized here)
         prefixed = sorted(p2) == sorted(params) and all(
-            torch.equal(p2[n], params[n]) for n in params if not n.endswith("embed_tokens.weight"))  # the target's
+            torch.equal(p2[n], params[n]) for n in params
+            if not n.endswith(("embed_tokens.weight", "lm_head.weight")))
         m = m.float()
         for mod in m.modules():
             if isinstance(mod, CustomOp):
