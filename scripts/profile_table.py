@@ -146,7 +146,9 @@ launcher's knobs, preflight and prediction; `--dry-run` prints every value, note
   weights, drafter and CUDA-graph memory vLLM logged at boot. Which profiles, when, and how they
   compared: [measurements.md](measurements.md). The VRAM totals and the fit verdicts below have not
   been checked on any 24 GB card: the {reserves} GiB of reserves (CUDA graphs, activations, CUDA
-  context) are estimates.
+  context) are estimates, and **too low by the first measurement** (H200, 2026-12-05, job 41:
+  every server 1.2-2.0 GiB above these totals; by its 3090 estimate `CTX=long SPEC=dflash2` is
+  about 1.6 GiB over 24 GiB even with the FP8 drafter, `CTX=long SPEC=mtp|off` fit).
 - The plans assume what a full install has: KVarN (`./install.sh --kvarn`, for `CTX=huge`), patch
   0080 (`SPEC=dflash2`), the prepared 27B checkpoint (its weights as the memory model lays them
   out: int8 lm_head/embed/MTP) and the published 27B DFlash2 drafter in `DRAFT` (its config's
