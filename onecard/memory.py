@@ -463,6 +463,15 @@ def safetensors_header(path: str | os.PathLike) -> dict:
             raise ValueError(f"{path}: bad safetensors header: {e}") from None
 
 
+def tensor_headers(model_dir: str | os.PathLike) -> dict[str, dict]:
+    """{tensor name: header entry} over every *.safetensors of a checkpoint (headers only; {}
+    when it has none)."""
+    out: dict[str, dict] = {}
+    for fp in sorted(Path(model_dir).glob("*.safetensors")):
+        out.update((n, m) for n, m in safetensors_header(fp).items() if n != "__metadata__")
+    return out
+
+
 def weight_bytes(model_dir: str | os.PathLike, skip_prefixes: tuple[str, ...] = ()) -> int:
     """Total tensor bytes over every *.safetensors file of a checkpoint (headers only)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -716,10 +725,8 @@ def _kv_copy_words(n: int) -> str:
 def _header_fp8_saving(draft_dir: Path) -> int:
     """fp8_saving over the drafter's safetensors headers (the tensors DRAFT_FP8_TENSOR names)."""
     saved = 0
-    for fp in sorted(draft_dir.glob("*.safetensors")):
-        for name, meta in safetensors_header(fp).items():
-            if name == "__metadata__" or not DRAFT_FP8_TENSOR.search(name) or len(meta["shape"]) != 2:
-                continue
+    for name, meta in tensor_headers(draft_dir).items():
+        if DRAFT_FP8_TENSOR.search(name) and len(meta["shape"]) == 2:
             start, end = meta["data_offsets"]
             saved += (end - start) - fp8_block_bytes(*meta["shape"])
     return saved

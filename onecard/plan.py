@@ -513,13 +513,11 @@ def check_drafter(draft: Path, k: int, model: Path | None) -> None:
             cfg.check_target(json.loads((model / "config.json").read_text()))
     except DrafterConfigError as e:
         raise PlanError(f"DRAFT={draft}: {e}") from None
-    files = sorted(draft.glob("*.safetensors"))
-    if not files:
+    if not any(draft.glob("*.safetensors")):
         raise PlanError(f"DRAFT={draft} has no *.safetensors; valid: ./install.sh --drafter (the published "
                         f"DFlash2 drafter), or a complete drafter directory")
     try:
-        check_layout({n: tuple(m["shape"]) for f in files for n, m in memory.safetensors_header(f).items()
-                      if n != "__metadata__"}, cfg)
+        check_layout({n: tuple(m["shape"]) for n, m in memory.tensor_headers(draft).items()}, cfg)
     except (DrafterConfigError, ValueError) as e:
         raise PlanError(f"DRAFT={draft}: {e}; valid: the complete drafter (./install.sh --drafter resumes "
                         f"a download and checks it)") from None

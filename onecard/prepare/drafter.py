@@ -54,17 +54,12 @@ def launcher_default_target() -> Path:
 
 def headers(d: Path) -> dict[str, dict]:
     """{tensor name: header entry} over every *.safetensors of ``d`` (headers only, no torch)."""
-    from onecard.memory import safetensors_header
+    from onecard.memory import tensor_headers
 
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
+    out = tensor_headers(d)
+    if not out:
         raise DrafterError(f"{d}: no *.safetensors; valid: a DFlash2 drafter checkpoint (config.json + "
                            f"model.safetensors), e.g. {DEFAULT_DRAFTER_ID}")
-    out: dict[str, dict] = {}
-    for f in files:
-        for name, meta in safetensors_header(f).items():
-            if name != "__metadata__":
-                out[name] = meta
     return out
 
 
