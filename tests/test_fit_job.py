@@ -67,7 +67,7 @@ def test_bad_cases_refused_before_any_boot(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [ln for ln in r.stdout.splitlines() if "FIT_CASES" in ln]
     assert lines == ["41-fit: FIT_CASES: 'huge-off' is not a case; valid: long-dflash2 long-dflash2-bf16 fast-dflash2 long-mtp "
-                     "long-off huge-dflash2 huge-mtp (space- or comma-separated; default: long-dflash2 "
+                     "long-off huge-dflash2 huge-mtp long-dflash2-es (space- or comma-separated; default: long-dflash2 "
                      "fast-dflash2 long-mtp long-off)"], r.stdout
     assert not list(out.glob("server-*.log")) and not (out / "run.txt").exists()
     assert "== 41-fit: FAIL (rc=2)" in r.stdout
@@ -386,3 +386,48 @@ def test_gemm_choice_runs_the_3090_kernel_by_default(tmp_path):
                        capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
     assert r.returncode == 2
     assert r.stdout.strip() == "41-fit: FIT_GEMM='cutlass' is not valid; valid: marlin | vllm"
+
+
+def test_torch_cap_parse_and_auto():
+    """FIT_TORCH_CAP: off / auto / MiB; a bad value is one line naming what is valid; auto leaves a
+    24 GiB card's context and non-torch share out and adds the checkpoint's excess over the
+    prepared layout."""
+    import pytest
+
+    assert fit.parse_torch_cap(None) is None and fit.parse_torch_cap("off") is None
+    assert fit.parse_torch_cap("auto") == "auto" and fit.parse_torch_cap("22000") == 22000
+    for bad in ("lots", "12"):
+        with pytest.raises(fit.CaseError, match=r"valid: off \| auto \| a number of MiB"):
+            fit.parse_torch_cap(bad)
+    rec = {"plan": {"vram": {"total": 26_000 * fit.MiB}, "prepared_vram": {"total": 24_000 * fit.MiB}}}
+    assert fit.torch_cap_mib(rec, "auto", 512, 256) == 24 * 1024 - 512 - 256 + 2000
+    assert fit.torch_cap_mib(rec, None, 512, 256) is None
+    assert fit.torch_cap_mib(rec, 20000, 512, 256) == 20000
+
+
+def test_read_torch_stats(tmp_path):
+    """The engine process is the one with the largest reserved peak; no files, no figures."""
+    assert fit.read_torch_stats(tmp_path / "none") == {}
+    (tmp_path / "torch-1.json").write_text(json.dumps({"pid": 1, "reserved_peak_mib": 2.0}))
+    (tmp_path / "torch-2.json").write_text(json.dumps({"pid": 2, "reserved_peak_mib": 22000.0, "ooms": 0}))
+    (tmp_path / "torch-3.json").write_text("{broken")
+    t = fit.read_torch_stats(tmp_path)
+    assert t["pid"] == 2 and t["processes"] == 2
+
+
+def test_torch_mem_hook_queues_without_cuda(tmp_path):
+    """gpu/lib/stackdump's sitecustomize with ONECARD_TORCH_CAP_MIB: importing torch queues the cap
+    for CUDA's lazy initialization and creates no CUDA context; without the variables torch is
+    not touched."""
+    code = ("import sys, torch, torch.cuda as c; "
+            "print(any('_after_torch' in getattr(f, '__qualname__', '') for f, _ in c._queued_calls), "
+            "c.is_initialized(), 'onecard_torch_mem' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "gpu" / "lib" / "stackdump")}
+    env.pop("ONECARD_TORCH_STATS_DIR", None)
+    r = subprocess.run([sys.executable, "-c", code], env={**env, "ONECARD_TORCH_CAP_MIB": "1000",
+                       "ONECARD_TORCH_STATS_DIR": str(tmp_path)}, capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["True", "False", "True"], r.stdout + r.stderr
+    env.pop("ONECARD_TORCH_CAP_MIB", None)
+    r = subprocess.run([sys.executable, "-c", "import sys; print('onecard_torch_mem' in sys.modules, 'torch' in sys.modules)"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["False", "False"], r.stdout + r.stderr

@@ -23,6 +23,11 @@
 # fits / does NOT fit with the margin. A verdict is a figure, never a failure.
 # W4A16 GEMMs on Marlin, the kernel vLLM picks on a 3090 (FIT_GEMM=marlin, the default:
 # VLLM_DISABLED_KERNELS=MacheteLinearKernel; on sm_90 vLLM would pick Machete: FIT_GEMM=vllm).
+# FIT_TORCH_CAP=auto|MiB caps each server's torch caching allocator (gpu/lib/stackdump/onecard_torch_mem.py;
+# auto: 24 GiB - the 3090 context estimate - FIT_NONTORCH_MIB (256) + the checkpoint's excess over the
+# prepared layout): on the H200 the allocator never frees its cache, on a 24 GiB card it must; a
+# capped case that boots and runs its workload fits, one that raises OOM does not. Every server's
+# allocator is watched (peak allocated / reserved, retries, OOMs) in any case.
 # Run it alone (the default four servers hold ~110 GiB). FIT_FORCE_FIRST_CONFIG=1: servers without
 # Triton autotuning (faster boots; the product autotunes, so the default keeps it).
 # Writes $JOB_OUT/{fit.json,fit-table.txt,fit-samples.csv,server-*.log,run.txt,summary.txt}.

@@ -82,6 +82,9 @@ CASES = {
     "long-off": {"CTX": "long", "SPEC": "off"},
     "huge-dflash2": {"CTX": "huge", "SPEC": "dflash2"},
     "huge-mtp": {"CTX": "huge", "SPEC": "mtp"},
+    # the headline with torch's expandable segments (less fragmentation; compatible with vLLM
+    # without a KV connector): a candidate for the launcher's environment
+    "long-dflash2-es": {"CTX": "long", "SPEC": "dflash2", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
 }
 DEFAULT_CASES = ("long-dflash2", "fast-dflash2", "long-mtp", "long-off")
 SERVED = "geom"
@@ -427,6 +430,18 @@ def render_table(recs: list[dict], top: dict) -> str:
         if lg.get("oom"):
             bits.append("CUDA OUT OF MEMORY in the log")
         lines.append(f"  {r['name']:<17} " + ("; ".join(bits) or "-"))
+    lines.append("torch's caching allocator (the engine process, onecard_torch_mem; cap = FIT_TORCH_CAP): peak "
+                 "allocated / peak reserved MiB, retries (cache flushes the cap forced), OOMs; beside torch = H200 peak "
+                 "- peak reserved (context, kernel modules, handles):")
+    for r in recs:
+        t = r.get("torch") or {}
+        if not t:
+            lines.append(f"  {r['name']:<17} -")
+            continue
+        beside = r.get("peak_mib") - t["reserved_peak_mib"] if r.get("peak_mib") and r.get("procs") == 1 else None
+        lines.append(f"  {r['name']:<17} cap {_n(r.get('torch_cap_mib'))}; allocated {_n(t.get('allocated_peak_mib'))} / "
+                     f"reserved {_n(t.get('reserved_peak_mib'))} MiB; retries {t.get('alloc_retries')}, OOMs "
+                     f"{t.get('ooms')}; beside torch {_n(beside)} MiB ({t.get('processes')} process(es) wrote stats)")
     ctx = probe.get("context_mib")
     lines.append(f"H200 bare CUDA context (torch.zeros(1) process, nvidia-smi): {_n(ctx)} MiB; after a bf16 matmul "
                  f"(cuBLAS): {_n(probe.get('context_cublas_mib'))} MiB. 3090 context: {_n(top.get('ctx_3090_mib'))} MiB "
@@ -753,6 +768,53 @@ def run_case(rec: dict, launcher: list[str], base: dict, out: Path, sampler: Sam
             rec["vllm_log"] = {}
 
 
+def parse_torch_cap(text: str | None) -> str | int | None:
+    """FIT_TORCH_CAP: off (default) | auto | a number of MiB -> None | "auto" | int; else CaseError (one line)."""
+    t = (text or "off").strip().lower()
+    if t in ("", "off", "0"):
+        return None
+    if t == "auto":
+        return "auto"
+    try:
+        v = int(t)
+    except ValueError:
+        v = 0
+    if v < 1024:
+        raise CaseError(f"FIT_TORCH_CAP={text!r} is not valid; valid: off | auto | a number of MiB >= 1024")
+    return v
+
+
+def torch_cap_mib(rec: dict, cap, ctx_3090_mib: float, nontorch_mib: float, card_mib: int = CARD_MIB) -> int | None:
+    """The torch caching allocator's cap of one case's server (onecard_torch_mem, MiB), or None.
+    auto: what a 24 GiB card leaves torch (card - the 3090 context estimate - nontorch_mib for
+    what loads beside torch: kernel modules, cuBLAS handles), plus this checkpoint's predicted
+    excess over the prepared 27B layout (the geometry checkpoint's bf16 embed / lm_head), so the
+    cap judges the prepared layout."""
+    if cap is None:
+        return None
+    if cap != "auto":
+        return int(cap)
+    plan = rec.get("plan") or {}
+    vram, prep = plan.get("vram") or {}, plan.get("prepared_vram") or {}
+    excess = (vram["total"] - prep["total"]) / MiB if vram.get("total") and prep.get("total") else 0.0
+    return int(card_mib - ctx_3090_mib - nontorch_mib + excess)
+
+
+def read_torch_stats(stats_dir: Path) -> dict:
+    """onecard_torch_mem's per-process files of one server -> the process with the largest reserved
+    peak (the engine core) and how many processes wrote one ({} when none)."""
+    recs = []
+    for f in sorted(Path(stats_dir).glob("torch-*.json")):
+        try:
+            recs.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not recs:
+        return {}
+    top = max(recs, key=lambda r: r.get("reserved_peak_mib") or 0)
+    return {**top, "processes": len(recs)}
+
+
 def run_probe(probe_cmd: list[str], timeout: float = 120) -> dict:
     try:
         p = subprocess.run(probe_cmd, capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
@@ -841,8 +903,17 @@ def run(a, cases: list[str]) -> int:
     probe_t = threading.Thread(target=lambda: probe.update(run_probe(probe_cmd)), daemon=True)
     probe_t.start()
     recs = make_plans(cases, a, base, out)
+    top["torch_cap"] = a.torch_cap
     for r in recs:
         if "plan" in r:
+            # the torch caching allocator, watched always and capped with FIT_TORCH_CAP
+            # (gpu/lib/stackdump/onecard_torch_mem.py, on the servers' PYTHONPATH through gpu/run.sh)
+            r["plan"]["env"]["ONECARD_TORCH_STATS_DIR"] = str(out / "torch-stats" / r["name"])
+            cap = torch_cap_mib(r, a.torch_cap, ctx_mib, a.nontorch_mib)
+            if cap:
+                r["plan"]["env"]["ONECARD_TORCH_CAP_MIB"] = str(cap)
+                r["torch_cap_mib"] = cap
+                say(f"case {r['name']}: torch caching allocator capped at {cap:,} MiB (FIT_TORCH_CAP={a.torch_cap})")
             for line in plan_lines(r, a.prompt_frac):   # the argv into run.txt only, not the summary
                 print(line, flush=True) if line.startswith("  argv:") else say(line)
             if note := product_note(r):
@@ -896,6 +967,7 @@ def run(a, cases: list[str]) -> int:
             r["measured"] = False
             r["error"] = (f"no GPU memory seen for the server's session in {r['samples']} samples "
                           f"(nvidia-smi errors {sampler.errors}: {sampler.last_error or '-'})")
+        r["torch"] = read_torch_stats(out / "torch-stats" / r["name"])
         r["derived"] = derive(r, probe.get("context_mib"), ctx_mib)
         if not r.get("measured"):
             top["failures"].append(f"{r['name']}: {r.get('error') or 'not measured'}")
@@ -1010,6 +1082,8 @@ def dry_run(a, cases: list[str]) -> int:
             continue
         for line in plan_lines(r, a.prompt_frac):
             say(line)
+        if cap := torch_cap_mib(r, a.torch_cap, ctx_3090(a)[0], a.nontorch_mib):
+            say(f"  torch caching allocator capped at {cap:,} MiB (FIT_TORCH_CAP={a.torch_cap})")
         if note := product_note(r):
             say("FAIL " + note)
             ok = False
@@ -1052,6 +1126,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="VLLM_TRITON_FORCE_FIRST_CONFIG=1 for the servers (faster boots; no autotuner buffers)")
     ap.add_argument("--gemm", default=env.get("FIT_GEMM", "marlin"),
                     help="marlin (default: the 3090's W4A16 kernel) | vllm (Machete on the H200)")
+    ap.add_argument("--torch-cap", default=env.get("FIT_TORCH_CAP", "off"),
+                    help="off | auto | MiB: cap each server's torch caching allocator (auto: what a 24 GiB card "
+                         "leaves it for the prepared 27B layout)")
+    ap.add_argument("--nontorch-mib", type=float, default=float(env.get("FIT_NONTORCH_MIB", "256")),
+                    help="auto cap: MiB left beside torch and the CUDA context (kernel modules, handles)")
     ap.add_argument("--launcher", default=f"{sys.executable} -m onecard.launch")
     ap.add_argument("--nvidia-smi", default=env.get("FIT_NVIDIA_SMI", "nvidia-smi"))
     ap.add_argument("--probe-cmd", default=None, help="the context probe's command (default: PROBE_CODE)")
@@ -1064,6 +1143,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cases = parse_cases(a.cases)
         gemm_env(a.gemm)
+        a.torch_cap = parse_torch_cap(a.torch_cap)
     except CaseError as e:
         print(f"41-fit: {e}", flush=True)
         return 2

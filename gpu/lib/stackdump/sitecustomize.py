@@ -8,6 +8,8 @@ Python imports one ``sitecustomize``: after registering, this one runs the next
 ``sitecustomize.py`` found on sys.path (e.g. tests/gpu/fp32_shim's or the distribution's), so
 nothing that relied on it is lost. ONECARD_STACK_SIGNAL=0 turns the handler off.
 ONECARD_HOST_TIMING=1 also installs onecard_host_timing (per-step host timing of vLLM's runner).
+ONECARD_TORCH_CAP_MIB / ONECARD_TORCH_STATS_DIR install onecard_torch_mem (the torch caching
+allocator capped and watched: job 41's FIT_TORCH_CAP).
 """
 import os
 import sys
@@ -57,6 +59,19 @@ def _host_timing() -> None:
         print(f"onecard-stackdump: host timing not installed: {e!r}", file=sys.stderr, flush=True)
 
 
+def _torch_mem() -> None:
+    """ONECARD_TORCH_CAP_MIB / ONECARD_TORCH_STATS_DIR: onecard_torch_mem.py."""
+    if not (os.environ.get("ONECARD_TORCH_CAP_MIB") or os.environ.get("ONECARD_TORCH_STATS_DIR")):
+        return
+    try:
+        import onecard_torch_mem
+
+        onecard_torch_mem.install()
+    except Exception as e:  # noqa: BLE001 - a probe must never stop a job
+        print(f"onecard-stackdump: torch memory hook not installed: {e!r}", file=sys.stderr, flush=True)
+
+
 _register()
 _host_timing()
+_torch_mem()
 _chain()
