@@ -893,6 +893,15 @@ def target_weight_bytes(model_dir: str | os.PathLike | None, spec_method: str | 
 
 
 RESERVES = CUDA_GRAPH_RESERVE + ACTIVATION_HEADROOM + CUDA_CONTEXT
+PREFILL_CHUNK = 2048   # the launcher's default --max-num-batched-tokens (ACTIVATION_HEADROOM's chunk)
+
+
+def reserves(prefill_chunk: int = PREFILL_CHUNK) -> int:
+    """The estimated reserves at a prefill chunk (PREFILL_CHUNK): the activation headroom grows
+    linearly with a chunk above 2048 tokens (a prefill step's activations are per token); a
+    smaller chunk keeps the 2048 figure (the sampler and CUDA graphs do not shrink with it)."""
+    extra = ACTIVATION_HEADROOM * max(0, prefill_chunk - PREFILL_CHUNK) // PREFILL_CHUNK
+    return RESERVES + extra
 
 
 def dflash2_lane_bytes(max_seqs: int, max_len: int, k: int) -> int:

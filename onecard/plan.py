@@ -129,6 +129,7 @@ OWNED_FLAGS = {
     "--config": "knobs and other flags in EXTRA_ARGS (a config file could set the host or the key)",
     "--max-model-len": "MAX_LEN=...",
     "--max-num-seqs": "MAX_SEQS=...",
+    "--max-num-batched-tokens": "PREFILL_CHUNK=...",
     "--kv-cache-memory-bytes": "KV_MEM=...",
     "--kv-cache-dtype": "KV=... or CTX=fast|long|huge",
     "--speculative-config": "SPEC=off|mtp|dflash2 with SPEC_K / DFLASH_TOKENS / DRAFT",
@@ -319,6 +320,14 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
             plan.set(name, default, "profile", f"CTX={ctx.name}")
         else:
             plan.values[name].value = parse_int(plan.get(name), name, lo, hi)
+    # the prefill chunk: one decode step of every sequence (each with its draft tokens) must fit it
+    k_step = 1 + (int(plan.get("SPEC_K")) if spec.name != "off" else 0)
+    need = int(plan.get("MAX_SEQS")) * k_step
+    chunk = parse_int(str(plan.get("PREFILL_CHUNK")), "PREFILL_CHUNK", 256, 65536)
+    if chunk < need:
+        raise PlanError(f"PREFILL_CHUNK={chunk} is below MAX_SEQS x (1 + draft tokens) = {plan.get('MAX_SEQS')} x "
+                        f"{k_step} = {need} tokens, what one decode step schedules; valid: {max(need, 256)}..65536")
+    plan.values["PREFILL_CHUNK"].value = chunk
     plan.values["PORT"].value = parse_int(str(plan.get("PORT")), "PORT", 1, 65535)
     try:
         util = float(plan.get("GPU_UTIL"))
@@ -610,7 +619,8 @@ def build_argv(plan: ServePlan, python: str = sys.executable, model_path: str | 
     argv = [python, *SERVE_PREFIX, model_path or str(v("MODEL")),
             "--served-model-name", v("SERVED_NAME"),
             "--host", v("HOST"), "--port", str(v("PORT")),
-            "--max-model-len", str(v("MAX_LEN")), "--max-num-seqs", str(v("MAX_SEQS"))]
+            "--max-model-len", str(v("MAX_LEN")), "--max-num-seqs", str(v("MAX_SEQS")),
+            "--max-num-batched-tokens", str(v("PREFILL_CHUNK"))]
     if v("KV_MEM") == "auto" or v("KV_MEM") is None:
         argv += ["--gpu-memory-utilization", str(v("GPU_UTIL"))]
     else:

@@ -272,8 +272,9 @@ def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: mem
     ring = _ring_bytes(plan)
     lane = _lane_bytes(plan)
     card, _ = _card(plan)
+    chunk = int(plan.get("PREFILL_CHUNK")) if "PREFILL_CHUNK" in plan.values else memory.PREFILL_CHUNK
     b = memory.vram_budget(kv_mem, weights, drafter.weight_bytes if drafter else 0, head, stage, card_bytes=card,
-                           dflash2_ring_bytes=ring, dflash2_lane_bytes=lane)
+                           dflash2_ring_bytes=ring, dflash2_lane_bytes=lane, reserves=memory.reserves(chunk))
     b["certain"] = b["total"] - b["reserves"] + memory.CUDA_CONTEXT
     b["sources"] = {"weights": wsrc, "drafter_weights": drafter.source if drafter else "",
                     "draft_lm_head": hsrc}

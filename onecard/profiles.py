@@ -115,6 +115,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          "waits on the previous step each step: 0 made a DFlash2 k=7 step at 8k 17 % faster on the H200 "
          "(docs/dflash2.md), at the cost of every prefix-cache hit", BOOL),
     Knob("MAX_SEQS", "", "1..256", "max concurrent sequences; default per profile"),
+    Knob("PREFILL_CHUNK", "2048", "256..65536", "tokens one engine step may schedule (--max-num-batched-tokens): "
+         "the prefill chunk. 2048 is what vLLM picks on its own for a GPU under 70 GiB; pinned, so every card "
+         "runs (and the preflight sizes) the same plan. Larger chunks need more activation memory (the preflight "
+         "scales its activation reserve with it); must be at least MAX_SEQS x (1 + draft tokens)"),
     Knob("KV_MEM", "", "bytes, or with K/M/G suffix, or 'auto'", "KV pool pin (--kv-cache-memory-bytes); 'auto' uses GPU_UTIL"),
     Knob("GPU_UTIL", "0.92", "0.10..0.99", "gpu_memory_utilization when KV_MEM=auto; with a KV_MEM pin, only the free-memory bar vLLM checks at boot"),
     Knob("TP", "1", "1|2|4|8", "GPUs of one host through vLLM's own tensor parallelism (--tensor-parallel-size; "

@@ -331,14 +331,37 @@ def test_kvarn_window_and_sinks_reach_the_server_and_size_the_stage(root, featur
 
 def test_extra_args_that_vllm_reads_as_other_flags_pass(root):
     """Flags the plan does not own pass through, including ones that share a prefix with an
-    owned flag (--config-format, --max-num-batched-tokens) and an ambiguous prefix (--ma)."""
+    owned flag (--config-format, --max-num-batched-tokens-x) and an ambiguous prefix (--ma)."""
     from onecard.plan import owned_flag
 
-    for word in ("--seed", "--config-format", "--max-num-batched-tokens", "--ma", "--", "-O3",
+    for word in ("--seed", "--config-format", "--max-num-batched-tokens-x", "--ma", "--", "-O3",
                  "--kv-cache-dtype-skip-layers", "0.0.0.0", "--served-model-name-x"):
         assert owned_flag(word) is None, word
-    plan = mk({"EXTRA_ARGS": "--seed 1 --max-num-batched-tokens 4096"}, root)
-    assert plan.argv[-4:] == ["--seed", "1", "--max-num-batched-tokens", "4096"]
+    plan = mk({"EXTRA_ARGS": "--seed 1 --enable-chunked-prefill"}, root)
+    assert plan.argv[-3:] == ["--seed", "1", "--enable-chunked-prefill"]
+
+
+def test_prefill_chunk_is_pinned_and_checked(root):
+    """PREFILL_CHUNK pins --max-num-batched-tokens (vLLM would pick 8192 on an H200 and 2048 on a
+    3090); below one decode step's tokens it is refused in one line naming the valid range; in
+    EXTRA_ARGS the flag is refused and names the knob."""
+    from onecard.plan import owned_flag
+
+    plan = mk({"CTX": "long", "SPEC": "mtp"}, root)
+    i = plan.argv.index("--max-num-batched-tokens")
+    assert plan.argv[i + 1] == "2048"
+    plan = mk({"PREFILL_CHUNK": "8192"}, root)
+    assert plan.argv[plan.argv.index("--max-num-batched-tokens") + 1] == "8192"
+    with pytest.raises(P.PlanError) as e:
+        mk({"CTX": "fast", "SPEC": "mtp", "MAX_SEQS": "256", "PREFILL_CHUNK": "512"}, root)
+    msg = str(e.value)
+    assert "PREFILL_CHUNK=512 is below MAX_SEQS x (1 + draft tokens)" in msg and "valid: 1280..65536" in msg
+    assert "\n" not in msg
+    with pytest.raises(P.PlanError, match="valid: 256..65536"):
+        mk({"PREFILL_CHUNK": "lots"}, root)
+    assert owned_flag("--max-num-batched-tokens") == "--max-num-batched-tokens"
+    with pytest.raises(P.PlanError, match="PREFILL_CHUNK"):
+        mk({"EXTRA_ARGS": "--max-num-batched-tokens 4096"}, root)
 
 
 def test_loopback_hosts_need_no_key_and_keys_are_stripped(root):
