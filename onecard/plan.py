@@ -683,6 +683,8 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     plan.argv = build_argv(plan, python, model_path)
     if plan.api_key:
         plan.child_env["VLLM_API_KEY"] = plan.api_key
+    # read by patch 0002 (vllm/v1/engine/core.py): logged after an out-of-memory error
+    plan.child_env["ONECARD_OOM_HINT"] = oom_hint(plan)
     if "TP" in plan.values and int(plan.get("TP")) > 1:
         plan.child_env.update(profiles.TP_CHILD_ENV)  # NVLink multicast off (profiles.TP_CHILD_ENV says why)
     # WIDE_VERIFY's only reader in the server is patch 0070 (triton_attn.py, ONECARD_WIDE_VERIFY)
@@ -748,6 +750,38 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
         if note:
             plan.notes.append(note)
     return plan
+
+
+def oom_hint(plan: ServePlan) -> str:
+    """One line for the server log after an out-of-memory error (patch 0002): the plan that ran
+    out, the preflight's prediction, and what to lower first, in the knobs' own words."""
+    v = plan.get
+    kv = v("KV_MEM")
+    sizes = (f"CTX={v('CTX')} SPEC={v('SPEC')} KV_MEM={'auto' if kv in ('auto', None) else f'{int(kv) // memory.MiB}M'} "
+             f"MAX_LEN={v('MAX_LEN')} MAX_SEQS={v('MAX_SEQS')} PREFILL_CHUNK={v('PREFILL_CHUNK')}")
+    if "DRAFT_QUANT" in plan.values and v("SPEC") == "dflash2":
+        sizes += f" DRAFT_QUANT={v('DRAFT_QUANT')}"
+    vram = (plan.prediction or {}).get("vram") or {}
+    pred = (f"; the preflight predicted {vram['total'] / memory.GiB:.2f} GiB of {vram['card_bytes'] / memory.GiB:.2f} "
+            "GiB, its CUDA-graph and activation reserves estimated" if vram.get("total") and vram.get("card_bytes")
+            else "")
+    tries = []
+    if kv in ("auto", None):
+        tries.append(f"GPU_UTIL={max(0.10, float(v('GPU_UTIL')) - 0.04):.2f}")
+    else:
+        lower = max(int(kv) - 512 * memory.MiB, 256 * memory.MiB) // (64 * memory.MiB) * 64
+        tries.append(f"KV_MEM={lower}M (MAX_LEN is capped to what it holds)")
+    if int(v("PREFILL_CHUNK")) > memory.PREFILL_CHUNK:
+        tries.append(f"PREFILL_CHUNK={memory.PREFILL_CHUNK}")
+    if v("SPEC") == "dflash2" and v("DRAFT_QUANT") == "bf16":
+        tries.append("DRAFT_QUANT=fp8")
+    if int(v("MAX_SEQS")) > 1:
+        tries.append(f"MAX_SEQS={max(1, int(v('MAX_SEQS')) // 2)}")
+    if v("SPEC") == "dflash2":
+        tries.append("SPEC=mtp")
+    return (f"onecard: the GPU ran out of memory with {sizes}{pred}. Try, one at a time: {', '.join(tries)}; and "
+            "check that no other process holds GPU memory (nvidia-smi). ./start_qwen.sh --dry-run shows a plan "
+            "before it boots")
 
 
 def _to_server(plan: ServePlan, knob: str) -> None:

@@ -148,7 +148,10 @@ launcher's knobs, preflight and prediction; `--dry-run` prints every value, note
   been checked on any 24 GB card: the {reserves} GiB of reserves (CUDA graphs, activations, CUDA
   context) are estimates, and **too low by the first measurement** (H200, 2026-12-05, job 41:
   every server 1.2-2.0 GiB above these totals; by its 3090 estimate `CTX=long SPEC=dflash2` is
-  about 1.6 GiB over 24 GiB even with the FP8 drafter, `CTX=long SPEC=mtp|off` fit).
+  about 1.6 GiB over 24 GiB even with the FP8 drafter, `CTX=long SPEC=mtp|off` fit). That run's
+  servers prefilled in vLLM's H200 chunk of 8,192 tokens, four times a 3090's 2,048, which these
+  reserves assume: the launcher now pins `PREFILL_CHUNK` (2,048) on every card, and job 41 with
+  the torch allocator capped at a 24 GiB card's share (`FIT_TORCH_CAP=auto`) is the next measurement.
 - The plans assume what a full install has: KVarN (`./install.sh --kvarn`, for `CTX=huge`), patch
   0080 (`SPEC=dflash2`), the prepared 27B checkpoint (its weights as the memory model lays them
   out: int8 lm_head/embed/MTP) and the published 27B DFlash2 drafter in `DRAFT` (its config's

@@ -392,3 +392,62 @@ def test_the_device_lookup_lane_is_in_the_vram_sum(features, root):
     for off in ({"LOOKUP_LANE": "host"}, {"LOOKUP": "0"}, {"DFLASH_TOKENS": "7"}):
         plan = mk({**env, **off}, root)
         assert not any("lookup lane history" in n for n in plan.notes), off
+
+
+def test_oom_hint_names_the_plan_and_what_to_lower(root, features):
+    """ONECARD_OOM_HINT (logged by patch 0002 after an out-of-memory error): one line with the plan
+    that ran out, the prediction, and the knobs to lower, in their own spelling."""
+    plan = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(features), "CARD_GIB": "24",
+               "DRAFT_QUANT": "bf16", "PREFILL_CHUNK": "4096"}, root)
+    hint = plan.child_env["ONECARD_OOM_HINT"]
+    pin = int(plan.get("KV_MEM"))
+    lower = (pin - 512 * 2**20) // (64 * 2**20) * 64
+    assert "\n" not in hint and hint.startswith("onecard: the GPU ran out of memory with CTX=long SPEC=dflash2 ")
+    assert f"KV_MEM={pin // 2**20}M" in hint and "the preflight predicted" in hint and "of 24.00 GiB" in hint
+    for fix in (f"KV_MEM={lower}M", "PREFILL_CHUNK=2048", "DRAFT_QUANT=fp8", "MAX_SEQS=2", "SPEC=mtp"):
+        assert fix in hint, fix
+    auto = mk({"CTX": "fast", "SPEC": "off", "KV_MEM": "auto", "MAX_SEQS": "1"}, root).child_env["ONECARD_OOM_HINT"]
+    assert "KV_MEM=auto" in auto and "GPU_UTIL=0.88" in auto and "MAX_SEQS=" not in auto.split("Try")[1]
+    tries = auto.split("Try")[1]
+    assert "SPEC=mtp" not in tries and "PREFILL_CHUNK" not in tries
+
+
+def test_oom_hint_patch_logs_only_after_an_oom(monkeypatch, caplog):
+    """Patch 0002's helper, run from the patch text itself: logs the hint for an OutOfMemoryError
+    anywhere in the exception chain (a worker's, wrapped) and for nothing else."""
+    import logging
+
+    text = (Path(__file__).resolve().parents[1] / "patches" / "0002-oom-hint.patch").read_text()
+    lines = text.splitlines()
+    start = lines.index("+def _onecard_oom_hint(e: BaseException) -> None:")
+    body = []
+    for line in lines[start:]:
+        if not line.startswith("+"):
+            break
+        body.append(line[1:])
+    src = "\n".join(body)
+    log = logging.getLogger("oomhint-test")
+    ns = {"os": os, "logger": log}
+    exec(compile(src, "0002-oom-hint", "exec"), ns)
+
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    monkeypatch.setenv("ONECARD_OOM_HINT", "onecard: HINT")
+    with caplog.at_level(logging.ERROR, logger="oomhint-test"):
+        ns["_onecard_oom_hint"](ValueError("bad config"))
+        assert "HINT" not in caplog.text
+        try:
+            try:
+                raise OutOfMemoryError("CUDA error")
+            except OutOfMemoryError as inner:
+                raise RuntimeError("Worker failed") from inner
+        except RuntimeError as e:
+            ns["_onecard_oom_hint"](e)
+        assert caplog.text.count("onecard: HINT") == 1
+        ns["_onecard_oom_hint"](RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+        assert caplog.text.count("onecard: HINT") == 2
+    monkeypatch.delenv("ONECARD_OOM_HINT")
+    caplog.clear()
+    ns["_onecard_oom_hint"](RuntimeError("out of memory"))
+    assert "HINT" not in caplog.text
