@@ -387,12 +387,12 @@ def check_drafter(ctx) -> Result:
                                    + (f", fits {s['target']}" if s["target"] else ""))
 
 
-def check_plan(ctx) -> Result:
-    """Would ./start_qwen.sh start with this environment and .env? The launcher's own plan and
-    preflight (``python -m onecard.launch --json``, no boot) on the card a real launch would see:
-    CARD_GIB, else nvidia-smi's (plan.card_memory). FAIL on a refusal (its one line), WARN when
-    the card made the preflight lower the profile's KV_MEM pin or the plan is over the card by
-    the estimated reserves only (the plan's vram prediction; the pin that fits is named), PASS otherwise."""
+def _plan_doc(ctx) -> tuple[dict | None, dict, str, str]:
+    """The launcher's plan for this environment (``python -m onecard.launch --json``, no boot) on
+    the card a real launch would see: (the JSON or None, the environment, where the card size came
+    from, why there is no plan). Computed once per run (ctx["plan_doc"])."""
+    if "plan_doc" in ctx:
+        return ctx["plan_doc"]
     from onecard.plan import card_memory
 
     env = dict(os.environ)
@@ -403,18 +403,32 @@ def check_plan(ctx) -> Result:
             env["CARD_GIB"], card_src = f"{card / 2**30:.2f}", "nvidia-smi"
     if ctx.get("model"):
         env["MODEL"] = ctx["model"]
+    doc, why = None, ""
     try:
         # from where start_qwen.sh runs it (it cds to its own directory: .env and api_key.txt there)
         repo = Path(__file__).resolve().parents[1]
         cwd = repo if (repo / "start_qwen.sh").is_file() else Path.cwd()
         out = subprocess.run([sys.executable, "-m", "onecard.launch", "--json"], capture_output=True,
                              text=True, env=env, timeout=120, cwd=cwd)
+        if out.returncode != 0:
+            why = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1].removeprefix("onecard launch: ")
+        else:
+            doc = json.loads(out.stdout)
     except (OSError, subprocess.SubprocessError) as e:
-        return Result(FAIL, "plan", f"onecard.launch --json did not run ({type(e).__name__}: {e})")
-    if out.returncode != 0:
-        line = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
-        return Result(FAIL, "plan", line.removeprefix("onecard launch: "))
-    doc = json.loads(out.stdout)
+        why = f"onecard.launch --json did not run ({type(e).__name__}: {e})"
+    ctx["plan_doc"] = (doc, env, card_src, why)
+    return ctx["plan_doc"]
+
+
+def check_plan(ctx) -> Result:
+    """Would ./start_qwen.sh start with this environment and .env? The launcher's own plan and
+    preflight (``python -m onecard.launch --json``, no boot) on the card a real launch would see:
+    CARD_GIB, else nvidia-smi's (plan.card_memory). FAIL on a refusal (its one line), WARN when
+    the card made the preflight lower the profile's KV_MEM pin or the plan is over the card by
+    the estimated reserves only (the plan's vram prediction; the pin that fits is named), PASS otherwise."""
+    doc, env, card_src, why = _plan_doc(ctx)
+    if doc is None:
+        return Result(FAIL, "plan", why)
     values = doc["values"]
     val = {k: v["value"] for k, v in values.items()}
     kv = val.get("KV_MEM")
@@ -530,7 +544,70 @@ def check_live_spec(ctx) -> Result | None:
     return Result(PASS, "speculation", detail)
 
 
-LIVE_CHECKS: list[Callable[[dict], Result | None]] = [check_live_models, check_live_completion, check_live_spec]
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def _smi_rows(args: list[str]) -> list[list[str]] | None:
+    from onecard.plan import _nvidia_smi
+
+    out, _ = _nvidia_smi([*args, "--format=csv,noheader,nounits"])
+    if out is None:
+        return None
+    return [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+def _is_vllm(pid: int, proc: Path = Path("/proc")) -> bool:
+    try:
+        cmd = (proc / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return "vllm" in cmd.lower()
+
+
+def check_live_memory(ctx, proc: Path = Path("/proc")) -> Result | None:
+    """How much GPU memory the running server holds (nvidia-smi, summed over the processes whose
+    command line names vLLM: the API server and its engine core), against the card and the
+    launcher's prediction for this environment. The figure a 24 GB card gives here is the one
+    onecard's memory model most needs (its CUDA-graph and activation reserves are estimates:
+    docs/profiles.md). None when the server is not on this machine or there is no nvidia-smi."""
+    from urllib.parse import urlparse
+
+    host = urlparse(ctx["url"]).hostname or ""
+    if host not in LOCAL_HOSTS:
+        return None
+    gpus = _smi_rows(["--query-gpu=uuid,index,name,memory.total,memory.used"])
+    apps = _smi_rows(["--query-compute-apps=gpu_uuid,pid,used_memory"])
+    if not gpus or apps is None:
+        return None
+    held: dict[str, list[int]] = {}
+    for row in apps:
+        try:
+            uuid, pid, mib = row[0], int(row[1]), int(row[2])
+        except (IndexError, ValueError):
+            continue  # "[N/A]" where the driver does not say (containers, WSL)
+        if _is_vllm(pid, proc):
+            held.setdefault(uuid, []).append(mib)
+    if not held:
+        return Result(WARN, "gpu memory", "nvidia-smi shows no vLLM process with a memory figure (another PID "
+                                          "namespace, or not on this machine's GPUs): not measured")
+    parts = []
+    for uuid, mibs in held.items():
+        gpu = next((g for g in gpus if g[0] == uuid), None)
+        if gpu is None or len(gpu) < 5:
+            continue
+        total, used = int(float(gpu[3])), int(float(gpu[4]))
+        parts.append(f"GPU {gpu[1]} ({gpu[2]}, {total:,} MiB): vLLM holds {sum(mibs):,} MiB in {len(mibs)} "
+                     f"process(es), {total - used:,} MiB free on the card")
+    doc, _, _, _ = _plan_doc(ctx)
+    vram = ((doc or {}).get("prediction") or {}).get("vram") or {}
+    pred = (f"; the plan for this environment predicts {vram['total'] / 2**20:,.0f} MiB (its CUDA-graph and "
+            f"activation reserves estimated)" if vram.get("total") else "")
+    return Result(PASS, "gpu memory", "; ".join(parts) + pred + " (nvidia-smi; this figure from a 24 GB card "
+                                      "calibrates docs/profiles.md)")
+
+
+LIVE_CHECKS: list[Callable[[dict], Result | None]] = [check_live_models, check_live_completion, check_live_spec,
+                                                     check_live_memory]
 
 
 # --------------------------------------------------------------------------- runner

@@ -58,7 +58,8 @@ def test_offline_run_on_the_patched_view(patched_site):
     assert "PASS patches" in out.stdout and "PASS vllm files" in out.stdout
 
 
-def test_live_checks_against_a_server():
+def test_live_checks_against_a_server(monkeypatch):
+    monkeypatch.setattr(verify, "_smi_rows", lambda args: None)   # no GPU figures here, even on a GPU host
     with FakeServer() as srv:
         ctx = {"url": srv.url, "headers": {}}
         results = verify.run_checks(verify.LIVE_CHECKS, ctx, out=io.StringIO())
@@ -93,7 +94,8 @@ def test_live_spec_check_warns_when_nothing_is_accepted_and_skips_without_specul
     assert verify.check_live_spec(ctx) is None   # SPEC=off: no speculation counters
 
 
-def test_live_checks_without_a_server():
+def test_live_checks_without_a_server(monkeypatch):
+    monkeypatch.setattr(verify, "_smi_rows", lambda args: None)
     ctx = {"url": "http://127.0.0.1:9", "headers": {}}
     results = verify.run_checks(verify.LIVE_CHECKS, ctx, out=io.StringIO())
     assert results[0].status == verify.FAIL and results[1].status == verify.FAIL
@@ -178,3 +180,32 @@ def test_no_model_named_checks_the_launchers_default(tmp_path, monkeypatch):
     assert res.status == verify.WARN and "./install.sh --model dbirks/Qwen3.8-27B-W4A16-AutoRound" in res.detail
     monkeypatch.setattr(verify, "_launcher_default_model", lambda: ("tiny", tmp_path / "tiny"))
     assert verify.check_model({}).status == verify.PASS
+
+
+def test_live_memory_sums_the_vllm_processes_and_names_the_prediction(monkeypatch, tmp_path):
+    """check_live_memory: nvidia-smi's per-process figures summed over the processes whose command
+    line names vLLM (the API server and its engine core, not a desktop's), with the card's free
+    memory and the plan's prediction; None for a server elsewhere or without nvidia-smi; a WARN
+    when no vLLM process shows a figure."""
+    from onecard import plan as P
+
+    smi = {"--query-gpu=uuid,index,name,memory.total,memory.used":
+           "GPU-aaaa, 0, NVIDIA GeForce RTX 3090, 24576, 24010\n",
+           "--query-compute-apps=gpu_uuid,pid,used_memory":
+           "GPU-aaaa, 101, 320\nGPU-aaaa, 102, 23100\nGPU-aaaa, 103, 500\nGPU-aaaa, 104, [N/A]\n"}
+    monkeypatch.setattr(P, "_nvidia_smi", lambda args: (smi[args[0]], ""))
+    for pid, cmd in ((101, b"python\0-m\0vllm.entrypoints.cli.main\0serve"), (102, b"VLLM::EngineCore"),
+                     (103, b"/usr/bin/Xorg"), (104, b"vllm")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes(cmd)
+    ctx = {"url": "http://127.0.0.1:18020", "headers": {},
+           "plan_doc": ({"prediction": {"vram": {"total": 24_357 * 2**20}}}, {}, "", "")}
+    r = verify.check_live_memory(ctx, proc=tmp_path)
+    assert r.status == verify.PASS and r.name == "gpu memory"
+    assert "GPU 0 (NVIDIA GeForce RTX 3090, 24,576 MiB): vLLM holds 23,420 MiB in 2 process(es), 566 MiB free" in r.detail
+    assert "predicts 24,357 MiB" in r.detail
+    assert verify.check_live_memory({**ctx, "url": "http://10.0.0.5:18020"}, proc=tmp_path) is None
+    smi["--query-compute-apps=gpu_uuid,pid,used_memory"] = "GPU-aaaa, 103, 500\n"
+    assert verify.check_live_memory(ctx, proc=tmp_path).status == verify.WARN
+    monkeypatch.setattr(P, "_nvidia_smi", lambda args: (None, "no nvidia-smi"))
+    assert verify.check_live_memory(ctx, proc=tmp_path) is None
