@@ -67,7 +67,7 @@ def test_bad_cases_refused_before_any_boot(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [ln for ln in r.stdout.splitlines() if "FIT_CASES" in ln]
     assert lines == ["41-fit: FIT_CASES: 'huge-off' is not a case; valid: long-dflash2 long-dflash2-bf16 fast-dflash2 long-mtp "
-                     "long-off huge-dflash2 huge-mtp long-dflash2-es (space- or comma-separated; default: long-dflash2 "
+                     "long-off huge-dflash2 huge-mtp long-dflash2-es, each also with -cap (space- or comma-separated; default: long-dflash2 "
                      "fast-dflash2 long-mtp long-off)"], r.stdout
     assert not list(out.glob("server-*.log")) and not (out / "run.txt").exists()
     assert "== 41-fit: FAIL (rc=2)" in r.stdout
@@ -431,3 +431,19 @@ def test_torch_mem_hook_queues_without_cuda(tmp_path):
     r = subprocess.run([sys.executable, "-c", "import sys; print('onecard_torch_mem' in sys.modules, 'torch' in sys.modules)"],
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.stdout.split() == ["False", "False"], r.stdout + r.stderr
+
+
+def test_cap_cases():
+    """'<case>-cap' is the same server with its torch allocator capped (auto unless FIT_TORCH_CAP
+    says otherwise), so a capped and an uncapped server of one profile run side by side."""
+    assert fit.parse_cases("long-dflash2 long-dflash2-cap huge-mtp-cap") == ["long-dflash2", "long-dflash2-cap",
+                                                                            "huge-mtp-cap"]
+    assert fit.needs_kvarn(["huge-mtp-cap"]) and not fit.needs_kvarn(["long-off-cap"])
+    with pytest.raises(fit.CaseError, match="'long-cap' is not a case"):
+        fit.parse_cases("long-cap")
+    env = fit.case_env("long-dflash2-es-cap", "/m", "/d", 1, "0.1")
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and env["SPEC"] == "dflash2"
+    rec = {"name": "long-off-cap", "plan": {"vram": {"total": 26_000 * fit.MiB}, "prepared_vram": {"total": 24_000 * fit.MiB}}}
+    assert fit.torch_cap_mib(rec, None, 512, 256) == 24 * 1024 - 512 - 256 + 2000
+    assert fit.torch_cap_mib(rec, 20000, 512, 256) == 20000
+    assert fit.torch_cap_mib({**rec, "name": "long-off"}, None, 512, 256) is None

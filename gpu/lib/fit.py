@@ -212,14 +212,25 @@ def say(msg: str) -> None:
 
 # ----------------------------------------------------------------------------- pure parts
 
+CAP_SUFFIX = "-cap"   # "<case>-cap": that case with its torch caching allocator capped (FIT_TORCH_CAP, else auto)
+
+
+def case_base(name: str) -> str:
+    """The CASES entry of a case name ("long-dflash2-cap" -> "long-dflash2")."""
+    return name[:-len(CAP_SUFFIX)] if name.endswith(CAP_SUFFIX) and name[:-len(CAP_SUFFIX)] in CASES else name
+
+
 def parse_cases(text: str | None) -> list[str]:
     """FIT_CASES (space- or comma-separated case names; None: the default) -> the cases, in order,
-    each once. A bad name or an empty list: CaseError, one line naming every valid case."""
+    each once. A case name may end in -cap (the same server with its torch allocator capped, so
+    a capped and an uncapped server of one profile run side by side). A bad name or an empty
+    list: CaseError, one line naming every valid case."""
     words = (" ".join(DEFAULT_CASES) if text is None else text).replace(",", " ").split()
-    valid = f"valid: {' '.join(CASES)} (space- or comma-separated; default: {' '.join(DEFAULT_CASES)})"
+    valid = (f"valid: {' '.join(CASES)}, each also with {CAP_SUFFIX} (space- or comma-separated; default: "
+             f"{' '.join(DEFAULT_CASES)})")
     if not words:
         raise CaseError(f"FIT_CASES is empty; {valid}")
-    bad = [w for w in words if w not in CASES]
+    bad = [w for w in words if case_base(w) not in CASES]
     if bad:
         what = "is not a case" if len(bad) == 1 else "are not cases"
         raise CaseError(f"FIT_CASES: {', '.join(repr(b) for b in bad)} {what}; {valid}")
@@ -227,7 +238,7 @@ def parse_cases(text: str | None) -> list[str]:
 
 
 def needs_kvarn(cases: list[str]) -> bool:
-    return any(CASES[c]["CTX"] == "huge" for c in cases)
+    return any(CASES[case_base(c)]["CTX"] == "huge" for c in cases)
 
 
 def parse_compute_apps(text: str) -> list[tuple[int, int | None]]:
@@ -430,18 +441,25 @@ def render_table(recs: list[dict], top: dict) -> str:
         if lg.get("oom"):
             bits.append("CUDA OUT OF MEMORY in the log")
         lines.append(f"  {r['name']:<17} " + ("; ".join(bits) or "-"))
-    lines.append("torch's caching allocator (the engine process, onecard_torch_mem; cap = FIT_TORCH_CAP): peak "
-                 "allocated / peak reserved MiB, retries (cache flushes the cap forced), OOMs; beside torch = H200 peak "
-                 "- peak reserved (context, kernel modules, handles):")
+    lines.append("torch's caching allocator (the engine process, onecard_torch_mem; cap = FIT_TORCH_CAP or a -cap "
+                 "case's auto cap: what a 24 GiB card leaves torch for the prepared 27B layout): peak allocated / peak "
+                 "reserved MiB, retries (cache flushes the cap forced), OOMs; beside torch = H200 peak - peak reserved "
+                 "(context, kernel modules, handles). A capped case that ran its workload fits a 24 GiB card if the "
+                 "3090's context and modules fit the share left beside the cap; the spare under the cap is about how "
+                 "much more KV_MEM it would have held:")
     for r in recs:
         t = r.get("torch") or {}
         if not t:
             lines.append(f"  {r['name']:<17} -")
             continue
         beside = r.get("peak_mib") - t["reserved_peak_mib"] if r.get("peak_mib") and r.get("procs") == 1 else None
-        lines.append(f"  {r['name']:<17} cap {_n(r.get('torch_cap_mib'))}; allocated {_n(t.get('allocated_peak_mib'))} / "
+        cap = r.get("torch_cap_mib")
+        spare = (f"; {cap - t['reserved_peak_mib']:,.0f} MiB spare under the cap" if cap and r.get("measured")
+                 and t.get("reserved_peak_mib") is not None else "")
+        lines.append(f"  {r['name']:<17} cap {_n(cap)}; allocated {_n(t.get('allocated_peak_mib'))} / "
                      f"reserved {_n(t.get('reserved_peak_mib'))} MiB; retries {t.get('alloc_retries')}, OOMs "
-                     f"{t.get('ooms')}; beside torch {_n(beside)} MiB ({t.get('processes')} process(es) wrote stats)")
+                     f"{t.get('ooms')}; beside torch {_n(beside)} MiB ({t.get('processes')} process(es) wrote stats)"
+                     + spare)
     ctx = probe.get("context_mib")
     lines.append(f"H200 bare CUDA context (torch.zeros(1) process, nvidia-smi): {_n(ctx)} MiB; after a bf16 matmul "
                  f"(cuBLAS): {_n(probe.get('context_cublas_mib'))} MiB. 3090 context: {_n(top.get('ctx_3090_mib'))} MiB "
@@ -612,7 +630,7 @@ def gemm_env(gemm: str) -> dict:
 
 def case_env(name: str, model: str, draft: str, port: int, gpu_util: str) -> dict:
     """The launcher knobs of one case (everything else: the profile's defaults)."""
-    c = CASES[name]
+    c = CASES[case_base(name)]
     # VRAM_CHECK=0: the geometry checkpoint's bf16 embed / lm_head (+2.4 GiB over the prepared 27B)
     # put a dflash2 plan's certain part over 24 GiB, and the preflight would lower the profile's pin
     # (or refuse): not the plan a user's prepared checkpoint gets. With it the profile's pin stays;
@@ -786,10 +804,13 @@ def parse_torch_cap(text: str | None) -> str | int | None:
 
 def torch_cap_mib(rec: dict, cap, ctx_3090_mib: float, nontorch_mib: float, card_mib: int = CARD_MIB) -> int | None:
     """The torch caching allocator's cap of one case's server (onecard_torch_mem, MiB), or None.
+    FIT_TORCH_CAP (``cap``) for every case; a "-cap" case without it: auto.
     auto: what a 24 GiB card leaves torch (card - the 3090 context estimate - nontorch_mib for
     what loads beside torch: kernel modules, cuBLAS handles), plus this checkpoint's predicted
     excess over the prepared 27B layout (the geometry checkpoint's bf16 embed / lm_head), so the
     cap judges the prepared layout."""
+    if cap is None and str(rec.get("name", "")).endswith(CAP_SUFFIX):
+        cap = "auto"
     if cap is None:
         return None
     if cap != "auto":
@@ -798,6 +819,10 @@ def torch_cap_mib(rec: dict, cap, ctx_3090_mib: float, nontorch_mib: float, card
     vram, prep = plan.get("vram") or {}, plan.get("prepared_vram") or {}
     excess = (vram["total"] - prep["total"]) / MiB if vram.get("total") and prep.get("total") else 0.0
     return int(card_mib - ctx_3090_mib - nontorch_mib + excess)
+
+
+def cap_source(cap) -> str:
+    return "auto, a -cap case" if cap is None else f"FIT_TORCH_CAP={cap}"
 
 
 def read_torch_stats(stats_dir: Path) -> dict:
@@ -913,7 +938,7 @@ def run(a, cases: list[str]) -> int:
             if cap:
                 r["plan"]["env"]["ONECARD_TORCH_CAP_MIB"] = str(cap)
                 r["torch_cap_mib"] = cap
-                say(f"case {r['name']}: torch caching allocator capped at {cap:,} MiB (FIT_TORCH_CAP={a.torch_cap})")
+                say(f"case {r['name']}: torch caching allocator capped at {cap:,} MiB ({cap_source(a.torch_cap)})")
             for line in plan_lines(r, a.prompt_frac):   # the argv into run.txt only, not the summary
                 print(line, flush=True) if line.startswith("  argv:") else say(line)
             if note := product_note(r):
@@ -1064,7 +1089,7 @@ def dry_run(a, cases: list[str]) -> int:
     if not (Path(a.model) / "config.json").is_file():
         say(f"(dry run: no checkpoint at {a.model}: planned with the prepared 27B layout, like docs/profiles.md; "
             "on the GPU host job 20 builds it)")
-    if any(CASES[c]["SPEC"] == "dflash2" for c in cases) and not (Path(a.draft) / "config.json").is_file():
+    if any(CASES[case_base(c)]["SPEC"] == "dflash2" for c in cases) and not (Path(a.draft) / "config.json").is_file():
         from onecard.dflash.tiny_drafter import build_geometry_drafter
 
         a.draft = str(out / "dry-drafter")
@@ -1083,7 +1108,7 @@ def dry_run(a, cases: list[str]) -> int:
         for line in plan_lines(r, a.prompt_frac):
             say(line)
         if cap := torch_cap_mib(r, a.torch_cap, ctx_3090(a)[0], a.nontorch_mib):
-            say(f"  torch caching allocator capped at {cap:,} MiB (FIT_TORCH_CAP={a.torch_cap})")
+            say(f"  torch caching allocator capped at {cap:,} MiB ({cap_source(a.torch_cap)})")
         if note := product_note(r):
             say("FAIL " + note)
             ok = False
