@@ -872,23 +872,47 @@ def draft_lm_head_bytes(model_dir: str | os.PathLike, draft_vocab_env: str | Non
     return int(ids * per_row), f"{ids:,} draft ids x {per_row:,.0f} B per lm_head row ({f.name})"
 
 
+def is_target_embed(name: str) -> bool:
+    """The target's own embed_tokens tensors (not an MTP module's): what EMBED_HOST=1 keeps in host
+    memory (patch 0013)."""
+    return "embed_tokens." in name and not name.startswith("mtp.")
+
+
+def target_embed_bytes(model_dir: str | os.PathLike | None, geom: "ModelGeometry") -> int:
+    """The target's embed_tokens bytes (what EMBED_HOST=1 moves off the GPU): the checkpoint's
+    headers, else the prepared 27B layout; 0 when neither is known."""
+    import dataclasses
+
+    d = Path(model_dir) if model_dir not in (None, "") else None
+    if d is not None and d.is_dir() and any(d.glob("*.safetensors")):
+        tensors = checkpoint_tensors(d)
+    elif dataclasses.replace(geom, ssm_state_bytes=QWEN38_27B.ssm_state_bytes) == QWEN38_27B:
+        tensors = layout_27b_tensors()
+    else:
+        return 0
+    return sum(b for n, b in tensors if is_target_embed(n) and _tp_class(n) != "skip")
+
+
 def target_weight_bytes(model_dir: str | os.PathLike | None, spec_method: str | None,
-                        geom: "ModelGeometry") -> tuple[int | None, str]:
+                        geom: "ModelGeometry", embed_host: bool = False) -> tuple[int | None, str]:
     """The target's weights on one GPU: the checkpoint's headers when MODEL is on disk (vision
     tower skipped: --language-model-only; mtp.* only with SPEC=mtp, the only mode that builds
-    the MTP module), else the prepared 27B layout when the geometry is the 27B one."""
+    the MTP module), else the prepared 27B layout when the geometry is the 27B one. With
+    ``embed_host`` (EMBED_HOST=1) without the target's embed_tokens (pinned host memory)."""
     import dataclasses
 
     keep_mtp = spec_method == "mtp"
 
     def total(tensors):
-        return sum(b for n, b in tensors if _tp_class(n) != "skip" and (keep_mtp or not n.startswith("mtp.")))
+        return sum(b for n, b in tensors if _tp_class(n) != "skip" and (keep_mtp or not n.startswith("mtp."))
+                   and not (embed_host and is_target_embed(n)))
 
     d = Path(model_dir) if model_dir not in (None, "") else None
     if d is not None and d.is_dir() and any(d.glob("*.safetensors")):
-        return total(checkpoint_tensors(d)), "checkpoint headers"
+        return total(checkpoint_tensors(d)), "checkpoint headers" + (", embed_tokens in host memory" if embed_host else "")
     if dataclasses.replace(geom, ssm_state_bytes=QWEN38_27B.ssm_state_bytes) == QWEN38_27B:
-        return total(layout_27b_tensors()), "27B layout, int8 lm_head/embed/MTP"
+        return total(layout_27b_tensors()), ("27B layout, int8 lm_head/MTP, embed in host memory" if embed_host
+                                             else "27B layout, int8 lm_head/embed/MTP")
     return None, "unknown (no checkpoint, not the 27B geometry)"
 
 

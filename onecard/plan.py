@@ -320,6 +320,9 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
             plan.set(name, default, "profile", f"CTX={ctx.name}")
         else:
             plan.values[name].value = parse_int(plan.get(name), name, lo, hi)
+    if plan.get("EMBED_HOST") == "1" and in_wsl():
+        raise PlanError("EMBED_HOST=1 needs pinned host memory, which CUDA does not give under WSL; valid on WSL: "
+                        "EMBED_HOST=0")
     # the prefill chunk: one decode step of every sequence (each with its draft tokens) must fit it
     k_step = 1 + (int(plan.get("SPEC_K")) if spec.name != "off" else 0)
     need = int(plan.get("MAX_SEQS")) * k_step
@@ -683,10 +686,13 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     plan.argv = build_argv(plan, python, model_path)
     if plan.api_key:
         plan.child_env["VLLM_API_KEY"] = plan.api_key
-    # read by patch 0002 (vllm/v1/engine/core.py): logged after an out-of-memory error
-    plan.child_env["ONECARD_OOM_HINT"] = oom_hint(plan)
+    # read by patch 0002 (vllm/v1/engine/core.py): logged after an out-of-memory error (not a
+    # knob's value, so not in profiles.SERVER_ENV)
+    plan.child_env[OOM_HINT_ENV] = oom_hint(plan)
     if "TP" in plan.values and int(plan.get("TP")) > 1:
         plan.child_env.update(profiles.TP_CHILD_ENV)  # NVLink multicast off (profiles.TP_CHILD_ENV says why)
+    # EMBED_HOST's only reader is patch 0013 (qwen3_5.py, after the target's weights load)
+    _to_server(plan, "EMBED_HOST")
     # WIDE_VERIFY's only reader in the server is patch 0070 (triton_attn.py, ONECARD_WIDE_VERIFY)
     _to_server(plan, "WIDE_VERIFY")
     # GDN_SHARED_META's only reader is patch 0082 (gdn_attn.py, ONECARD_GDN_SHARED_META)
@@ -752,6 +758,16 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     return plan
 
 
+OOM_HINT_ENV = "ONECARD_OOM_HINT"
+
+
+def in_wsl() -> bool:
+    """Running under Windows' WSL (vLLM's own test: its kernel release names Microsoft)."""
+    import platform
+
+    return "microsoft" in " ".join(platform.uname()).lower()
+
+
 def oom_hint(plan: ServePlan) -> str:
     """One line for the server log after an out-of-memory error (patch 0002): the plan that ran
     out, the preflight's prediction, and what to lower first, in the knobs' own words."""
@@ -773,6 +789,9 @@ def oom_hint(plan: ServePlan) -> str:
         tries.append(f"KV_MEM={lower}M (MAX_LEN is capped to what it holds)")
     if int(v("PREFILL_CHUNK")) > memory.PREFILL_CHUNK:
         tries.append(f"PREFILL_CHUNK={memory.PREFILL_CHUNK}")
+    embed = (plan.prediction or {}).get("embed_bytes") or 0
+    if v("EMBED_HOST") == "0" and embed:
+        tries.append(f"EMBED_HOST=1 (frees {embed / memory.GiB:.2f} GiB)")
     if v("SPEC") == "dflash2" and v("DRAFT_QUANT") == "bf16":
         tries.append("DRAFT_QUANT=fp8")
     if int(v("MAX_SEQS")) > 1:

@@ -247,7 +247,8 @@ def _weights(plan: ServePlan, geom: memory.ModelGeometry, environ) -> tuple:
     """(target weight bytes, source, MTP draft_lm_head bytes, source): read once per plan (the
     checkpoint's safetensors headers, MODEL/draft_vocab.json) for steps 9a and 9."""
     model = str(plan.get("MODEL"))
-    weights, wsrc = memory.target_weight_bytes(model, plan.get("SPEC"), geom)
+    weights, wsrc = memory.target_weight_bytes(model, plan.get("SPEC"), geom,
+                                               embed_host=plan.get("EMBED_HOST") == "1")
     head, hsrc = (0, "")
     if weights is not None and plan.get("SPEC") == "mtp":
         head, hsrc = memory.draft_lm_head_bytes(model, (environ or {}).get("ONECARD_DRAFT_VOCAB"))
@@ -352,6 +353,8 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
         plan.notes.append(f"VRAM beside the KV pin not predicted: {line}")
         return
     plan.prediction["vram"] = b
+    embed = memory.target_embed_bytes(str(plan.get("MODEL")), geom)
+    plan.prediction["embed_bytes"] = embed
     card = _card_name(plan)
     line = f"VRAM on one GPU: {line}"
     if b["fits"]:
@@ -365,6 +368,9 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
         why = f"does NOT fit a {card}"
     fix = (f"valid on this card: KV_MEM <= {b['kv_max'] // memory.MiB}M" if b["kv_max"] > 0
            else f"the other terms alone exceed a {card}")
+    if plan.get("EMBED_HOST") == "0" and embed and b["total"] - embed <= b["card_bytes"]:
+        fix += (f"; or EMBED_HOST=1 (embed_tokens in pinned host memory: {_gib(embed)} GiB less, "
+                f"{_gib(b['total'] - embed)} GiB; not yet run on a GPU)")
     if _card(plan)[1] and b["certain"] <= b["card_bytes"]:
         fix += (f"; without the estimated graph/activation reserves it is {_gib(b['certain'])} GiB, so the pin "
                 f"stays: if the boot runs out of GPU memory, set that KV_MEM")

@@ -119,6 +119,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          "the prefill chunk. 2048 is what vLLM picks on its own for a GPU under 70 GiB; pinned, so every card "
          "runs (and the preflight sizes) the same plan. Larger chunks need more activation memory (the preflight "
          "scales its activation reserve with it); must be at least MAX_SEQS x (1 + draft tokens)"),
+    Knob("EMBED_HOST", "0", "0|1", "1: the target's embed_tokens table (1.19 GiB at int8 for the 27B) stays in pinned "
+         "host memory and the GPU reads the rows a step needs over PCIe (patch 0013, vLLM's UVA views); the "
+         "preflight counts that much less VRAM. Not yet run on a GPU; refused on WSL (no pinned memory)", BOOL),
     Knob("KV_MEM", "", "bytes, or with K/M/G suffix, or 'auto'", "KV pool pin (--kv-cache-memory-bytes); 'auto' uses GPU_UTIL"),
     Knob("GPU_UTIL", "0.92", "0.10..0.99", "gpu_memory_utilization when KV_MEM=auto; with a KV_MEM pin, only the free-memory bar vLLM checks at boot"),
     Knob("TP", "1", "1|2|4|8", "GPUs of one host through vLLM's own tensor parallelism (--tensor-parallel-size; "
@@ -210,7 +213,7 @@ SERVER_ENV: dict[str, str] = {
     "PREFILL_LAUNCH": "ONECARD_PREFILL_LAUNCH", "DFLASH_RING": "ONECARD_DFLASH_RING",
     "LOOKUP_LANE": "ONECARD_DFLASH_LANE", "KVARN_WINDOW": "ONECARD_KVARN_WINDOW",
     "KVARN_SINKS": "ONECARD_KVARN_SINKS", "KVARN_GRAPHS": "ONECARD_KVARN_GRAPHS",
-    "KVARN_DRAFT_HOST": "ONECARD_KVARN_DRAFT_HOST",
+    "KVARN_DRAFT_HOST": "ONECARD_KVARN_DRAFT_HOST", "EMBED_HOST": "ONECARD_EMBED_HOST",
 }
 
 
