@@ -85,6 +85,8 @@ CASES = {
     # the headline with torch's expandable segments (less fragmentation; compatible with vLLM
     # without a KV connector): a candidate for the launcher's environment
     "long-dflash2-es": {"CTX": "long", "SPEC": "dflash2", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    # the headline with the target's embed_tokens in pinned host memory (patch 0013)
+    "long-dflash2-eh": {"CTX": "long", "SPEC": "dflash2", "EMBED_HOST": "1"},
 }
 DEFAULT_CASES = ("long-dflash2", "fast-dflash2", "long-mtp", "long-off")
 SERVED = "geom"
