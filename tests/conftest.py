@@ -25,6 +25,20 @@ def check_job_contract(job: Path, driver: str = r"\w+") -> str:
     return text
 
 
+def patch_added_source(patch: str, first_line: str) -> str:
+    """The source of a function a patch adds: its ``+`` lines from ``first_line`` (the ``def``
+    line without the ``+``) to the first line that is not an addition. Tests run it over
+    stand-ins, so the shipped text is what is tested."""
+    lines = (Path(__file__).resolve().parents[1] / "patches" / patch).read_text().splitlines()
+    start = lines.index("+" + first_line)
+    body = []
+    for line in lines[start:]:
+        if not line.startswith("+"):
+            break
+        body.append(line[1:])
+    return "\n".join(body)
+
+
 def _vllm_dir() -> Path | None:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:

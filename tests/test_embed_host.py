@@ -12,21 +12,15 @@ import pytest
 
 from onecard import memory
 from onecard import plan as P
+from tests.conftest import patch_added_source
 
 REPO = Path(__file__).resolve().parents[1]
 PATCH = REPO / "patches" / "0013-qwen35-embed-host.patch"
 
 
 def _helper():
-    """_onecard_embed_to_host compiled from the patch's added lines."""
-    lines = PATCH.read_text().splitlines()
-    start = lines.index("+def _onecard_embed_to_host(lm: nn.Module) -> None:")
-    body = []
-    for line in lines[start:]:
-        if not line.startswith("+"):
-            break
-        body.append(line[1:])
-    return "\n".join(body)
+    """_onecard_embed_to_host as the patch adds it."""
+    return patch_added_source(PATCH.name, "def _onecard_embed_to_host(lm: nn.Module) -> None:")
 
 
 class FakeTensor:

@@ -417,15 +417,9 @@ def test_oom_hint_patch_logs_only_after_an_oom(monkeypatch, caplog):
     anywhere in the exception chain (a worker's, wrapped) and for nothing else."""
     import logging
 
-    text = (Path(__file__).resolve().parents[1] / "patches" / "0002-oom-hint.patch").read_text()
-    lines = text.splitlines()
-    start = lines.index("+def _onecard_oom_hint(e: BaseException) -> None:")
-    body = []
-    for line in lines[start:]:
-        if not line.startswith("+"):
-            break
-        body.append(line[1:])
-    src = "\n".join(body)
+    from tests.conftest import patch_added_source
+
+    src = patch_added_source("0002-oom-hint.patch", "def _onecard_oom_hint(e: BaseException) -> None:")
     log = logging.getLogger("oomhint-test")
     ns = {"os": os, "logger": log}
     exec(compile(src, "0002-oom-hint", "exec"), ns)
