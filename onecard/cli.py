@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("onecard.launch", "plan, preflight and exec `vllm serve` from env knobs"),
     "prepare": ("onecard.prepare.cli", "model preparation: requantize, draft vocab, test models"),
     "bench": ("onecard.bench.cli", "benchmarks with provenance"),
+    "service": ("onecard.service", "run the server as a systemd user service (install / uninstall / status)"),
 }
 
 

@@ -58,6 +58,7 @@ class Installer:
     model_dir: Path | None = None  # where step_model left the prepared checkpoint
     drafter: str | None = None  # --drafter: the DFlash2 drafter (Hub id or path) for SPEC=dflash2
     drafter_dir: Path | None = None  # where step_drafter left it
+    service: bool = False  # --service: a systemd user unit that runs ./start_qwen.sh (onecard.service)
 
     @property
     def py(self) -> Path:
@@ -234,9 +235,32 @@ class Installer:
         self.sh("verify", ["bash", REPO / "verify.sh", "--no-server"], "fix the FAIL lines above, then ./verify.sh --no-server", env=env)
         self.note("verify", "passed")
 
+    def service_env(self) -> list[str]:
+        """MODEL / DRAFT for the service when this install put them elsewhere than the launcher's defaults."""
+        from onecard.prepare.drafter import launcher_default_draft
+        from onecard.prepare.model import launcher_default_model
+
+        env = []
+        if self.model_dir and self.model_dir != (REPO / launcher_default_model()).absolute():
+            env.append(f"MODEL={self.model_dir}")
+        if self.drafter_dir and self.drafter_dir != launcher_default_draft().absolute():
+            env.append(f"DRAFT={self.drafter_dir}")
+        return env
+
+    def step_service(self) -> None:
+        if not self.service:
+            self.note("service", "skipped", "add --service for a systemd user service (onecard service install)")
+            return
+        cmd = [self.py, "-m", "onecard", "service", "install"]
+        for word in self.service_env():
+            cmd += ["--env", word]
+        self.sh("service", cmd, "read the error line above; `onecard service install --dry-run` shows the unit")
+        self.note("service", "written", "systemctl --user enable --now onecard starts it")
+
     def run(self) -> int:
         steps = [self.step_python, self.step_venv, self.step_packages, self.step_companions,
-                 self.step_patches, self.step_kvarn, self.step_model, self.step_drafter, self.step_verify]
+                 self.step_patches, self.step_kvarn, self.step_model, self.step_drafter, self.step_verify,
+                 self.step_service]
         try:
             for step in steps:
                 step()
@@ -277,13 +301,16 @@ def main(argv: list[str] | None = None) -> int:
                              "checked in place (start with DRAFT=PATH)")
     parser.add_argument("--kvarn", action="store_true", help="also install the KVarN 4/2-bit KV cache (CTX=huge)")
     parser.add_argument("--no-verify", action="store_true", help="skip the final ./verify.sh --no-server")
+    parser.add_argument("--service", action="store_true",
+                        help="last: write a systemd user service that runs ./start_qwen.sh (onecard service install; "
+                             "with MODEL / DRAFT when installed elsewhere than the launcher's defaults)")
     parser.add_argument("--extras", default="", help=argparse.SUPPRESS)  # tests/run.sh: onecard[test]
     parser.add_argument("--pristine", action="store_true", help=argparse.SUPPRESS)  # tests/run.sh
     args = parser.parse_args(argv)
     if args.wheelhouse and not args.wheelhouse.is_dir():
         parser.error(f"--wheelhouse {args.wheelhouse}: not a directory")
     return Installer(Path(args.venv).expanduser().absolute(), args.wheelhouse, args.model, args.kvarn,
-                     not args.no_verify, args.extras, args.pristine, drafter=args.drafter).run()
+                     not args.no_verify, args.extras, args.pristine, drafter=args.drafter, service=args.service).run()
 
 
 if __name__ == "__main__":
