@@ -81,7 +81,11 @@ def run(args: argparse.Namespace) -> int:
     print("argv: " + shlex.join(plan.argv))
     if plan.child_env:
         # values shown except secrets (the API key, tokens)
-        print("child env: " + ", ".join(f"{k}={'***' if _secret(k) else v}" for k, v in sorted(plan.child_env.items())))
+        from onecard.plan import OOM_HINT_ENV
+
+        shown = {k: "***" if _secret(k) else "(this plan in one line, logged after an out-of-memory error)"
+                 if k == OOM_HINT_ENV else v for k, v in plan.child_env.items()}
+        print("child env: " + ", ".join(f"{k}={v}" for k, v in sorted(shown.items())))
     if args.dry_run:
         return 0
     sys.stdout.flush()
