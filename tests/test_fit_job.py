@@ -447,3 +447,22 @@ def test_cap_cases():
     assert fit.torch_cap_mib(rec, None, 512, 256) == 24 * 1024 - 512 - 256 + 2000
     assert fit.torch_cap_mib(rec, 20000, 512, 256) == 20000
     assert fit.torch_cap_mib({**rec, "name": "long-off"}, None, 512, 256) is None
+
+
+def test_job_42_is_job_41_with_its_own_cases(tmp_path):
+    """gpu/jobs/42-fit-b.sh: job 41 under its own name with FIT_CASES_B (a FIT_CASES meant for
+    job 41 in the same gpu/run.sh call does not reach it); a bad list is refused before any boot."""
+    job = REPO / "gpu" / "jobs" / "42-fit-b.sh"
+    text = job.read_text()
+    assert re.search(r"^# timeout: (\d+)$", text, re.M) and subprocess.run(["bash", "-n", str(job)]).returncode == 0
+    out = tmp_path / "out"
+    env = dict(os.environ, FIT_CASES="long-off", FIT_CASES_B="huge-mtp-cap bogus", JOB_OUT=str(out),
+               MODELS=str(tmp_path / "m"), ONECARD_TREE_REV="abc1234")
+    r = subprocess.run(["bash", str(job)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "41-fit: FIT_CASES: 'bogus' is not a case" in r.stdout
+    assert "== 42-fit-b" in r.stdout and "== 42-fit-b: FAIL (rc=2)" in r.stdout
+    r = subprocess.run([sys.executable, str(DRIVER), "--check-cases", "--cases",
+                        "long-mtp-cap long-off-cap huge-dflash2-cap huge-mtp-cap"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "(KVarN" in r.stdout    # its default list is valid and installs KVarN

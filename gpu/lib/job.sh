@@ -22,15 +22,15 @@ BOOT_TAIL=25    # log lines printed when a server dies during boot or never answ
 
 # say TEXT...: print and append to the summary
 say() { echo "$*" | tee -a "$summary"; }
-# job_header [SUFFIX]: the job's first summary line: its name (the script's file name), the UTC
+# job_header [SUFFIX]: the job's first summary line: its name (JOB_NAME, else the script's file name), the UTC
 # time and the tree it runs (ONECARD_TREE_REV, passed by gpu/run.sh's caller; else the device's
 # .git HEAD, which may be stale), then SUFFIX
 job_header() {
-  say "== $(basename "$0" .sh) $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}${1:-}"
+  say "== ${JOB_NAME:-$(basename "$0" .sh)} $(date -u +%FT%TZ) commit ${ONECARD_TREE_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}${1:-}"
 }
 # job_end RC: the job's last summary line (PASS when RC is 0, else FAIL, with RC) and exit RC
 job_end() {
-  say "== $(basename "$0" .sh): $([ "$1" -eq 0 ] && echo PASS || echo FAIL) (rc=$1)"
+  say "== ${JOB_NAME:-$(basename "$0" .sh)}: $([ "$1" -eq 0 ] && echo PASS || echo FAIL) (rc=$1)"
   exit "$1"
 }
 # elapsed: whole seconds since the job sourced this file
