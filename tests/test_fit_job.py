@@ -370,7 +370,7 @@ def test_gpu_readme_lists_job_41_and_plans_it():
     text = (REPO / "gpu" / "README.md").read_text()
     assert "- `41-fit`:" in text
     plan = text[text.index("Next lease, in this order"):text.index("Done since and not needed again")]
-    assert "1. `20` then `41` with `FIT_CASES=" in plan and "-cap" in plan
+    assert "bash gpu/run.sh --detach 20 41 42 70" in plan and "`20` then `41` with `FIT_CASES=" in plan and "-cap" in plan
     assert "re-fit `onecard.memory` CUDA_GRAPH_RESERVE / ACTIVATION_HEADROOM" in plan
 
 
