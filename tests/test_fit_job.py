@@ -163,7 +163,7 @@ def test_self_check_cli():
 
 def test_derive_and_table():
     rec = {"name": "long-dflash2", "measured": True, "peak_mib": 25000, "procs": 2,
-           "plan": {"values": {"MAX_LEN": 70912, "MAX_SEQS": 4},
+           "plan": {"values": {"MAX_LEN": 70912, "MAX_SEQS": 4, "KV_MEM": 5000 * fit.MiB},
                     "vram": {"total": 28_000 * fit.MiB, "certain": 26_000 * fit.MiB, "reserves": 2560 * fit.MiB},
                     "prepared_vram": {"total": 25_300 * fit.MiB}}}
     d = rec["derived"] = fit.derive(rec, 600.0, 512.0)
@@ -182,6 +182,10 @@ def test_derive_and_table():
     assert "NOT MEASURED: plan: no" in rows["long-off"]
     assert "H200 bare CUDA context (torch.zeros(1) process, nvidia-smi): 600 MiB" in text
     assert "an ESTIMATE" in text and "not on a 3090" in text
+    # the pin that leaves 256 MiB of 24 GiB free: 2,452 MiB spare - 256 more KV
+    assert d["kv_pin_fit_mib"] == 5000 + 2452 - 256
+    assert "long-dflash2      KV_MEM 5,000 MiB -> 7,196 MiB (+2,196): KV_MEM=7168M" in text
+    assert gone["derived"]["kv_pin_fit_mib"] is None
 
 
 def test_workload_and_waves():

@@ -94,6 +94,7 @@ OUT_TOKENS = 64                      # generated per request
 BATCH_PROMPT = 128                   # prompt ids of each decode-batch request
 PHASES = ("boot", "prefill", "decode")
 PRODUCT_KEYS = ("KV_MEM", "MAX_LEN", "MAX_SEQS", "KV", "SPEC_K", "DRAFT_QUANT")   # what sizes the server beside its weights
+KEEP_FREE_MIB = 256                  # what the suggested KV pin leaves free on a 24 GiB card
 GPU_SLACK_MIB = 4096                 # kept free of the scheduler's reservations
 H200_EXTRA_MIB = 2048                # reserved per server beyond its predicted total (H200 context etc.)
 MIN_START_S = 150                    # a case starts only with this much of the deadline left
@@ -366,6 +367,12 @@ def derive(rec: dict, ctx_h200_mib: float | None, ctx_3090_mib: float, card_mib:
                                 else pred - d["prepared_predicted_mib"])
         d["est_prepared_mib"] = (None if d["est_3090_mib"] is None or d["layout_diff_mib"] is None
                                  else d["est_3090_mib"] - d["layout_diff_mib"])
+    # the KV pin that would leave FIT_KEEP_MIB of a 24 GiB card free by the prepared-27B estimate
+    # (a pin scales the KV pool alone: the rest of the footprint does not move with it)
+    pin = (plan.get("values") or {}).get("KV_MEM")
+    d["kv_pin_mib"] = pin / MiB if isinstance(pin, int) else None
+    d["kv_pin_fit_mib"] = (None if d["kv_pin_mib"] is None or d.get("est_prepared_mib") is None
+                           else d["kv_pin_mib"] + (card_mib - KEEP_FREE_MIB - d["est_prepared_mib"]))
     for key, src in (("verdict_3090", "est_3090_mib"), ("verdict", "est_prepared_mib")):
         fits, margin, words = verdict(d[src], card_mib)
         d[key] = {"fits": fits, "margin_mib": margin, "text": words}
@@ -443,6 +450,15 @@ def render_table(recs: list[dict], top: dict) -> str:
         if lg.get("oom"):
             bits.append("CUDA OUT OF MEMORY in the log")
         lines.append(f"  {r['name']:<17} " + ("; ".join(bits) or "-"))
+    lines.append(f"KV_MEM that would leave {KEEP_FREE_MIB} MiB of 24 GiB free, by the prepared-27B estimate (the pin "
+                 "moves the KV pool alone; an ESTIMATE until a 24 GB card runs it):")
+    for r in recs:
+        d = r.get("derived") or {}
+        if r.get("measured") and d.get("kv_pin_fit_mib") is not None:
+            lines.append(f"  {r['name']:<17} KV_MEM {d['kv_pin_mib']:,.0f} MiB -> {d['kv_pin_fit_mib']:,.0f} MiB "
+                         f"({d['kv_pin_fit_mib'] - d['kv_pin_mib']:+,.0f}): KV_MEM={int(d['kv_pin_fit_mib']) // 64 * 64}M")
+        else:
+            lines.append(f"  {r['name']:<17} -")
     lines.append("torch's caching allocator (the engine process, onecard_torch_mem; cap = FIT_TORCH_CAP or a -cap "
                  "case's auto cap: what a 24 GiB card leaves torch for the prepared 27B layout): peak allocated / peak "
                  "reserved MiB, retries (cache flushes the cap forced), OOMs; beside torch = H200 peak - peak reserved "
