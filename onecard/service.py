@@ -60,9 +60,16 @@ def parse_env(words: list[str]) -> dict[str, str]:
     return out
 
 
+EXAMPLE_REPO = Path("%h/onecard")   # single-user/onecard.service: a checkout at ~/onecard (%h: the home)
+
+
 def render_unit(repo: Path, env: dict[str, str], name: str = "onecard") -> str:
+    head = ("# An example (single-user/onecard.service): what `onecard service install` writes for a checkout\n"
+            "# at ~/onecard (%h is your home). Running that command writes the unit for where your checkout is."
+            if repo == EXAMPLE_REPO else
+            "# Written by `onecard service install`; re-run it to change this file (a hand edit is replaced).")
     lines = [
-        "# Written by `onecard service install`; re-run it to change this file (a hand edit is replaced).",
+        head,
         "[Unit]",
         f"Description=onecard: Qwen3.8-27B on one GPU through patched vLLM ({repo})",
         "After=network.target",

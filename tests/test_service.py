@@ -97,3 +97,12 @@ def test_install_step_passes_model_and_drafter_placed_elsewhere(tmp_path):
     assert calls[0][1:5] == ["-m", "onecard", "service", "install"] and f"MODEL={tmp_path / 'm'}" in calls[0]
     assert inst.summary[-1][:2] == ("service", "written")
     Installer(tmp_path / "venv").step_service()
+
+
+def test_the_shipped_example_unit_is_what_install_writes():
+    """single-user/onecard.service (DESIGN.md's layout) is render_unit for a checkout at ~/onecard:
+    the example and the command cannot drift."""
+    shipped = (REPO / "single-user" / "onecard.service").read_text()
+    assert shipped == service.render_unit(service.EXAMPLE_REPO, {}), \
+        "regenerate: python -c 'from onecard.service import *; open(\"single-user/onecard.service\", \"w\").write(render_unit(EXAMPLE_REPO, {}))'"
+    assert "ExecStart=%h/onecard/start_qwen.sh" in shipped
