@@ -470,3 +470,13 @@ def test_job_42_is_job_41_with_its_own_cases(tmp_path):
                         "long-mtp-cap long-off-cap huge-dflash2-cap huge-mtp-cap"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and "(KVarN" in r.stdout    # its default list is valid and installs KVarN
+
+
+def test_cap_applied_reads_the_hooks_line(tmp_path):
+    """A -cap case counts as capped only when its server log shows onecard_torch_mem's line."""
+    log = tmp_path / "server-x.log"
+    assert not fit.cap_applied(log)
+    log.write_text("INFO boot\nonecard-torch-mem: pid 4242: torch caching allocator capped at 23,808 MiB of 143,155\n")
+    assert fit.cap_applied(log)
+    log.write_text("INFO boot only\n")
+    assert not fit.cap_applied(log)

@@ -839,6 +839,15 @@ def torch_cap_mib(rec: dict, cap, ctx_3090_mib: float, nontorch_mib: float, card
     return int(card_mib - ctx_3090_mib - nontorch_mib + excess)
 
 
+def cap_applied(log_path: Path) -> bool:
+    """The server's log shows onecard_torch_mem's cap line (written when CUDA initialized)."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return False
+    return re.search(r"onecard-torch-mem: pid \d+: torch caching allocator capped at", text) is not None
+
+
 def cap_source(cap) -> str:
     return "auto, a -cap case" if cap is None else f"FIT_TORCH_CAP={cap}"
 
@@ -1011,6 +1020,10 @@ def run(a, cases: list[str]) -> int:
             r["error"] = (f"no GPU memory seen for the server's session in {r['samples']} samples "
                           f"(nvidia-smi errors {sampler.errors}: {sampler.last_error or '-'})")
         r["torch"] = read_torch_stats(out / "torch-stats" / r["name"])
+        if r.get("torch_cap_mib") and r.get("measured") and not cap_applied(out / f"server-{r['name']}.log"):
+            r["measured"] = False
+            r["error"] = ("the torch cap was not applied (no 'onecard-torch-mem: ... capped at' line in its log: "
+                          "gpu/lib/stackdump not first on the server's PYTHONPATH?): not a capped measurement")
         r["derived"] = derive(r, probe.get("context_mib"), ctx_mib)
         if not r.get("measured"):
             top["failures"].append(f"{r['name']}: {r.get('error') or 'not measured'}")
