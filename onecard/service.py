@@ -183,15 +183,3 @@ def run(args) -> int:
     if args.action == "uninstall":
         return uninstall(args.name, args.dry_run)
     return status(args.name)
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="onecard service", description=__doc__.splitlines()[0])
-    configure(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

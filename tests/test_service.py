@@ -69,7 +69,9 @@ def test_dry_run_writes_nothing_and_uninstall_removes(home):
     (["status", "--env", "CTX=long"], "--env is for install"),
 ])
 def test_bad_arguments_are_one_line_and_write_nothing(home, capsys, args, msg):
-    assert service.main(args) == 2
+    from onecard import cli
+
+    assert cli.main(["service", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert msg in err and "\n" not in err
     assert not (home / "config").exists()
