@@ -26,6 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 SECRET_KEYS = ("VLLM_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+# variables beside the launcher's knobs that a service may need (which GPU, where the Hub cache is)
+PASS_THROUGH = ("CUDA_VISIBLE_DEVICES", "HF_HOME", "HF_HUB_OFFLINE", "VLLM_LOGGING_LEVEL")
 
 
 class ServiceError(ValueError):
@@ -39,9 +41,10 @@ def unit_dir(environ=None) -> Path:
 
 
 def parse_env(words: list[str]) -> dict[str, str]:
-    """--env KNOB=VALUE words -> {knob: value}; a name that is not a launcher knob, an empty
-    value, or a secret: ServiceError (one line). The values themselves are the launcher's to check
-    (./start_qwen.sh --dry-run with the same environment shows the plan)."""
+    """--env KNOB=VALUE words -> {knob: value}; a name that is neither a launcher knob nor one of
+    PASS_THROUGH (e.g. CUDA_VISIBLE_DEVICES=1 on a machine whose GPU 0 drives the display), an
+    empty value, or a secret: ServiceError (one line). The values themselves are the launcher's to
+    check (./start_qwen.sh --dry-run with the same environment shows the plan)."""
     from onecard.profiles import KNOBS
 
     out: dict[str, str] = {}
@@ -51,8 +54,9 @@ def parse_env(words: list[str]) -> dict[str, str]:
         if key in SECRET_KEYS:
             raise ServiceError(f"--env {key}=...: a secret does not go into a unit file (other users may read it); "
                                "valid: put it in api_key.txt (mode 0600) or .env in the checkout")
-        if not sep or key not in KNOBS or not value.strip():
-            raise ServiceError(f"--env {word!r} is not valid; valid: KNOB=VALUE with KNOB one of {', '.join(KNOBS)}")
+        if not sep or (key not in KNOBS and key not in PASS_THROUGH) or not value.strip():
+            raise ServiceError(f"--env {word!r} is not valid; valid: KNOB=VALUE with KNOB one of "
+                               f"{', '.join([*KNOBS, *PASS_THROUGH])}")
         if any(c in value for c in "\n\"\\%$"):
             raise ServiceError(f"--env {key}: the value may not contain a newline, quote, backslash, % or $ "
                                "(systemd would read them); valid: put such a value in .env")
