@@ -441,8 +441,12 @@ def check_plan(ctx) -> Result:
                                     f"(VRAM_CHECK=0 keeps it; ./start_qwen.sh --dry-run shows why)")
     vram = (doc.get("prediction") or {}).get("vram")
     if card_src and vram and not vram["fits"] and vram["certain"] <= vram["card_bytes"]:
+        embed = (doc.get("prediction") or {}).get("embed_bytes") or 0
+        alt = (f", or EMBED_HOST=1 ({embed / 2**30:.2f} GiB less; not yet run on a GPU)"
+               if embed and val.get("EMBED_HOST") == "0" and vram["total"] - embed <= vram["card_bytes"] else "")
         return Result(WARN, "plan", f"{detail}; over this card by the estimated reserves only: it boots at "
-                                    f"the pin, and if it runs out of GPU memory, KV_MEM <= {vram['kv_max'] // 2**20}M")
+                                    f"the pin, and if it runs out of GPU memory, KV_MEM <= {vram['kv_max'] // 2**20}M"
+                                    + alt)
     return Result(PASS, "plan", detail)
 
 

@@ -168,6 +168,11 @@ def test_plan_check_warns_when_only_the_estimate_is_over(monkeypatch):
         returncode=0, stdout=_json.dumps(plan), stderr=""))
     res = verify.check_plan({})
     assert res.status == verify.WARN and res.detail.endswith("if it runs out of GPU memory, KV_MEM <= 3906M")
+    # with the embedding table's size known and EMBED_HOST off, the other way under the card too
+    plan["values"]["EMBED_HOST"] = {"value": "0"}
+    plan["prediction"]["embed_bytes"] = 1272391680
+    res = verify.check_plan({})
+    assert res.detail.endswith("KV_MEM <= 3906M, or EMBED_HOST=1 (1.19 GiB less; not yet run on a GPU)")
 
 
 def test_no_model_named_checks_the_launchers_default(tmp_path, monkeypatch):
