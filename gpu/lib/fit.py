@@ -367,7 +367,7 @@ def derive(rec: dict, ctx_h200_mib: float | None, ctx_3090_mib: float, card_mib:
                                 else pred - d["prepared_predicted_mib"])
         d["est_prepared_mib"] = (None if d["est_3090_mib"] is None or d["layout_diff_mib"] is None
                                  else d["est_3090_mib"] - d["layout_diff_mib"])
-    # the KV pin that would leave FIT_KEEP_MIB of a 24 GiB card free by the prepared-27B estimate
+    # the KV pin that would leave KEEP_FREE_MIB of a 24 GiB card free by the prepared-27B estimate
     # (a pin scales the KV pool alone: the rest of the footprint does not move with it)
     pin = (plan.get("values") or {}).get("KV_MEM")
     d["kv_pin_mib"] = pin / MiB if isinstance(pin, int) else None
