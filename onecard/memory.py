@@ -474,17 +474,7 @@ def tensor_headers(model_dir: str | os.PathLike) -> dict[str, dict]:
 
 def weight_bytes(model_dir: str | os.PathLike, skip_prefixes: tuple[str, ...] = ()) -> int:
     """Total tensor bytes over every *.safetensors file of a checkpoint (headers only)."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors in {model_dir}")
-    total = 0
-    for fp in files:
-        for name, meta in safetensors_header(fp).items():
-            if name == "__metadata__" or name.startswith(skip_prefixes):
-                continue
-            start, end = meta["data_offsets"]
-            total += end - start
-    return total
+    return sum(b for n, b in checkpoint_tensors(model_dir) if not n.startswith(skip_prefixes))
 
 
 # Reserves on a 24 GB card (measured on 3090s publicly; used only to estimate GPU_UTIL mode)
@@ -593,16 +583,9 @@ def tp_weight_bytes(tensors, tp: int, source: str = "") -> TPWeights:
 
 def checkpoint_tensors(model_dir: str | os.PathLike) -> list[tuple[str, int]]:
     """(name, bytes) of every tensor of a checkpoint, from the safetensors headers only."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
+    if not any(Path(model_dir).glob("*.safetensors")):
         raise ValueError(f"no *.safetensors in {model_dir}")
-    out = []
-    for fp in files:
-        for name, meta in safetensors_header(fp).items():
-            if name != "__metadata__":
-                start, end = meta["data_offsets"]
-                out.append((name, end - start))
-    return out
+    return [(n, m["data_offsets"][1] - m["data_offsets"][0]) for n, m in tensor_headers(model_dir).items()]
 
 
 def layout_27b_tensors(head_bytes: int = 1) -> list[tuple[str, int]]:
@@ -878,42 +861,52 @@ def is_target_embed(name: str) -> bool:
     return "embed_tokens." in name and not name.startswith("mtp.")
 
 
-def target_embed_bytes(model_dir: str | os.PathLike | None, geom: "ModelGeometry") -> int:
-    """The target's embed_tokens bytes (what EMBED_HOST=1 moves off the GPU): the checkpoint's
-    headers, else the prepared 27B layout; 0 when neither is known."""
+TARGET_LAYOUT_SOURCE = "27B layout, int8 lm_head/embed/MTP"
+
+
+def target_tensors(model_dir: str | os.PathLike | None,
+                   geom: "ModelGeometry") -> tuple[list[tuple[str, int]] | None, str]:
+    """(name, bytes) of the target's tensors and where they came from: the checkpoint's headers
+    when MODEL is on disk, else the prepared 27B layout when the geometry is the 27B one, else
+    (None, why)."""
     import dataclasses
 
     d = Path(model_dir) if model_dir not in (None, "") else None
     if d is not None and d.is_dir() and any(d.glob("*.safetensors")):
-        tensors = checkpoint_tensors(d)
-    elif dataclasses.replace(geom, ssm_state_bytes=QWEN38_27B.ssm_state_bytes) == QWEN38_27B:
-        tensors = layout_27b_tensors()
-    else:
-        return 0
-    return sum(b for n, b in tensors if is_target_embed(n) and _tp_class(n) != "skip")
+        return checkpoint_tensors(d), "checkpoint headers"
+    if dataclasses.replace(geom, ssm_state_bytes=QWEN38_27B.ssm_state_bytes) == QWEN38_27B:
+        return layout_27b_tensors(), TARGET_LAYOUT_SOURCE
+    return None, "unknown (no checkpoint, not the 27B geometry)"
+
+
+def target_embed_bytes(tensors: list[tuple[str, int]] | None) -> int:
+    """The target's embed_tokens bytes among target_tensors' (what EMBED_HOST=1 moves off the
+    GPU); 0 when they are unknown."""
+    return sum(b for n, b in tensors or () if is_target_embed(n) and _tp_class(n) != "skip")
+
+
+def target_weights(tensors: list[tuple[str, int]] | None, source: str, spec_method: str | None,
+                   embed_host: bool = False) -> tuple[int | None, str]:
+    """The target's weights on one GPU from target_tensors' answer: the vision tower skipped
+    (--language-model-only), mtp.* only with SPEC=mtp (the only mode that builds the MTP
+    module), and with ``embed_host`` (EMBED_HOST=1) without the target's embed_tokens (pinned
+    host memory)."""
+    if tensors is None:
+        return None, source
+    keep_mtp = spec_method == "mtp"
+    total = sum(b for n, b in tensors if _tp_class(n) != "skip" and (keep_mtp or not n.startswith("mtp."))
+                and not (embed_host and is_target_embed(n)))
+    if embed_host:
+        source = ("27B layout, int8 lm_head/MTP, embed in host memory" if source == TARGET_LAYOUT_SOURCE
+                  else source + ", embed_tokens in host memory")
+    return total, source
 
 
 def target_weight_bytes(model_dir: str | os.PathLike | None, spec_method: str | None,
                         geom: "ModelGeometry", embed_host: bool = False) -> tuple[int | None, str]:
-    """The target's weights on one GPU: the checkpoint's headers when MODEL is on disk (vision
-    tower skipped: --language-model-only; mtp.* only with SPEC=mtp, the only mode that builds
-    the MTP module), else the prepared 27B layout when the geometry is the 27B one. With
-    ``embed_host`` (EMBED_HOST=1) without the target's embed_tokens (pinned host memory)."""
-    import dataclasses
-
-    keep_mtp = spec_method == "mtp"
-
-    def total(tensors):
-        return sum(b for n, b in tensors if _tp_class(n) != "skip" and (keep_mtp or not n.startswith("mtp."))
-                   and not (embed_host and is_target_embed(n)))
-
-    d = Path(model_dir) if model_dir not in (None, "") else None
-    if d is not None and d.is_dir() and any(d.glob("*.safetensors")):
-        return total(checkpoint_tensors(d)), "checkpoint headers" + (", embed_tokens in host memory" if embed_host else "")
-    if dataclasses.replace(geom, ssm_state_bytes=QWEN38_27B.ssm_state_bytes) == QWEN38_27B:
-        return total(layout_27b_tensors()), ("27B layout, int8 lm_head/MTP, embed in host memory" if embed_host
-                                             else "27B layout, int8 lm_head/embed/MTP")
-    return None, "unknown (no checkpoint, not the 27B geometry)"
+    """The target's weights on one GPU: target_weights over target_tensors (the checkpoint's
+    headers, else the prepared 27B layout)."""
+    return target_weights(*target_tensors(model_dir, geom), spec_method, embed_host)
 
 
 RESERVES = CUDA_GRAPH_RESERVE + ACTIVATION_HEADROOM + CUDA_CONTEXT

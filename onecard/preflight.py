@@ -119,15 +119,8 @@ def _tp_checks(plan: ServePlan, geom: memory.ModelGeometry, tp: int) -> None:
 def _tp_weights(plan: ServePlan, geom: memory.ModelGeometry, tp: int) -> memory.TPWeights | None:
     """Per-GPU weights: the checkpoint's safetensors headers when MODEL is on disk, else the
     prepared 27B layout when the geometry is the 27B one, else unknown."""
-    import dataclasses
-    from pathlib import Path
-
-    model = Path(str(plan.get("MODEL")))
-    if model.is_dir() and any(model.glob("*.safetensors")):
-        return memory.tp_weight_bytes(memory.checkpoint_tensors(model), tp, "checkpoint headers")
-    if dataclasses.replace(geom, ssm_state_bytes=memory.QWEN38_27B.ssm_state_bytes) == memory.QWEN38_27B:
-        return memory.tp_weight_bytes(memory.layout_27b_tensors(), tp, "27B layout, int8 lm_head/embed/MTP")
-    return None
+    tensors, source = memory.target_tensors(str(plan.get("MODEL")), geom)
+    return None if tensors is None else memory.tp_weight_bytes(tensors, tp, source)
 
 
 def _prefix_cache_spec_note(plan: ServePlan, geom: memory.ModelGeometry, k: int) -> None:
@@ -244,15 +237,16 @@ def _card(plan: ServePlan) -> tuple[int, bool]:
 
 
 def _weights(plan: ServePlan, geom: memory.ModelGeometry, environ) -> tuple:
-    """(target weight bytes, source, MTP draft_lm_head bytes, source): read once per plan (the
-    checkpoint's safetensors headers, MODEL/draft_vocab.json) for steps 9a and 9."""
+    """(target weight bytes, source, MTP draft_lm_head bytes, source, the target's embed_tokens
+    bytes): read once per plan (the checkpoint's safetensors headers, MODEL/draft_vocab.json) for
+    steps 9a and 9."""
     model = str(plan.get("MODEL"))
-    weights, wsrc = memory.target_weight_bytes(model, plan.get("SPEC"), geom,
-                                               embed_host=plan.get("EMBED_HOST") == "1")
+    tensors, source = memory.target_tensors(model, geom)
+    weights, wsrc = memory.target_weights(tensors, source, plan.get("SPEC"), embed_host=plan.get("EMBED_HOST") == "1")
     head, hsrc = (0, "")
     if weights is not None and plan.get("SPEC") == "mtp":
         head, hsrc = memory.draft_lm_head_bytes(model, (environ or {}).get("ONECARD_DRAFT_VOCAB"))
-    return weights, wsrc, head, hsrc
+    return weights, wsrc, head, hsrc, memory.target_embed_bytes(tensors)
 
 
 def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: memory.DrafterVRAM | None,
@@ -261,7 +255,7 @@ def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: mem
     the drafter / draft-head / stage terms by name); budget None when the target's weights are
     unknown (the line then says why). ``weights``: _weights(). The budget's "certain" is its
     total without the estimated CUDA-graph and activation reserves (the CUDA context stays)."""
-    weights, wsrc, head, hsrc = weights
+    weights, wsrc, head, hsrc, _ = weights
     if weights is None:
         return None, f"target weights {wsrc}", {}
     kv = str(plan.get("KV"))
@@ -353,8 +347,7 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
         plan.notes.append(f"VRAM beside the KV pin not predicted: {line}")
         return
     plan.prediction["vram"] = b
-    embed = memory.target_embed_bytes(str(plan.get("MODEL")), geom)
-    plan.prediction["embed_bytes"] = embed
+    embed = plan.prediction["embed_bytes"] = weights[4]
     card = _card_name(plan)
     line = f"VRAM on one GPU: {line}"
     if b["fits"]:
@@ -459,7 +452,7 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
         pool_kw = {**pool_kw, "mtp_in_pool": False, "draft_attn_layers": 0}
         attn_layers = geom.num_full_attention
     # 9a. the card, when known: a profile pin that does not fit is lowered before the pool is sized
-    weights = _weights(plan, geom, environ) if str(plan.get("MODEL")) != "tiny" else (None, "", 0, "")
+    weights = _weights(plan, geom, environ) if str(plan.get("MODEL")) != "tiny" else (None, "", 0, "", 0)
     drafter = _draft_quant(plan, geom, drafter, weights, attn_layers)
     _fit_card(plan, geom, drafter, weights, attn_layers)
     kv_mem = plan.get("KV_MEM")

@@ -119,7 +119,7 @@ def test_knob_server_variable_and_memory_model(tmp_path, monkeypatch):
     on = P.make_plan({"CTX": "long", "SPEC": "mtp", "CARD_GIB": "24", "EMBED_HOST": "1"}, tmp_path, python="python3")
     assert off.child_env["ONECARD_EMBED_HOST"] == "0" and on.child_env["ONECARD_EMBED_HOST"] == "1"
     embed = 248_320 * 5_120 + 248_320 * 4      # int8 rows + one fp32 scale per row (the prepared layout)
-    assert memory.target_embed_bytes(None, memory.QWEN38_27B) == embed
+    assert memory.target_embed_bytes(memory.target_tensors(None, memory.QWEN38_27B)[0]) == embed
     w_off, _ = memory.target_weight_bytes(None, "mtp", memory.QWEN38_27B)
     w_on, src = memory.target_weight_bytes(None, "mtp", memory.QWEN38_27B, embed_host=True)
     assert w_off - w_on == embed and "embed in host memory" in src
