@@ -341,6 +341,14 @@ def verdict(mib: float | None, card_mib: int = CARD_MIB) -> tuple[bool | None, f
     return False, margin, f"does NOT fit, {-margin:,.0f} MiB over"
 
 
+def layout_excess_mib(rec: dict) -> float | None:
+    """This checkpoint's predicted total over the prepared 27B layout's, MiB (the geometry
+    checkpoint's bf16 embed / lm_head); None when either plan has no total."""
+    plan = rec.get("plan") or {}
+    total, prepared = (plan.get("vram") or {}).get("total"), (plan.get("prepared_vram") or {}).get("total")
+    return None if total is None or prepared is None else (total - prepared) / MiB
+
+
 def derive(rec: dict, ctx_h200_mib: float | None, ctx_3090_mib: float, card_mib: int = CARD_MIB) -> dict:
     """A case's figures from its measurement (rec["peak_mib"], rec["procs"]) and plans
     (rec["plan"]["vram"], rec["plan"]["prepared_vram"]: onecard.preflight's budgets, bytes):
@@ -363,8 +371,7 @@ def derive(rec: dict, ctx_h200_mib: float | None, ctx_3090_mib: float, card_mib:
         d["reserves_measured_mib"] = (None if pred is None or d["reserves_est_mib"] is None
                                       else peak - (pred - d["reserves_est_mib"]))
         d["est_3090_mib"] = None if ctx_h200_mib is None else peak - procs * (ctx_h200_mib - ctx_3090_mib)
-        d["layout_diff_mib"] = (None if pred is None or d["prepared_predicted_mib"] is None
-                                else pred - d["prepared_predicted_mib"])
+        d["layout_diff_mib"] = layout_excess_mib(rec)
         d["est_prepared_mib"] = (None if d["est_3090_mib"] is None or d["layout_diff_mib"] is None
                                  else d["est_3090_mib"] - d["layout_diff_mib"])
     # the KV pin that would leave KEEP_FREE_MIB of a 24 GiB card free by the prepared-27B estimate
@@ -833,10 +840,7 @@ def torch_cap_mib(rec: dict, cap, ctx_3090_mib: float, nontorch_mib: float, card
         return None
     if cap != "auto":
         return int(cap)
-    plan = rec.get("plan") or {}
-    vram, prep = plan.get("vram") or {}, plan.get("prepared_vram") or {}
-    excess = (vram["total"] - prep["total"]) / MiB if vram.get("total") and prep.get("total") else 0.0
-    return int(card_mib - ctx_3090_mib - nontorch_mib + excess)
+    return int(card_mib - ctx_3090_mib - nontorch_mib + (layout_excess_mib(rec) or 0.0))
 
 
 def cap_applied(log_path: Path) -> bool:
