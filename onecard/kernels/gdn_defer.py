@@ -1,0 +1,521 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Deferred commit of Gated DeltaNet (GDN) recurrent states under speculative decoding.
+
+Why
+---
+When a GDN layer verifies a block of 1 + k speculative tokens per sequence, vLLM's stock kernel
+(``fused_sigmoid_gating_delta_rule_update`` with ``inplace_final_state=True``) stores the
+recurrent state after *every* token into its own cache block (column t of
+``ssm_state_indices``), because it cannot know yet how many of the tokens the rejection sampler
+will keep. The next step then starts from column ``num_accepted_tokens - 1``. That costs 1 + k
+state blocks per sequence and per layer (each HV x V x K, ~3 MB in fp32 for a 27B-class layer)
+and k + 1 full state writes per step.
+
+What we do instead
+------------------
+Each sequence owns ONE state block (its "running" block, column 0 of ``ssm_state_indices``),
+which always holds the last committed state. A step is split in two launches:
+
+* ``gdn_defer_verify`` computes exactly the stock outputs for every token, starting from the
+  running block, but stores no state. For every token it instead keeps the small per-token
+  inputs of the state update in a per-layer scratch (``DeferScratch``): the key after the
+  kernel's l2 normalization (fp32), the raw value row (in v's dtype), the decay gate
+  g = -exp(A_log) * softplus(a + dt_bias) (fp32) and the write strength sigmoid(b) (fp32).
+  These are a few KB per token instead of a full state.
+* ``gdn_defer_commit`` runs after the rejection sampler. For each batch row it reloads the
+  running block and replays the delta-rule update over the first ``num_accepted`` tokens from
+  the scratch, using the same fp32 operations in the same order as the stock kernel, and writes
+  the result back to the running block (optionally also the state after ``boundary_count``
+  tokens into ``boundary_block``, e.g. for a prefix-cache block boundary).
+
+Because the replay performs the identical fp32 arithmetic on identical fp32 operands (the
+scratch stores the values the stock kernel had in registers), the committed state equals the
+state the stock kernel would have left in column ``num_accepted - 1``; for a bf16 state pool it
+is the same bf16 rounding of the same fp32 chain.
+
+Recurrence per value head (h: [V, K] fp32, k_t: [K] normalized key, q_t normalized & scaled):
+    h   <- h * exp(g_t)
+    v'  <- (v_t - sum_k h[:, k] * k_t[k]) * beta_t
+    h   <- h + v' k_t^T
+    o_t <- sum_k h[:, k] * q_t[k]
+
+Limits and contracts
+--------------------
+* varlen only: q, k [1, T, H, K], v [1, T, HV, V], a, b [T, HV] (or [1, T, HV]), cu_seqlens
+  [N + 1]. K must fit one block (BK = next_power_of_2(K)), as in the stock kernel.
+* The host never reads device tensors (no sync). ``gdn_defer_verify`` checks only the static
+  bounds N <= scratch.max_seqs and T <= scratch.max_seqs * scratch.max_tokens; a sequence longer
+  than ``scratch.max_tokens`` still gets correct outputs, but its tokens t >= max_tokens are not
+  saved, so it must not commit more than ``max_tokens`` tokens (the commit kernel clamps its
+  token count to ``max_tokens`` and never reads past a sequence's scratch rows).
+* Sequences with 0 tokens or with ``ssm_state_indices[n, 0] <= 0`` are skipped entirely (as the
+  stock kernel does): their output rows are left unwritten and their scratch rows are untouched.
+* The commit reads scratch rows written by the preceding verify of the same layer; the caller
+  guarantees num_accepted[r] <= tokens of sequence row_to_spec[r], that distinct rows use
+  distinct running blocks, and that no boundary block is another row's running block.
+* State pools are [num_blocks, HV, V, K] with contiguous inner dims and any block stride
+  (vLLM's mamba views into padded KV pages); float32 or bfloat16 (fp32 math, cast on load/store).
+
+This file imports only torch and triton so that it can ship verbatim inside vLLM.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+class DeferScratch:
+    """Per-layer scratch of one verify step: k_hat [S, T, H, K] fp32, v [S, T, HV, V] (v dtype),
+    g [S, T, HV] fp32, beta [S, T, HV] fp32.
+
+    Indexed by spec sequence n (0..S-1, the order of cu_seqlens) and token t within it
+    (0..T-1), not by flat token offset."""
+
+    def __init__(self, max_seqs: int, max_tokens: int, num_k_heads: int, num_v_heads: int,
+                 head_k_dim: int, head_v_dim: int, v_dtype, device):
+        if max_seqs < 1 or max_tokens < 1:
+            raise ValueError(f"DeferScratch: max_seqs={max_seqs} and max_tokens={max_tokens} must be >= 1")
+        if num_k_heads < 1 or num_v_heads % num_k_heads:
+            raise ValueError(f"DeferScratch: num_v_heads={num_v_heads} must be a multiple of num_k_heads={num_k_heads}")
+        self.max_seqs = int(max_seqs)
+        self.max_tokens = int(max_tokens)
+        self.num_k_heads = int(num_k_heads)
+        self.num_v_heads = int(num_v_heads)
+        self.head_k_dim = int(head_k_dim)
+        self.head_v_dim = int(head_v_dim)
+        s, t = self.max_seqs, self.max_tokens
+        f32 = torch.float32
+        self.k = torch.zeros(s, t, num_k_heads, head_k_dim, dtype=f32, device=device)
+        self.v = torch.zeros(s, t, num_v_heads, head_v_dim, dtype=v_dtype, device=device)
+        self.g = torch.zeros(s, t, num_v_heads, dtype=f32, device=device)
+        self.beta = torch.zeros(s, t, num_v_heads, dtype=f32, device=device)
+
+    @staticmethod
+    def nbytes_for(max_seqs, max_tokens, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
+                   v_itemsize) -> int:
+        per_token = (num_k_heads * head_k_dim * 4 + num_v_heads * head_v_dim * v_itemsize
+                     + num_v_heads * 4 * 2)
+        return int(max_seqs) * int(max_tokens) * per_token
+
+    @property
+    def nbytes(self) -> int:
+        return DeferScratch.nbytes_for(self.max_seqs, self.max_tokens, self.num_k_heads,
+                                       self.num_v_heads, self.head_k_dim, self.head_v_dim,
+                                       self.v.element_size())
+
+
+# --------------------------------------------------------------------------------------------
+# verify: stock outputs, no state stores, per-token update inputs saved to the scratch
+# --------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["MAXT"])
+def _gdn_defer_verify_kernel(
+    A_log, a, b, dt_bias, q, k, v, o, h0, cu_seqlens, ssm_state_indices,
+    s_k, s_v, s_g, s_beta,
+    scale, softplus_beta, threshold,
+    MAXT,                      # scratch.max_tokens
+    stride_h0_blk,             # state pool block stride (elements)
+    stride_idx_seq,            # ssm_state_indices row stride
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    seq_len = eos - bos
+    if seq_len == 0:
+        return
+    # always the running block (column 0), whatever was accepted last step
+    state_idx = tl.load(ssm_state_indices + i_n.to(tl.int64) * stride_idx_seq).to(tl.int64)
+    if state_idx <= 0:
+        return
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    mask_h = mask_v[:, None] & mask_k[None, :]
+
+    p_q = q + (bos * H + i_h) * K + o_k
+    p_k = k + (bos * H + i_h) * K + o_k
+    p_v = v + (bos * HV + i_hv) * V + o_v
+    p_a = a + bos * HV + i_hv
+    p_b = b + bos * HV + i_hv
+    p_o = o + (bos * HV + i_hv) * V + o_v
+
+    # scratch rows of sequence i_n, token 0
+    row0 = i_n.to(tl.int64) * MAXT
+    p_sk = s_k + (row0 * H + i_h) * K + o_k
+    p_sv = s_v + (row0 * HV + i_hv) * V + o_v
+    p_sg = s_g + row0 * HV + i_hv
+    p_sb = s_beta + row0 * HV + i_hv
+    save_gate = i_v == 0
+    save_key = (i_v == 0) & (i_hv % (HV // H) == 0)
+
+    b_h = tl.zeros([BV, BK], dtype=tl.float32)
+    p_h0 = h0 + state_idx * stride_h0_blk + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+    b_h += tl.load(p_h0, mask=mask_h, other=0).to(tl.float32)
+
+    b_A = tl.load(A_log + i_hv).to(tl.float32)
+    b_dt = tl.load(dt_bias + i_hv).to(tl.float32)
+
+    for i_t in range(0, seq_len):
+        b_q = tl.load(p_q, mask=mask_k, other=0).to(tl.float32)
+        b_k = tl.load(p_k, mask=mask_k, other=0).to(tl.float32)
+        b_v_raw = tl.load(p_v, mask=mask_v, other=0)
+        b_v = b_v_raw.to(tl.float32)
+        b_b = tl.load(p_b).to(tl.float32)
+
+        x = tl.load(p_a).to(tl.float32) + b_dt
+        softplus_x = tl.where(
+            softplus_beta * x <= threshold,
+            (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)),
+            x,
+        )
+        b_g = -tl.exp(b_A) * softplus_x
+        b_beta = tl.sigmoid(b_b.to(tl.float32))
+
+        if USE_QK_L2NORM_IN_KERNEL:
+            b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q) + 1e-6))
+            b_k = b_k * (tl.rsqrt(tl.sum(b_k * b_k) + 1e-6))
+        b_q = b_q * scale
+
+        if i_t < MAXT:
+            tl.store(p_sv, b_v_raw, mask=mask_v)
+            if save_gate:
+                tl.store(p_sg, b_g)
+                tl.store(p_sb, b_beta)
+            if save_key:
+                tl.store(p_sk, b_k, mask=mask_k)
+
+        b_h *= tl.exp(b_g)
+        b_v -= tl.sum(b_h * b_k[None, :], 1)
+        b_v *= b_beta
+        b_h += b_v[:, None] * b_k[None, :]
+        b_o = tl.sum(b_h * b_q[None, :], 1)
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
+
+        p_q += H * K
+        p_k += H * K
+        p_v += HV * V
+        p_o += HV * V
+        p_a += HV
+        p_b += HV
+        p_sk += H * K
+        p_sv += HV * V
+        p_sg += HV
+        p_sb += HV
+
+
+# --------------------------------------------------------------------------------------------
+# commit: replay the accepted tokens from the scratch onto the running block
+# --------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["num_rows", "MAXS", "MAXT"])
+def _gdn_defer_commit_kernel(
+    state, s_k, s_v, s_g, s_beta,
+    row_to_spec, num_accepted, running_block, boundary_count, boundary_block,
+    num_rows, MAXS, MAXT,
+    stride_blk,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    HAS_BOUNDARY: tl.constexpr,
+):
+    i_v, i_rh = tl.program_id(0), tl.program_id(1)
+    i_r, i_hv = i_rh // HV, i_rh % HV
+    i_h = i_hv // (HV // H)
+    if i_r >= num_rows:
+        return
+    i_n = tl.load(row_to_spec + i_r).to(tl.int64)
+    if (i_n < 0) | (i_n >= MAXS):
+        return
+    blk = tl.load(running_block + i_r).to(tl.int64)
+    if blk <= 0:
+        return
+    n_acc = tl.minimum(tl.load(num_accepted + i_r).to(tl.int32), MAXT)
+    if n_acc <= 0:
+        return
+    if HAS_BOUNDARY:
+        bnd_cnt = tl.load(boundary_count + i_r).to(tl.int32)
+        bnd_blk = tl.load(boundary_block + i_r).to(tl.int64)
+        bnd_on = (bnd_blk > 0) & (bnd_blk != blk)
+    else:
+        bnd_cnt = 0
+        bnd_blk = blk
+        bnd_on = False
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    mask_h = mask_v[:, None] & mask_k[None, :]
+    o_hv = i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+
+    row0 = i_n * MAXT
+    p_sk = s_k + (row0 * H + i_h) * K + o_k
+    p_sv = s_v + (row0 * HV + i_hv) * V + o_v
+    p_sg = s_g + row0 * HV + i_hv
+    p_sb = s_beta + row0 * HV + i_hv
+
+    p_h = state + blk * stride_blk + o_hv
+    b_h = tl.zeros([BV, BK], dtype=tl.float32)
+    b_h += tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
+
+    for i_t in range(0, n_acc):
+        b_k = tl.load(p_sk, mask=mask_k, other=0)
+        b_v = tl.load(p_sv, mask=mask_v, other=0).to(tl.float32)
+        b_g = tl.load(p_sg)
+        b_beta = tl.load(p_sb)
+
+        b_h *= tl.exp(b_g)
+        b_v -= tl.sum(b_h * b_k[None, :], 1)
+        b_v *= b_beta
+        b_h += b_v[:, None] * b_k[None, :]
+
+        if HAS_BOUNDARY:
+            if bnd_on & (i_t + 1 == bnd_cnt):
+                p_b = state + bnd_blk * stride_blk + o_hv
+                tl.store(p_b, b_h.to(p_b.dtype.element_ty), mask=mask_h)
+
+        p_sk += H * K
+        p_sv += HV * V
+        p_sg += HV
+        p_sb += HV
+
+    tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=mask_h)
+
+
+# --------------------------------------------------------------------------------------------
+# host wrappers (no device reads)
+# --------------------------------------------------------------------------------------------
+_NUM_WARPS = 4
+_NUM_STAGES = 3
+
+
+def _blocks(K: int, V: int) -> tuple[int, int, int]:
+    BK = triton.next_power_of_2(K)
+    BV = min(triton.next_power_of_2(V), 32)
+    return BK, BV, triton.cdiv(V, BV)
+
+
+def _check_pool(name: str, pool: torch.Tensor, HV: int, V: int, K: int) -> None:
+    if pool.ndim != 4 or tuple(pool.shape[1:]) != (HV, V, K):
+        raise ValueError(f"{name}: shape {tuple(pool.shape)} is not [num_blocks, {HV}, {V}, {K}]")
+    if pool.stride()[1:] != (V * K, K, 1):
+        raise ValueError(f"{name}: inner dims must be contiguous (strides {pool.stride()})")
+    if pool.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{name}: dtype {pool.dtype}; valid: float32, bfloat16")
+
+
+def _check_scratch(scratch: DeferScratch, H: int, HV: int, K: int, V: int) -> None:
+    have = (scratch.num_k_heads, scratch.num_v_heads, scratch.head_k_dim, scratch.head_v_dim)
+    if have != (H, HV, K, V):
+        raise ValueError(f"scratch is (H, HV, K, V)={have}, inputs are {(H, HV, K, V)}")
+
+
+def gdn_defer_verify(
+    A_log: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dt_bias: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    initial_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    ssm_state_indices: torch.Tensor,
+    scratch: DeferScratch,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = True,
+    beta: float = 1.0,
+    threshold: float = 20.0,
+) -> torch.Tensor:
+    """Outputs of ``fused_sigmoid_gating_delta_rule_update(..., inplace_final_state=True)``
+    (its first return value, [1, T, HV, V] in q's dtype), starting every sequence n from state
+    block ``ssm_state_indices[n, 0]`` and storing no state; the per-token update inputs go to
+    ``scratch`` for ``gdn_defer_commit``. IS_KDA=False only."""
+    if cu_seqlens is None:
+        raise ValueError("gdn_defer_verify: cu_seqlens is required (varlen inputs only)")
+    if k.ndim != 4 or v.ndim != 4 or q.shape != k.shape or k.shape[0] != 1:
+        raise ValueError(f"gdn_defer_verify: q, k [1, T, H, K] and v [1, T, HV, V] expected, "
+                         f"got q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
+    _, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H:
+        raise ValueError(f"gdn_defer_verify: HV={HV} is not a multiple of H={H}")
+    BK, BV, NV = _blocks(K, V)
+    if triton.cdiv(K, BK) != 1:
+        raise ValueError("gdn_defer_verify: K must fit one block (NK == 1)")
+    _check_scratch(scratch, H, HV, K, V)
+    if scratch.v.dtype != v.dtype:
+        raise ValueError(f"gdn_defer_verify: scratch.v is {scratch.v.dtype}, v is {v.dtype}")
+    _check_pool("initial_state", initial_state, HV, V, K)
+    N = cu_seqlens.shape[0] - 1
+    if N > scratch.max_seqs:
+        raise ValueError(f"gdn_defer_verify: {N} sequences exceed scratch.max_seqs={scratch.max_seqs}")
+    if T > scratch.max_seqs * scratch.max_tokens:
+        raise ValueError(f"gdn_defer_verify: {T} tokens exceed scratch.max_seqs * scratch.max_tokens="
+                         f"{scratch.max_seqs * scratch.max_tokens}")
+    if scale is None:
+        scale = K ** -0.5
+    elif not scale > 0:
+        raise ValueError(f"gdn_defer_verify: scale={scale} must be positive")
+    if ssm_state_indices.ndim not in (1, 2):
+        raise ValueError(f"gdn_defer_verify: ssm_state_indices must be [N] or [N, C], got {tuple(ssm_state_indices.shape)}")
+    stride_idx_seq = ssm_state_indices.stride(0)
+
+    o = q.new_empty(1, *v.shape)
+    if N == 0 or T == 0:
+        return o.squeeze(0)
+    _gdn_defer_verify_kernel[(NV, N * HV)](
+        A_log, a.contiguous(), b.contiguous(), dt_bias, q.contiguous(), k.contiguous(),
+        v.contiguous(), o, initial_state, cu_seqlens, ssm_state_indices,
+        scratch.k, scratch.v, scratch.g, scratch.beta,
+        scale, beta, threshold,
+        scratch.max_tokens, initial_state.stride(0), stride_idx_seq,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )
+    return o.squeeze(0)
+
+
+def gdn_defer_commit(
+    state: torch.Tensor,
+    scratch: DeferScratch,
+    *,
+    row_to_spec: torch.Tensor,
+    num_accepted: torch.Tensor,
+    running_block: torch.Tensor,
+    num_rows: int,
+    boundary_count: torch.Tensor | None = None,
+    boundary_block: torch.Tensor | None = None,
+) -> None:
+    """For each row r < num_rows with n = row_to_spec[r] >= 0 and blk = running_block[r] > 0:
+    state[blk] <- the state after the first num_accepted[r] tokens of spec sequence n, replayed
+    from ``scratch`` (filled by the preceding ``gdn_defer_verify``) on top of state[blk]. With
+    boundary_count/boundary_block, the state after boundary_count[r] tokens is also stored into
+    state[boundary_block[r]] when 1 <= boundary_count[r] <= num_accepted[r] and
+    boundary_block[r] > 0 and != blk. All index tensors: int32 [>= num_rows], on the device."""
+    HV, V, K = scratch.num_v_heads, scratch.head_v_dim, scratch.head_k_dim
+    H = scratch.num_k_heads
+    _check_pool("state", state, HV, V, K)
+    if (boundary_count is None) != (boundary_block is None):
+        raise ValueError("gdn_defer_commit: pass both boundary_count and boundary_block, or neither")
+    idx = {"row_to_spec": row_to_spec, "num_accepted": num_accepted, "running_block": running_block}
+    if boundary_count is not None:
+        idx.update(boundary_count=boundary_count, boundary_block=boundary_block)
+    for name, t in idx.items():
+        if t.ndim != 1 or t.shape[0] < num_rows:
+            raise ValueError(f"gdn_defer_commit: {name} must be 1-D with >= num_rows={num_rows} entries, got {tuple(t.shape)}")
+    if num_rows <= 0:
+        return
+    BK, BV, NV = _blocks(K, V)
+    has_bnd = boundary_count is not None
+    _gdn_defer_commit_kernel[(NV, num_rows * HV)](
+        state, scratch.k, scratch.v, scratch.g, scratch.beta,
+        row_to_spec, num_accepted, running_block,
+        boundary_count if has_bnd else row_to_spec, boundary_block if has_bnd else row_to_spec,
+        num_rows, scratch.max_seqs, scratch.max_tokens,
+        state.stride(0),
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        HAS_BOUNDARY=has_bnd,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# float64 torch references (host loops; for tests)
+# --------------------------------------------------------------------------------------------
+def _ref_l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _ref_step(h, k_t, v_t, g_t, beta_t):
+    """One delta-rule step in float64. h [HV, V, K], k_t [HV, K], v_t [HV, V], g_t/beta_t [HV]."""
+    h = h * torch.exp(g_t)[:, None, None]
+    vn = (v_t - torch.einsum("hvk,hk->hv", h, k_t)) * beta_t[:, None]
+    return h + vn[:, :, None] * k_t[:, None, :]
+
+
+def gdn_defer_reference_verify(
+    A_log, a, b, dt_bias, q, k, v, *, initial_state, cu_seqlens, ssm_state_indices,
+    scratch: DeferScratch | None = None, scale=None, use_qk_l2norm_in_kernel=True, beta=1.0,
+    threshold=20.0, return_states: bool = False,
+):
+    """float64 reference of ``gdn_defer_verify``: returns o [1, T, HV, V] float64 (NaN rows for
+    skipped sequences) and fills ``scratch`` (when given) the way the kernel does. With
+    ``return_states``: (o, states), states[n] = float64 [T_n, HV, V, K], the state after each
+    token (what the stock kernel stores in column t), or None for a skipped sequence."""
+    _, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    g_rep = HV // H
+    if scale is None:
+        scale = K ** -0.5
+    f64 = torch.float64
+    qd, kd, vd = q[0].to(f64), k[0].to(f64), v[0].to(f64)
+    ad, bd = a.reshape(T, HV).to(f64), b.reshape(T, HV).to(f64)
+    x = ad + dt_bias.to(f64)
+    sp = torch.where(beta * x <= threshold, (1.0 / beta) * torch.log(1 + torch.exp(beta * x)), x)
+    gd = -torch.exp(A_log.to(f64)) * sp                        # [T, HV]
+    betad = torch.sigmoid(bd)                                  # [T, HV]
+    if use_qk_l2norm_in_kernel:
+        qd, kd = _ref_l2norm(qd), _ref_l2norm(kd)
+    qd = qd * scale
+    o = torch.full((1, T, HV, V), float("nan"), dtype=f64)
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    idx = ssm_state_indices.reshape(len(cu) - 1, -1)[:, 0].tolist()
+    states = []
+    for n in range(len(cu) - 1):
+        bos, eos = cu[n], cu[n + 1]
+        if eos == bos or idx[n] <= 0:
+            states.append(None)
+            continue
+        h = initial_state[idx[n]].to(f64).cpu()
+        hs = []
+        for t in range(eos - bos):
+            tok = bos + t
+            k_t = kd[tok].repeat_interleave(g_rep, 0)
+            h = _ref_step(h, k_t, vd[tok], gd[tok], betad[tok])
+            o[0, tok] = torch.einsum("hvk,hk->hv", h, qd[tok].repeat_interleave(g_rep, 0))
+            hs.append(h)
+            if scratch is not None and t < scratch.max_tokens:
+                scratch.k[n, t] = kd[tok].to(scratch.k.dtype)
+                scratch.v[n, t] = v[0, tok].to(scratch.v.dtype)
+                scratch.g[n, t] = gd[tok].to(torch.float32)
+                scratch.beta[n, t] = betad[tok].to(torch.float32)
+        states.append(torch.stack(hs))
+    return (o, states) if return_states else o
+
+
+def gdn_defer_reference_commit(
+    state, scratch: DeferScratch, *, row_to_spec, num_accepted, running_block, num_rows: int,
+    boundary_count=None, boundary_block=None,
+) -> None:
+    """float64 reference of ``gdn_defer_commit`` (reads the scratch, writes ``state`` in its dtype)."""
+    g_rep = scratch.num_v_heads // scratch.num_k_heads
+    f64 = torch.float64
+    rows = row_to_spec.tolist()
+    accs = num_accepted.tolist()
+    blks = running_block.tolist()
+    bcs = boundary_count.tolist() if boundary_count is not None else None
+    bbs = boundary_block.tolist() if boundary_block is not None else None
+    for r in range(num_rows):
+        n, blk = rows[r], blks[r]
+        if n < 0 or n >= scratch.max_seqs or blk <= 0:
+            continue
+        n_acc = min(accs[r], scratch.max_tokens)
+        if n_acc <= 0:
+            continue
+        h = state[blk].to(f64)
+        for t in range(n_acc):
+            k_t = scratch.k[n, t].to(f64).repeat_interleave(g_rep, 0)
+            h = _ref_step(h, k_t, scratch.v[n, t].to(f64), scratch.g[n, t].to(f64),
+                          scratch.beta[n, t].to(f64))
+            if bcs is not None and t + 1 == bcs[r] and bbs[r] > 0 and bbs[r] != blk:
+                state[bbs[r]] = h.to(state.dtype)
+        state[blk] = h.to(state.dtype)
