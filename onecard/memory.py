@@ -22,6 +22,9 @@ Pure functions, no torch, no vLLM, no GPU. Everything below mirrors the 0.27.1 s
   ``int(num_blocks / blocks_per_request * max_model_len)`` where blocks_per_request sums
   ``cdiv(max_len, block)`` for attention and ``(1 + k)`` (mode none) or ``(2 + k)``
   (mode align, i.e. prefix caching) per GDN group. So the pool figure depends on max_len.
+  With GDN_DEFER=1 (a onecard patch, ONECARD_GDN_DEFER) the ``+ k`` per-draft states are not kept:
+  ``1`` or ``2`` per GDN group (``predict_pool(gdn_defer=True)``); its verify scratch sits outside
+  the pool (``gdn_defer_scratch_bytes``).
 
 GDN recurrent-state dtype: vLLM's Qwen3.5 hook (models/config.py) sets
 ``mamba_ssm_cache_dtype`` from the checkpoint's ``mamba_ssm_dtype`` (float32 in Qwen3.5
@@ -365,11 +368,18 @@ def predict_pool(
     draft_attn_layers: int = 0,
     draft_kv_heads: int = DFLASH2_27B_KV_HEADS,
     draft_head_dim: int = DFLASH2_27B_HEAD_DIM,
+    gdn_defer: bool = False,
 ) -> PoolPrediction:
     """Predict the pool vLLM 0.27.1 builds from ``kv_mem_bytes`` (the --kv-cache-memory pin).
     ``draft_attn_layers``: a separate drafter's attention layers sharing the pool (DFlash2:
     dflash_drafter_vram), with ``draft_kv_heads`` x ``draft_head_dim`` per layer (the published
     27B drafter's 8 x 128 by default).
+
+    ``gdn_defer`` (GDN_DEFER=1, ONECARD_GDN_DEFER): the verify step keeps no GDN state per draft
+    position (the accepted state is committed after the rejection sampler), so a sequence holds
+    ``(2 if prefix_cache else 1)`` state blocks per GDN group instead of ``+ num_spec`` more. The
+    block size is unchanged (the conv state keeps its ``+ num_spec`` width); the verify scratch it
+    needs instead lives outside the pool (gdn_defer_scratch_bytes).
 
     How vLLM lays the pool out (v1/core/kv_cache_utils.py, 0.27.1): layers are bucketed by
     attention spec; FullAttentionSpec.merge requires equal KV heads and head size, so the MTP
@@ -409,7 +419,7 @@ def predict_pool(
         attn_groups.append((cdiv(n, group), block * (page // pg) if page % pg == 0 else block))
     attn_blocks = sum(g * cdiv(max_len, blk) for g, blk in attn_groups)
     num_blocks = max(int(kv_mem_bytes // page // group), 0)
-    per_gdn_group = (2 if prefix_cache else 1) + num_spec
+    per_gdn_group = gdn_state_blocks_per_group(num_spec, prefix_cache, gdn_defer)
     bpr = attn_blocks + gdn_groups * per_gdn_group
     conc = num_blocks / bpr
     return PoolPrediction(
@@ -420,10 +430,33 @@ def predict_pool(
     )
 
 
+def gdn_state_blocks_per_group(num_spec: int = 0, prefix_cache: bool = False, gdn_defer: bool = False) -> int:
+    """GDN state blocks one resident sequence holds in each GDN KV-cache group: 1 (mode none) or
+    2 (mode align, prefix caching), + one per draft position unless ``gdn_defer`` (GDN_DEFER=1)."""
+    return (2 if prefix_cache else 1) + (0 if gdn_defer else num_spec)
+
+
+def gdn_defer_scratch_bytes(geom: ModelGeometry, max_seqs: int, num_spec: int, tp: int = 1) -> int:
+    """VRAM of GDN_DEFER=1's verify scratch outside the KV pool, on one GPU (the patch allocates it
+    per GDN layer): ``max_seqs x (1 + num_spec)`` positions of ``H*K*4 + HV*V*dtype_bytes + HV*4*2``
+    bytes (H, K: GDN key heads and head size; HV, V: value heads and head size; the heads divided by
+    ``tp`` like the rest of a rank's geometry), times the GDN layers. 0 without speculation. The
+    27B at MAX_SEQS 4, k 7: 32 x 48 x 20,864 B = 32,047,104 B (32.0 MB)."""
+    if num_spec <= 0:
+        return 0
+    g = rank_geometry(geom, tp) if tp > 1 else geom
+    per_pos = (g.linear_num_key_heads * g.linear_key_head_dim * 4
+               + g.linear_num_value_heads * g.linear_value_head_dim * g.dtype_bytes
+               + g.linear_num_value_heads * 4 * 2)
+    return g.num_gdn * max_seqs * (1 + num_spec) * per_pos
+
+
 def kv_mem_for_pool(geom: ModelGeometry, pool_tokens: int, kv: str, max_len: int, num_spec: int = 0,
-                    prefix_cache: bool = False, granularity: int = MiB) -> int:
-    """Smallest KV_MEM (multiple of ``granularity``) whose predicted pool is >= pool_tokens."""
-    probe = predict_pool(geom, GiB, kv, max_len, num_spec, prefix_cache)
+                    prefix_cache: bool = False, granularity: int = MiB, gdn_defer: bool = False,
+                    **pool_kw) -> int:
+    """Smallest KV_MEM (multiple of ``granularity``) whose predicted pool is >= pool_tokens.
+    ``pool_kw``: predict_pool's other keywords (a DFlash2 drafter's layers: DrafterVRAM.pool_kw)."""
+    probe = predict_pool(geom, GiB, kv, max_len, num_spec, prefix_cache, gdn_defer=gdn_defer, **pool_kw)
     per_block = probe.page_bytes * probe.group_size
     blocks = cdiv(pool_tokens * probe.blocks_per_request, max_len)
     while int(blocks / probe.blocks_per_request * max_len) < pool_tokens:
@@ -431,15 +464,17 @@ def kv_mem_for_pool(geom: ModelGeometry, pool_tokens: int, kv: str, max_len: int
     return cdiv(blocks * per_block, granularity) * granularity
 
 
-def tokens_per_gib(geom: ModelGeometry, kv: str, max_len: int, num_spec: int = 0, prefix_cache: bool = False) -> float:
-    p = predict_pool(geom, 8 * GiB, kv, max_len, num_spec, prefix_cache)
+def tokens_per_gib(geom: ModelGeometry, kv: str, max_len: int, num_spec: int = 0, prefix_cache: bool = False,
+                   gdn_defer: bool = False) -> float:
+    p = predict_pool(geom, 8 * GiB, kv, max_len, num_spec, prefix_cache, gdn_defer=gdn_defer)
     return p.pool_tokens / 8
 
 
 def max_concurrency(geom: ModelGeometry, kv_mem_bytes: int, kv: str, max_len: int, num_spec: int = 0,
-                    prefix_cache: bool = False) -> int:
+                    prefix_cache: bool = False, gdn_defer: bool = False) -> int:
     """Whole sequences of max_len that fit at once."""
-    return int(predict_pool(geom, kv_mem_bytes, kv, max_len, num_spec, prefix_cache).max_concurrency)
+    return int(predict_pool(geom, kv_mem_bytes, kv, max_len, num_spec, prefix_cache,
+                            gdn_defer=gdn_defer).max_concurrency)
 
 
 # ---------------------------------------------------------------- weights and the rest of VRAM
@@ -630,14 +665,15 @@ CARD_24G = 24 * GiB  # the card this distribution targets (RTX 3090: 24,576 MiB)
 
 def predict_tp(geom: ModelGeometry, tp: int, weights: TPWeights, kv: str, max_len: int, num_spec: int = 0,
                prefix_cache: bool = False, gpu_util: float = 0.92, card_bytes: int = CARD_24G,
-               kv_bytes_per_gpu: int | None = None) -> TPPrediction:
+               kv_bytes_per_gpu: int | None = None, gdn_defer: bool = False) -> TPPrediction:
     """Pool at tensor parallel ``tp`` when it is sized from gpu_memory_utilization: per GPU,
     ``card * util - weights/GPU - activation - CUDA context - graph reserve`` (kv_mem_from_util;
     the reserves are the single-card 3090 figures, per rank), or ``kv_bytes_per_gpu`` when known
     (vLLM logs it: "Available KV cache memory: X GiB")."""
     if kv_bytes_per_gpu is None:
         kv_bytes_per_gpu = kv_mem_from_util(card_bytes, gpu_util, weights.per_gpu)
-    pool = predict_pool(rank_geometry(geom, tp), kv_bytes_per_gpu, kv, max_len, num_spec, prefix_cache)
+    pool = predict_pool(rank_geometry(geom, tp), kv_bytes_per_gpu, kv, max_len, num_spec, prefix_cache,
+                        gdn_defer=gdn_defer)
     return TPPrediction(tp, card_bytes, gpu_util, weights, kv_bytes_per_gpu, pool)
 
 
@@ -932,12 +968,14 @@ def dflash2_lane_bytes(max_seqs: int, max_len: int, k: int) -> int:
 
 def vram_budget(kv_pin: int, target_weights: int, drafter_weights: int = 0, draft_lm_head: int = 0,
                 kvarn_stage: int = 0, reserves: int = RESERVES, card_bytes: int = CARD_24G,
-                dflash2_ring_bytes: int = 0, dflash2_lane_bytes: int = 0) -> dict:
+                dflash2_ring_bytes: int = 0, dflash2_lane_bytes: int = 0, gdn_defer_scratch: int = 0) -> dict:
     """Everything one GPU holds at a KV_MEM pin, term by term, and whether it fits ``card_bytes``.
-    ``kv_max`` is the largest pin that would fit beside the other terms."""
+    ``kv_max`` is the largest pin that would fit beside the other terms. ``gdn_defer_scratch``:
+    GDN_DEFER=1's verify scratch (gdn_defer_scratch_bytes)."""
     terms = {"weights": target_weights, "drafter_weights": drafter_weights, "draft_lm_head": draft_lm_head,
              "kvarn_stage": kvarn_stage, "dflash2_ring_bytes": dflash2_ring_bytes,
-             "dflash2_lane_bytes": dflash2_lane_bytes, "reserves": reserves, "kv_pin": kv_pin}
+             "dflash2_lane_bytes": dflash2_lane_bytes, "gdn_defer_scratch": gdn_defer_scratch,
+             "reserves": reserves, "kv_pin": kv_pin}
     total = sum(terms.values())
     return {**terms, "total": total, "card_bytes": card_bytes, "fits": total <= card_bytes,
             "kv_max": max(card_bytes - (total - kv_pin), 0)}

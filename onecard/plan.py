@@ -320,6 +320,9 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
             plan.set(name, default, "profile", f"CTX={ctx.name}")
         else:
             plan.values[name].value = parse_int(plan.get(name), name, lo, hi)
+    if plan.get("GDN_DEFER") == "1" and spec.name == "off":
+        plan.notes.append("GDN_DEFER=1 has no effect with SPEC=off (no draft positions, so no per-draft GDN "
+                          "states to drop); not passed to the server")
     if plan.get("EMBED_HOST") == "1" and in_wsl():
         raise PlanError("EMBED_HOST=1 needs pinned host memory, which CUDA does not give under WSL; valid on WSL: "
                         "EMBED_HOST=0")
@@ -699,6 +702,11 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     _to_server(plan, "GDN_SHARED_META")
     # PREFILL_LAUNCH's only reader is patch 0083 (triton_unified_attention.py), checked in resolve
     _to_server(plan, "PREFILL_LAUNCH")
+    # GDN_DEFER's reader is the GDN verify path (no per-draft GDN state; the accepted state committed
+    # after the rejection sampler); the preflight sized the pool and the scratch beside the pin for it.
+    # Without speculation there is nothing to defer: not sent (resolve notes an explicit 1)
+    if plan.get("SPEC") != "off":
+        _to_server(plan, "GDN_DEFER")
     # DFLASH_RING's reader is patch 0080's DFlash2 drafter (the drafter's K/V in rings outside the
     # pool); the preflight sized the pool without the drafter's layers and the rings beside the pin
     if plan.get("SPEC") == "dflash2":

@@ -18,7 +18,10 @@ Checks, in order:
 4. max_len vs the predicted pool: cap max_len to what one sequence can hold, refuse below 4,096.
 5. MAX_SEQS vs pool blocks: vLLM raises "max_num_seqs (N) exceeds available Mamba cache blocks"
    when capturing FULL graphs (config/compilation.py); cap MAX_SEQS to num_blocks.
-6. Residency note: each resident sequence holds gdn_groups x (1|2 + k) state blocks.
+6. Residency note: each resident sequence holds gdn_groups x (1|2 + k) state blocks, gdn_groups x (1|2)
+   with GDN_DEFER=1 (speculation only; memory.predict_pool(gdn_defer=True)); with speculation and
+   GDN_DEFER=0 one more note says what GDN_DEFER=1 would give this plan (blocks per sequence, the
+   longest sequence, the KV_MEM pin for the same pool), all from predict_pool.
 7. KV_MEM=auto: note that gpu_memory_utilization does not reserve CUDA-graph memory.
 8. PREFIX_CACHE=1 with speculation (SPEC=mtp/dflash2: vLLM's EAGLE-style path): every prefix-cache
    hit loses its last attention block, so prompts of <= 2 x block tokens never hit; and, with a
@@ -27,7 +30,8 @@ Checks, in order:
    SPEC=dflash2's drafter weights (DRAFT's safetensors headers, else its config shape, else the
    published 27B drafter: 3.58 GiB bf16), SPEC=mtp's draft_lm_head of patch 0012
    (MODEL/draft_vocab.json unless ONECARD_DRAFT_VOCAB=0), CTX=huge's KVarN fp16 stage,
-   DFLASH_RING=1's drafter K/V rings (memory.dflash2_ring_bytes at MAX_SEQS and DFLASH_TOKENS), the
+   DFLASH_RING=1's drafter K/V rings (memory.dflash2_ring_bytes at MAX_SEQS and DFLASH_TOKENS),
+   GDN_DEFER=1's verify scratch with speculation (memory.gdn_defer_scratch_bytes at MAX_SEQS and k), the
    reserves; when a drafter / draft-head / stage / ring term is what pushes it over, the note names it.
    The card: CARD_GIB, else nvidia-smi's memory.total of the first visible GPU at a real launch
    (plan.card_memory), else a 24 GiB card as a note only (--dry-run, no nvidia-smi).
@@ -227,6 +231,19 @@ def _lane_bytes(plan: ServePlan) -> int:
     return memory.dflash2_lane_bytes(int(plan.get("MAX_SEQS")), int(plan.get("MAX_LEN")), k)
 
 
+def _defer(plan: ServePlan) -> bool:
+    """GDN_DEFER=1 with speculation (with SPEC=off the knob has no effect and is not sent)."""
+    return plan.get("GDN_DEFER") == "1" and int(plan.get("SPEC_K")) > 0
+
+
+def _defer_scratch(plan: ServePlan, geom: memory.ModelGeometry, tp: int = 1) -> int:
+    """GDN_DEFER=1's verify scratch beside the pin (memory.gdn_defer_scratch_bytes) at the plan's
+    MAX_SEQS and k, per GPU; 0 without GDN_DEFER=1 or speculation."""
+    if not _defer(plan):
+        return 0
+    return memory.gdn_defer_scratch_bytes(geom, int(plan.get("MAX_SEQS")), int(plan.get("SPEC_K")), tp)
+
+
 def _card(plan: ServePlan) -> tuple[int, bool]:
     """(bytes of the card the plan must fit, whether it is known): CARD_GIB or nvidia-smi's answer
     (plan.resolve), else 24 GiB as an assumption for the note."""
@@ -266,10 +283,12 @@ def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: mem
                                            int(plan.get("KVARN_SINKS")) if "KVARN_SINKS" in plan.values else None)
     ring = _ring_bytes(plan)
     lane = _lane_bytes(plan)
+    scratch = _defer_scratch(plan, geom)
     card, _ = _card(plan)
     chunk = int(plan.get("PREFILL_CHUNK")) if "PREFILL_CHUNK" in plan.values else memory.PREFILL_CHUNK
     b = memory.vram_budget(kv_mem, weights, drafter.weight_bytes if drafter else 0, head, stage, card_bytes=card,
-                           dflash2_ring_bytes=ring, dflash2_lane_bytes=lane, reserves=memory.reserves(chunk))
+                           dflash2_ring_bytes=ring, dflash2_lane_bytes=lane, reserves=memory.reserves(chunk),
+                           gdn_defer_scratch=scratch)
     b["certain"] = b["total"] - b["reserves"] + memory.CUDA_CONTEXT
     b["sources"] = {"weights": wsrc, "drafter_weights": drafter.source if drafter else "",
                     "draft_lm_head": hsrc}
@@ -292,6 +311,10 @@ def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: mem
         parts.append(f"DFlash2 lookup lane history {_gib(lane)} (LOOKUP_LANE=device, MAX_SEQS={plan.get('MAX_SEQS')}, "
                      f"MAX_LEN={plan.get('MAX_LEN')})")
         added["the DFlash2 lookup lane's token history"] = lane
+    if scratch:  # the user's choice: named always, even below 0.01 GiB
+        parts.append(f"GDN_DEFER=1 verify scratch {_gib(scratch)} ({geom.num_gdn} GDN layers x MAX_SEQS="
+                     f"{plan.get('MAX_SEQS')} x {1 + int(plan.get('SPEC_K'))} positions)")
+        added["the GDN_DEFER=1 verify scratch"] = scratch
     parts += [f"reserves {_gib(b['reserves'])}", f"KV pin {_gib(kv_mem)}"]
     return b, f"{' + '.join(parts)} = {_gib(b['total'])} GiB", added
 
@@ -367,6 +390,11 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
     if _card(plan)[1] and b["certain"] <= b["card_bytes"]:
         fix += (f"; without the estimated graph/activation reserves it is {_gib(b['certain'])} GiB, so the pin "
                 f"stays: if the boot runs out of GPU memory, set that KV_MEM")
+    alt = plan.prediction.get("gdn_defer") or {}
+    pin = alt.get("kv_mem_same_pool")
+    if pin and (total := b["total"] - (kv_mem - pin) + alt["scratch_bytes"]) <= b["card_bytes"]:
+        fix += (f"; or GDN_DEFER=1 with KV_MEM={pin // memory.MiB}M (the same {plan.prediction['pool_tokens']:,}-token "
+                f"pool, no GDN state per draft position: {_gib(total)} GiB; not yet run on a GPU)")
     plan.notes.append(f"{line}: {why}; {fix} (or use a larger card; the reserves are 3090 estimates)")
 
 
@@ -387,6 +415,53 @@ def _ring_note(plan: ServePlan) -> None:
         f"{dring.ring_total_blocks(seqs, rd.window, k)} blocks of {dring.RING_BLOCK} rows (MAX_SEQS={seqs} slots "
         f"of window {rd.window} + DFLASH_TOKENS {k} + 1, + 1 spare) x {rd.kv_heads} x {rd.head_dim} x K,V = "
         f"{nbytes:,} B ({nbytes / 1e6:.1f} MB); CPU-tested only, not yet run on a GPU")
+
+
+def _gdn_defer_note(plan: ServePlan, geom: memory.ModelGeometry, pred: memory.PoolPrediction, k: int,
+                    prefix: bool, pool_kw: dict, tp: int = 1, want_len: int | None = None) -> None:
+    """With speculation and GDN_DEFER=0: one line on what GDN_DEFER=1 would give this plan, from
+    memory.predict_pool at the same pool bytes (``geom`` and ``pool_kw`` as the plan's own
+    prediction; at TP>1 a rank's geometry): the GDN state blocks per resident sequence, the longest
+    sequence the pool holds alone (and the MAX_LEN it would allow, when the pool capped ``want_len``,
+    the MAX_LEN before that cap), and (with a KV_MEM pin) how much lower a pin gives the same pool
+    (memory.kv_mem_for_pool: vLLM's logged pool at the same MAX_LEN); its verify scratch. The figures
+    go into plan.prediction["gdn_defer"] (step 9's does-not-fit note and ./verify.sh's plan check
+    name that pin). At TP>1 with GDN_DEFER=1 the note says what it holds instead (that path has no
+    residency note of its own)."""
+    if k <= 0:
+        return
+    seqs = int(plan.get("MAX_SEQS"))
+    scratch = memory.gdn_defer_scratch_bytes(geom, seqs, k)  # geom: a rank's at TP>1
+    where = " on each GPU, out of what GPU_UTIL leaves for the pool" if tp > 1 else " beside the KV pin"
+    if plan.get("GDN_DEFER") == "1":
+        if tp > 1:
+            plan.notes.append(
+                f"GDN_DEFER=1 (not yet run on a GPU): each resident sequence holds {pred.state_slots_per_seq} GDN "
+                f"state blocks ({pred.gdn_groups} groups x {2 if prefix else 1}; "
+                f"{pred.gdn_groups * memory.gdn_state_blocks_per_group(k, prefix)} without it); its verify scratch "
+                f"takes {scratch / 1e6:.1f} MB{where}")
+        return
+    kw = {**pool_kw, "gdn_defer": True}
+    alt = memory.predict_pool(geom, pred.kv_mem_bytes, pred.kv, pred.max_len, k, prefix, **kw)
+    now_seq, alt_seq = pred.one_sequence_tokens(), alt.one_sequence_tokens()
+    line = (f"GDN_DEFER=1 (not yet run on a GPU) would hold {alt.state_slots_per_seq} instead of "
+            f"{pred.state_slots_per_seq} GDN state blocks per resident sequence: one sequence "
+            f"{alt_seq:,} instead of {now_seq:,} tokens (+{alt_seq - now_seq:,}")
+    if want_len is not None and pred.max_len < want_len:
+        alt_len = want_len if alt_seq >= want_len else alt_seq // 256 * 256 or alt_seq
+        if alt_len > pred.max_len:
+            line += f"; MAX_LEN {alt_len:,} instead of {pred.max_len:,}"
+    line += ")"
+    record = {"state_slots_per_seq": alt.state_slots_per_seq, "one_sequence_tokens": alt_seq,
+              "pool_tokens": alt.pool_tokens, "scratch_bytes": scratch, "kv_mem_same_pool": None}
+    if tp == 1:
+        pin = memory.kv_mem_for_pool(geom, pred.pool_tokens, pred.kv, pred.max_len, k, prefix, **kw)
+        if pin < pred.kv_mem_bytes:
+            record["kv_mem_same_pool"] = pin
+            line += (f", or KV_MEM {_gib(pred.kv_mem_bytes - pin)} GiB lower for the same {pred.pool_tokens:,}-token "
+                     f"pool (KV_MEM={pin // memory.MiB}M)")
+    plan.prediction["gdn_defer"] = record
+    plan.notes.append(f"{line}; its verify scratch takes {scratch / 1e6:.1f} MB{where}")
 
 
 def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, environ=None) -> ServePlan:
@@ -428,9 +503,16 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
                               f"and not the 27B geometry)")
             return plan
         prefix = plan.get("PREFIX_CACHE") == "1"
-        pred = memory.predict_tp(geom, tp, weights, plan.get("KV"), int(plan.get("MAX_LEN")), k, prefix,
-                                 float(plan.get("GPU_UTIL")))
+        util = float(plan.get("GPU_UTIL"))
+        # GDN_DEFER=1's verify scratch (per GPU) comes out of what GPU_UTIL leaves for the pool
+        scratch = _defer_scratch(plan, geom, tp)
+        kv_gpu = max(memory.kv_mem_from_util(memory.CARD_24G, util, weights.per_gpu) - scratch, 0)
+        pred = memory.predict_tp(geom, tp, weights, plan.get("KV"), int(plan.get("MAX_LEN")), k, prefix, util,
+                                 kv_bytes_per_gpu=kv_gpu, gdn_defer=_defer(plan))
         plan.prediction = pred.as_dict()
+        if scratch:
+            plan.prediction["gdn_defer_scratch_bytes"] = scratch
+        _gdn_defer_note(plan, memory.rank_geometry(geom, tp), pred.pool, k, prefix, {}, tp=tp)
         one_seq = (pred.pool.num_blocks - pred.pool.state_slots_per_seq) * pred.pool.block_size
         if one_seq < int(plan.get("MAX_LEN")):
             plan.notes.append(f"TP={tp}: on {memory.CARD_24G // memory.GiB} GiB cards the predicted pool holds "
@@ -456,6 +538,8 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
     drafter = _draft_quant(plan, geom, drafter, weights, attn_layers)
     _fit_card(plan, geom, drafter, weights, attn_layers)
     kv_mem = plan.get("KV_MEM")
+    defer = _defer(plan)
+    pool_kw = {**pool_kw, "gdn_defer": defer}
     pred = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), max_len, k, prefix, **pool_kw)
     one_seq = pred.one_sequence_tokens()
     if one_seq < MIN_POOL:
@@ -463,13 +547,15 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
             raise PlanError(f"on the {_card_name(plan)} the KV pin that fits, {kv_mem // memory.MiB}M, gives a pool "
                             f"of {max(one_seq, 0):,} tokens (< {MIN_POOL:,}); valid: a larger card, SPEC=off|mtp, "
                             f"or VRAM_CHECK=0 to keep the profile's pin")
+        least = memory.kv_mem_for_pool(geom, MIN_POOL, plan.get("KV"), MIN_POOL, k, prefix, gdn_defer=defer)
         raise PlanError(f"KV_MEM={kv_mem} gives a pool of {max(one_seq, 0):,} tokens (< {MIN_POOL:,}); "
-                        f"valid: KV_MEM >= {memory.kv_mem_for_pool(geom, MIN_POOL, plan.get('KV'), MIN_POOL, k, prefix):,}")
+                        f"valid: KV_MEM >= {least:,}")
     if one_seq < max_len:
         capped = one_seq // 256 * 256 or one_seq
         why = f"predicted pool holds {one_seq:,} tokens for one sequence (< {max_len:,})"
         if drafter and drafter.attn_layers:
-            bare = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), max_len, k, prefix, mtp_in_pool=False)
+            bare = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), max_len, k, prefix, mtp_in_pool=False,
+                                       gdn_defer=defer)
             bare_seq = bare.one_sequence_tokens()
             why += (f"; the DFlash2 drafter's {drafter.attn_layers} attention layers hold KV in the same pool, in "
                     f"KV-cache groups of {pred.group_size} layers (without them {bare.group_size}; "
@@ -483,16 +569,22 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
         plan.cap("MAX_SEQS", pred.num_blocks,
                  f"vLLM refuses max_num_seqs > Mamba cache blocks ({pred.num_blocks}) with FULL graphs")
     plan.prediction = pred.as_dict()
+    if defer:
+        plan.prediction["gdn_defer_scratch_bytes"] = _defer_scratch(plan, geom)
     _ring_note(plan)
     resident_full = int(pred.max_concurrency)
     resident_short = pred.num_blocks // (pred.state_slots_per_seq + 1)
     if int(plan.get("MAX_SEQS")) > resident_short:
         plan.notes.append(f"MAX_SEQS={plan.get('MAX_SEQS')} > {resident_short}: even short requests beyond "
                           f"{resident_short} wait for GDN state blocks (the pool has {pred.num_blocks} blocks)")
+    per_group = (f"{(2 if prefix else 1)}, from GDN_DEFER=1: no state per draft position; "
+                 f"{pred.gdn_groups * memory.gdn_state_blocks_per_group(k, prefix)} without it" if defer
+                 else f"{(2 if prefix else 1)}+{k}")
     plan.notes.append(
         f"each resident sequence holds {pred.state_slots_per_seq} GDN state blocks ({pred.gdn_groups} groups x "
-        f"{(2 if prefix else 1)}+{k}); MAX_SEQS={plan.get('MAX_SEQS')} admits, the pool decides residency "
+        f"{per_group}); MAX_SEQS={plan.get('MAX_SEQS')} admits, the pool decides residency "
         f"({resident_full} sequence(s) at full {pred.max_len:,} context)")
+    _gdn_defer_note(plan, geom, pred, k, prefix, pool_kw, want_len=max_len)
     # 9. VRAM beside the pin
     _budget(plan, geom, int(kv_mem), drafter, weights, attn_layers)
     # 8b. how many resent prompts the prefix cache keeps

@@ -444,6 +444,12 @@ def check_plan(ctx) -> Result:
         embed = (doc.get("prediction") or {}).get("embed_bytes") or 0
         alt = (f", or EMBED_HOST=1 ({embed / 2**30:.2f} GiB less; not yet run on a GPU)"
                if embed and val.get("EMBED_HOST") == "0" and vram["total"] - embed <= vram["card_bytes"] else "")
+        # GDN_DEFER=1 at the lower pin that keeps the same pool (the preflight's prediction["gdn_defer"])
+        defer = (doc.get("prediction") or {}).get("gdn_defer") or {}
+        pin = defer.get("kv_mem_same_pool")
+        if (pin and isinstance(kv, int) and val.get("GDN_DEFER") == "0"
+                and vram["total"] - (kv - pin) + defer.get("scratch_bytes", 0) <= vram["card_bytes"]):
+            alt += f", or GDN_DEFER=1 with KV_MEM={pin // 2**20}M (the same pool; not yet run on a GPU)"
         return Result(WARN, "plan", f"{detail}; over this card by the estimated reserves only: it boots at "
                                     f"the pin, and if it runs out of GPU memory, KV_MEM <= {vram['kv_max'] // 2**20}M"
                                     + alt)
