@@ -6,7 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "gpu" / "jobs"
-CORRECTNESS = {"10-tiny-suite", "63-kvarn-spec", "70-dflash2", "71-spec-quant-kv", "72-dflash2-lane"}
+CORRECTNESS = {"10-tiny-suite", "63-kvarn-spec", "70-dflash2", "71-spec-quant-kv", "72-dflash2-lane", "75-gdn-defer"}
 TIMING = {"30-wide-verify", "31-verify-e2e", "40-pools", "50-bench-smoke", "62-kvarn-decode", "80-reference"}
 
 

@@ -22,7 +22,8 @@ from tests.conftest import check_job_contract
 REPO = Path(__file__).resolve().parents[1]
 DRIVER = REPO / "tests" / "gpu" / "spec_kv_sweep.py"
 JOBS = {"quant": REPO / "gpu" / "jobs" / "71-spec-quant-kv.sh",
-        "kvarn": REPO / "gpu" / "jobs" / "63-kvarn-spec.sh"}
+        "kvarn": REPO / "gpu" / "jobs" / "63-kvarn-spec.sh",
+        "defer": REPO / "gpu" / "jobs" / "75-gdn-defer.sh"}
 
 
 @pytest.mark.parametrize("suite", sorted(JOBS))
@@ -87,6 +88,34 @@ def test_quant_dry_run(tmp_path, patched_site, models):
     assert {n: int(b) for n, b in d["block"].items()} == {
         "int8-off": 400, "int8-mtp": 400, "int8-d2k7": 416,
         "int4-off": 768, "int4-mtp": 784, "int4-d2k7": 800}
+
+
+def test_defer_dry_run(tmp_path, patched_site, models):
+    """Job 75: the GDN_DEFER=1 servers get ONECARD_GDN_DEFER=1 (and nothing else differs from
+    their stock twins), prefix caching on except mtp-defer-nopc (mamba cache mode none)."""
+    if not (patched_site / "vllm" / "dflash2_installed.txt").is_file():
+        pytest.skip("patches/series does not list 0080-dflash2.patch")
+    d = _dry("defer", patched_site, models, tmp_path)
+    names = {"off", "mtp", "mtp-defer", "mtp-defer-nopc", "d2k7-defer", "d2k15-defer"}
+    assert set(d["parsed"]) == names
+    for n in names:
+        a = json.loads(d["parsed"][n])
+        child = json.loads(d["child_env"][n])
+        assert a["kv_cache_dtype"] == "int8_per_token_head" and a["max_model_len"] == 4096, n
+        nopc = n == "mtp-defer-nopc"
+        assert a["enable_prefix_caching"] is (not nopc), n
+        assert a["mamba_cache_mode"] == ("none" if nopc else "align"), n
+        want = "1" if n.endswith(("-defer", "-nopc")) else ("0" if n == "mtp" else None)   # none for SPEC=off
+        assert child.get("ONECARD_GDN_DEFER") == want, n
+        sc = a["speculative_config"]
+        if n == "off":
+            assert sc is None
+        elif n.startswith("mtp"):
+            assert sc == {"method": "mtp", "num_speculative_tokens": 3}, n
+        else:
+            assert sc["method"] == "dflash2" and sc["num_speculative_tokens"] == int(n[3:5].rstrip("-")), n
+    # the defer servers' pools hold fewer GDN blocks: equal attention block sizes as their twins
+    assert d["block"]["mtp"] == d["block"]["mtp-defer"]
 
 
 @pytest.fixture(scope="module")

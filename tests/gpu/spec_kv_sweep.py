@@ -17,6 +17,14 @@ Suites (``--suite``):
          its K/V in rings outside the pool: DFLASH_RING=1, see below). MAX_LEN 4096 (B = 1,024
          on the tiny model: a spec hit needs L > 2,048); prompts of 2,176..2,303 tokens: the
          tiny drafter's window is 64, so its 80-row ring wraps ~30 times per prompt.
+  defer  (job 75) GDN_DEFER=1 (patch 0085: one GDN state block per sequence under speculation,
+         the accepted tokens committed after rejection): CTX=long, servers off, mtp (stock
+         speculation, the control), mtp-defer, mtp-defer-nopc (PREFIX_CACHE=0: mamba cache mode
+         none), d2k7-defer and d2k15-defer (DFLASH_TOKENS=15: 7 drafter rows + 8 lookup
+         positions, the widest verify block). MAX_LEN 4096; prompts of 1,984..2,111 tokens, so
+         that the 32 decoded tokens of about a third of them cross a GDN cache-block boundary
+         (B = 400..416 on the tiny model at int8), the case where the commit stores the
+         boundary state for prefix caching.
 
 Every server: the launcher's plan (onecard.plan.make_plan, MODEL=tiny), prefix caching on (+
 --mamba-cache-mode align), vLLM's default CUDA graphs, GDN_PREFILL=triton, KV_MEM 1 GiB, MAX_SEQS
@@ -118,7 +126,17 @@ def _suite(name: str, model: Path | None = None) -> dict:
         return {"servers": servers, "pairs": pairs, "info": {"kvarn-d2k7"},
                 "warm_first": "kvarn-off",
                 "base": {**COMMON, "CTX": "huge", "MAX_LEN": "4096"}, "base_len": 2176}
-    raise ValueError(f"suite {name!r} is not valid; valid: quant, kvarn")
+    if name == "defer":
+        on = {"GDN_DEFER": "1"}
+        servers = {"off": {"SPEC": "off"}, "mtp": {"SPEC": "mtp"},
+                   "mtp-defer": {"SPEC": "mtp", **on},
+                   "mtp-defer-nopc": {"SPEC": "mtp", "PREFIX_CACHE": "0", **on},
+                   "d2k7-defer": {"SPEC": "dflash2", "DFLASH_TOKENS": "7", **on},
+                   "d2k15-defer": {"SPEC": "dflash2", "DFLASH_TOKENS": "15", **on}}
+        pairs = [(n, "off") for n in servers if n != "off"]
+        return {"servers": servers, "pairs": pairs, "info": set(), "warm_first": "off",
+                "base": {**COMMON, "CTX": "long", "MAX_LEN": "4096"}, "base_len": 1984}
+    raise ValueError(f"suite {name!r} is not valid; valid: quant, kvarn, defer")
 
 
 def gpu_util(n_servers: int, environ=os.environ) -> float:
@@ -481,7 +499,7 @@ def dry_run(suite_name: str, out: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--suite", choices=("quant", "kvarn"), required=True)
+    ap.add_argument("--suite", choices=("quant", "kvarn", "defer"), required=True)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("JOB_OUT", "/tmp/spec-kv")))
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole run")
     ap.add_argument("--warm-first", default=None,
