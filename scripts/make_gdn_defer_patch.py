@@ -15,7 +15,6 @@ tests/test_gdn_defer_patch.py checks the committed patch equals this output.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from onecard.dflash.make_patch import _diff  # noqa: E402
+from onecard.dflash.make_patch import _diff, edited_diffs, write_atomic  # noqa: E402
 
 NAME = "0085-gdn-defer-commit.patch"
 PATCH = REPO / "patches" / NAME
@@ -126,6 +125,20 @@ _SPEC_NEW = """\
             core_attn_out_spec, last_recurrent_state = (
 """
 
+# the end of _update_states_after_model_execute: the commit goes after every stock postprocess
+_RUNNER_ANCHOR = (
+    "            if self.cache_config.mamba_cache_mode == \"all\":\n"
+    "                mamba_utils.postprocess_mamba_all(\n"
+    "                    scheduler_output,\n"
+    "                    self.kv_cache_config,\n"
+    "                    self.input_batch,\n"
+    "                    self.requests,\n"
+    "                    self.mamba_state_idx,\n"
+    "                    self.num_spec_tokens,\n"
+    "                    num_reqs,\n"
+    "                )\n"
+)
+
 EDITS: list[tuple[str, str, str]] = [
     ("vllm/model_executor/layers/mamba/abstract.py",
      "            num_speculative_blocks=(\n"
@@ -199,28 +212,8 @@ EDITS: list[tuple[str, str, str]] = [
      "                            if getattr(attention, \"_onecard_defer\", None) is not None\n"
      "                            else 0\n"
      "                        )\n"),
-    ("vllm/v1/worker/gpu_model_runner.py",
-     "            if self.cache_config.mamba_cache_mode == \"all\":\n"
-     "                mamba_utils.postprocess_mamba_all(\n"
-     "                    scheduler_output,\n"
-     "                    self.kv_cache_config,\n"
-     "                    self.input_batch,\n"
-     "                    self.requests,\n"
-     "                    self.mamba_state_idx,\n"
-     "                    self.num_spec_tokens,\n"
-     "                    num_reqs,\n"
-     "                )\n",
-     "            if self.cache_config.mamba_cache_mode == \"all\":\n"
-     "                mamba_utils.postprocess_mamba_all(\n"
-     "                    scheduler_output,\n"
-     "                    self.kv_cache_config,\n"
-     "                    self.input_batch,\n"
-     "                    self.requests,\n"
-     "                    self.mamba_state_idx,\n"
-     "                    self.num_spec_tokens,\n"
-     "                    num_reqs,\n"
-     "                )\n"
-     "\n"
+    ("vllm/v1/worker/gpu_model_runner.py", _RUNNER_ANCHOR,
+     _RUNNER_ANCHOR + "\n"
      "        # onecard 0085: GDN layers deferring their commit replay the accepted tokens now,\n"
      "        # after the align postprocess (whose temporal copies the commit's boundary store\n"
      "        # overwrites)\n"
@@ -283,24 +276,12 @@ def _base_series(tmp: Path) -> Path:
 def build(vllm_dir: Path) -> str:
     from onecard.patching import overlay
 
-    by_file: dict[str, list[tuple[str, str]]] = {}
-    for path, old, new in EDITS:
-        by_file.setdefault(path, []).append((old, new))
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
         (td / "s").mkdir()
-        site = overlay(vllm_dir, td / "site", series=_base_series(td / "s"), also=tuple(by_file))
-        parts = [HEADER, "\n"]
-        for path in sorted(by_file):
-            text = (site / path).read_text(encoding="utf-8")
-            orig = text
-            for old, new in by_file[path]:
-                n = text.count(old)
-                if n != 1:
-                    raise SystemExit(f"make_gdn_defer_patch: {path}: edit anchor found {n} times (valid: "
-                                     f"exactly once on the series before {NAME}): {old.splitlines()[0]!r}")
-                text = text.replace(old, new)
-            parts.append(_diff(path, orig, text))
+        files = tuple(sorted({path for path, _, _ in EDITS}))
+        site = overlay(vllm_dir, td / "site", series=_base_series(td / "s"), also=files)
+        parts = [HEADER, "\n", *edited_diffs(site, EDITS, f"the series before {NAME}", "make_gdn_defer_patch")]
     for path, src in sorted(NEW_FILES.items()):
         parts.append(_diff(path, "", src.read_text(encoding="utf-8")))
     return "".join(parts)
@@ -318,10 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         same = PATCH.is_file() and PATCH.read_text(encoding="utf-8") == text
         print(f"{PATCH.relative_to(REPO)}: {'up to date' if same else 'DIFFERS: run scripts/make_gdn_defer_patch.py'}")
         return 0 if same else 1
-    fd, tmp = tempfile.mkstemp(dir=PATCH.parent, prefix=".tmp-", suffix=".patch")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, PATCH)
+    write_atomic(PATCH, text)
     print(f"wrote {PATCH.relative_to(REPO)}")
     return 0
 

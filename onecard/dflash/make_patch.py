@@ -291,22 +291,30 @@ def _diff(path: str, old: str, new: str) -> str:
     return out
 
 
-def build(vllm_dir: Path) -> str:
-    site = Path(vllm_dir).parent
+def edited_diffs(site: Path, edits: list[tuple[str, str, str]], base: str = "pristine vLLM 0.27.1",
+                 prog: str = "make_patch") -> list[str]:
+    """One unified diff per file of ``edits`` (path, old, new), in path order: the file under
+    ``site`` with its edits applied in turn, each old text matching exactly once (else one error
+    naming the file, the anchor's first line and ``base``). Shared by the generated patches."""
     by_file: dict[str, list[tuple[str, str]]] = {}
-    for path, old, new in EDITS:
+    for path, old, new in edits:
         by_file.setdefault(path, []).append((old, new))
-    parts = [HEADER, "\n"]
+    parts = []
     for path in sorted(by_file):
-        text = (site / path).read_text(encoding="utf-8")
+        text = (Path(site) / path).read_text(encoding="utf-8")
         orig = text
         for old, new in by_file[path]:
             n = text.count(old)
             if n != 1:
-                raise SystemExit(f"make_patch: {path}: edit anchor found {n} times (valid: "
-                                 f"exactly once in pristine vLLM 0.27.1): {old.splitlines()[0]!r}")
+                raise SystemExit(f"{prog}: {path}: edit anchor found {n} times (valid: "
+                                 f"exactly once in {base}): {old.splitlines()[0]!r}")
             text = text.replace(old, new)
         parts.append(_diff(path, orig, text))
+    return parts
+
+
+def build(vllm_dir: Path) -> str:
+    parts = [HEADER, "\n", *edited_diffs(Path(vllm_dir).parent, EDITS)]
     for path, name in sorted(NEW_FILES.items()):
         parts.append(_diff(path, "", (SRC / name).read_text(encoding="utf-8")))
     return "".join(parts)
