@@ -42,9 +42,10 @@ What:     With ONECARD_GDN_DEFER=1 (the launcher's GDN_DEFER=1), speculation on,
           state from the running block, no state written, each token's normalized key,
           value, gate and beta saved in a per-layer scratch of MAX_SEQS x (1 + k) tokens),
           and _update_states_after_model_execute, once the rejection sampler has counted the
-          accepted tokens, replays them onto the running block (gdn_defer_commit, one launch
-          per GDN layer). With prefix caching ("align") the commit also stores the state at a
-          cache-block boundary crossed by the accepted run into the block vLLM's postprocess
+          accepted tokens, replays them onto the running block (gdn_defer_commit_all: one
+          launch for every GDN layer, block ids and the boundary rule looked up in the kernel).
+          With prefix caching ("align") the commit also stores the state at a cache-block
+          boundary crossed by the accepted run into the block vLLM's postprocess
           would copy it to, and vLLM's temporal-state copies read the running block with no
           accepted-token offset (conv width -1 marks such a state in the fused copy kernel;
           get_temporal_copy_spec ignores the count). Between steps every state block holds
@@ -245,9 +246,9 @@ EDITS: list[tuple[str, str, str]] = [
      "            forward_context=self.compilation_config.static_forward_context,\n"
      "            kv_cache_config=self.kv_cache_config,\n"
      "            mamba_group_ids=group_ids,\n"
-     "            block_tables=[\n"
-     "                self.input_batch.block_table[gid].get_device_tensor(num_reqs)\n"
-     "                for gid in group_ids\n"
+     "            block_tables=[  # whole persistent tables: the commit plan keeps their addresses\n"
+     "                bt.get_device_tensor(bt.max_num_reqs)\n"
+     "                for bt in (self.input_batch.block_table[gid] for gid in group_ids)\n"
      "            ],\n"
      "            num_reqs=num_reqs,\n"
      "            num_accepted=self.num_accepted_tokens.gpu,\n"

@@ -45,9 +45,10 @@ def _load_stock():
 
 
 if _PREIMPORTED:
-    gd = STOCK = None
+    gd = rt = STOCK = None
 else:
     from onecard.kernels import gdn_defer as gd
+    from onecard.kernels import gdn_defer_runtime as rt
     STOCK = _load_stock()
 
 inproc = inproc_mark(_PREIMPORTED)
@@ -275,39 +276,86 @@ def test_commit_bf16_state(gen):
 
 
 @inproc
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_multi_step_matches_stock(dtype, gen):
+@pytest.mark.parametrize("dtype,commit", [("fp32", "layer"), ("bf16", "layer"), ("fp32", "all"),
+                                          ("bf16", "all")])
+def test_multi_step_matches_stock(dtype, commit, gen):
     """4 steps: stock with 1 + k blocks per sequence and num_accepted_tokens fed back, defer with
-    one block per sequence and a commit after each step."""
+    one block per sequence and a commit after each step: ``gdn_defer_commit`` per layer, or
+    ``gdn_defer_commit_all`` through a plan (batch rows with a non-spec row in the middle, the
+    block ids and the prefix-cache boundary looked up on the device: every boundary block must
+    hold stock's state after the boundary's token)."""
     N, kmax, K, V = 3, 7, 16, 32
     C = kmax + 1
     s_idx = _spec_layout(N, C)
-    nb = 1 + N * C + 1
+    BS, NCOL = 3, 12                       # commit_all: cache block size, block-table columns
+    nb = 1 + N * C + 1 + 1 + N * (NCOL - 1)  # + poison, the non-spec row's block, spare blocks
+    poison = 1 + N * C
     s_pool = _pool(gen, nb, K, V)
     d_pool = s_pool.clone()
-    d_pool[nb - 1] = float("nan")
+    d_pool[poison] = float("nan")
     running = s_idx[:, 0].clone()
-    d_idx = _defer_indices(running, C, nb - 1)
+    d_idx = _defer_indices(running, C, poison)
     ref_pool = s_pool.double()
     prev_acc = torch.ones(N, dtype=I32)
     seed = gen.initial_seed()
+    sc = gd.DeferScratch(N, C, H, HV, K, V, DTYPES[dtype], "cpu")
+    if commit == "all":
+        # batch rows 0, 2, 3 verify sequences 0, 1, 2; row 1 decodes without drafts (its
+        # block, and everything but the running and boundary blocks, must stay untouched)
+        rows = [0, 2, 3]
+        mask = torch.tensor([True, False, True, True, False])   # padded past num_rows=4
+        table = torch.zeros(5, NCOL + 2, dtype=I32)[:, :NCOL]  # padded row stride
+        table[1, 0] = poison + 1
+        for n, r in enumerate(rows):
+            table[r, 0] = running[n]
+            table[r, 1:] = poison + 2 + n * (NCOL - 1) + torch.arange(NCOL - 1, dtype=I32)
+        plan = gd.CommitPlan([d_pool], [sc], [0], [table])
+        computed = [int(x) for x in torch.randint(0, BS + 1, (N,), generator=gen)]
     worst = 0.0
+    boundaries = 0
     for step in range(4):
         lens = [int(x) for x in torch.randint(1, C + 1, (N,), generator=gen)]
         c = Case(gen, lens, K, V, DTYPES[dtype])
         # float64 chain of the defer scheme (reference verify + states from the ref pool)
         o_ref, states = _reference(c, ref_pool, d_idx, return_states=True)
         o_stock = _stock(c, s_pool, s_idx, prev_acc)
-        sc = c.scratch(max_tokens=C)
+        for t in (sc.k, sc.v, sc.g, sc.beta):
+            t.fill_(float("nan"))
         o = _verify(c, d_pool, d_idx, sc)
         w_s, _ = _check_outputs(c, o, o_stock, o_ref, seed)
         worst = max(worst, w_s)
         acc = torch.tensor([int(torch.randint(1, T_n + 1, (1,), generator=gen)) for T_n in lens], dtype=I32)
-        gd.gdn_defer_commit(d_pool, sc, row_to_spec=torch.arange(N, dtype=I32), num_accepted=acc,
-                            running_block=running, num_rows=N)
+        if commit == "layer":
+            gd.gdn_defer_commit(d_pool, sc, row_to_spec=torch.arange(N, dtype=I32), num_accepted=acc,
+                                running_block=running, num_rows=N)
+        else:
+            before = d_pool.clone()
+            per_row = torch.zeros(5, dtype=I32)
+            per_row[1] = 3   # the non-spec row's values must be ignored
+            nacc, ncomp, nsched, ndraft = (per_row.clone() for _ in range(4))
+            for n, r in enumerate(rows):
+                nacc[r], ncomp[r], nsched[r], ndraft[r] = int(acc[n]), computed[n], lens[n], lens[n] - 1
+            gd.gdn_defer_commit_all(plan, spec_mask=mask, num_accepted=nacc, num_rows=4,
+                                    running_col=torch.zeros(5, dtype=I32), num_computed=ncomp,
+                                    num_scheduled=nsched, num_draft=ndraft, block_size=BS)
+            touched = {int(b) for b in running}
+            for n, r in enumerate(rows):
+                R = computed[n] + 1
+                aligned = (R + int(acc[n]) - 1) // BS * BS
+                if aligned >= R and aligned // BS - 1 >= 1:   # column 0 is the running column
+                    bblk, cnt = int(table[r, aligned // BS - 1]), aligned - R + 1
+                    assert _same(d_pool[bblk], s_pool[int(s_idx[n, cnt - 1])]), (step, n, cnt, seed)
+                    touched.add(bblk)
+                    boundaries += 1
+                computed[n] += int(acc[n])
+            for blk in range(nb):
+                if blk not in touched:
+                    assert _same(d_pool[blk], before[blk]), (step, blk, seed)
         for n in range(N):
             ref_pool[int(running[n])] = states[n][int(acc[n]) - 1]
         prev_acc = acc
+    if commit == "all":
+        print(f"{boundaries} boundary stores checked")
     for n in range(N):
         got = d_pool[int(running[n])]
         want = s_pool[int(s_idx[n, int(prev_acc[n]) - 1])]
@@ -482,9 +530,277 @@ def test_scratch_size_and_no_value_specialization():
     assert sc.g.shape == sc.beta.shape == (3, 5, HV) and sc.v.dtype == torch.bfloat16
     assert sc.nbytes == sum(t.numel() * t.element_size() for t in (sc.k, sc.v, sc.g, sc.beta))
     assert gd.DeferScratch.nbytes_for(3, 5, H, HV, 32, 16, 2) == sc.nbytes
-    for kernel, name in ((gd._gdn_defer_verify_kernel, "MAXT"), (gd._gdn_defer_commit_kernel, "num_rows")):
+    for kernel, name in ((gd._gdn_defer_verify_kernel, "MAXT"), (gd._gdn_defer_commit_kernel, "num_rows"),
+                         (gd._gdn_defer_commit_all_kernel, "num_rows")):
         dns = getattr(kernel, "do_not_specialize", None)
         if dns is None:  # the interpreter's wrapper: read the jit options it keeps
             dns = (getattr(kernel, "kwargs", None) or {}).get("do_not_specialize")
         assert dns is not None and name in [getattr(kernel, "arg_names", [None])[d]
                                             if isinstance(d, int) else d for d in dns]
+
+
+# ---------------------------------------------------------------------------------------------
+# gdn_defer_commit_all: every layer in one launch, block ids and the boundary on the device
+# ---------------------------------------------------------------------------------------------
+def _paged_pools(gen, nb, K, V, dtype, pads):
+    """One pool per layer, each its own page-padded buffer ([nb, HV*V*K + pad], NaN padding):
+    returns (raws, views)."""
+    raws, views = [], []
+    for pad in pads:
+        page = HV * V * K + pad
+        raw = torch.full((nb, page), float("nan"), dtype=dtype)
+        raw[:, : HV * V * K] = torch.randn(nb, HV * V * K, generator=gen).to(dtype)
+        raws.append(raw)
+        views.append(raw.as_strided((nb, HV, V, K), (page, V * K, K, 1)))
+    return raws, views
+
+
+def _filled_scratch(gen, max_seqs, max_tokens, K, V, v_dtype):
+    """A scratch as a verify leaves it (random normalized keys, values, decays, betas)."""
+    sc = gd.DeferScratch(max_seqs, max_tokens, H, HV, K, V, v_dtype, "cpu")
+    sc.k.copy_(gd._ref_l2norm(torch.randn(sc.k.shape, generator=gen)))
+    sc.v.copy_(torch.randn(sc.v.shape, generator=gen).to(v_dtype))
+    sc.g.copy_(-torch.rand(sc.g.shape, generator=gen))
+    sc.beta.copy_(torch.rand(sc.beta.shape, generator=gen))
+    return sc
+
+
+def _commit_per_layer(pools, scratches, groups, tables, *, spec_mask, num_accepted, num_rows,
+                      running_col=None, align=None):
+    """What onecard/kernels/gdn_defer_runtime.commit does today: the row -> spec sequence map,
+    block-id gathers and rt.boundary() in torch, then one gdn_defer_commit per layer."""
+    n = num_rows
+    mask = spec_mask[:n]
+    row_to_spec = torch.where(mask, torch.cumsum(mask.to(I32), 0) - 1,
+                              torch.full_like(mask, -1, dtype=I32)).to(I32)
+    a = num_accepted[:n].to(I32)
+    per_group = []
+    if align is None:
+        cols = torch.zeros(n, dtype=torch.int64) if running_col is None else running_col[:n].to(torch.int64)
+        for bt in tables:
+            per_group.append((bt[:n].gather(1, cols.clamp(min=0)[:, None])[:, 0].to(I32).contiguous(), None, None))
+    else:
+        count, col, needs = rt.boundary(a, align, n)
+        src = align.state_idx[:n].to(torch.int64).clamp(min=0).unsqueeze(1)
+        dst = col.clamp(min=0).unsqueeze(1)
+        for bt in tables:
+            rows = bt[:n]
+            running = rows.gather(1, src).squeeze(1).to(I32)
+            bblk = torch.where(needs, rows.gather(1, dst).squeeze(1), torch.zeros_like(running)).to(I32)
+            per_group.append((running, count, bblk))
+    for pool, sc, g in zip(pools, scratches, groups):
+        running, count, bblk = per_group[g]
+        gd.gdn_defer_commit(pool, sc, row_to_spec=row_to_spec, num_accepted=a, running_block=running,
+                            num_rows=n, boundary_count=count, boundary_block=bblk)
+
+
+def _padded_table(rows, cols, pad=3):
+    """An int32 [rows, cols] block table with row stride cols + pad (as a persistent buffer)."""
+    return torch.zeros(rows, cols + pad, dtype=I32)[:, :cols]
+
+
+@inproc
+@pytest.mark.parametrize("mode,state", [("none", "fp32"), ("col", "bf16"), ("align", "fp32"), ("align", "bf16")])
+def test_commit_all_matches_per_layer_commit(mode, state, gen):
+    """4 layers in 2 KV-cache groups (different block tables), each layer its own page-padded
+    pool; batch rows with non-spec rows in the middle and at the end. mode none: running block in
+    column 0; col: in running_col; align: running_col plus the counts of the boundary rule."""
+    K, V, BS = 16, 48, 4                       # V=48: two value blocks, the second one masked
+    R_MAX, NCOL, num_rows = 11, 5, 10
+    sdt = DTYPES[state]
+    groups = [1, 0, 0, 1]
+    nb = 1 + 2 * R_MAX * NCOL
+    raws, pools = _paged_pools(gen, nb, K, V, sdt, pads=[0, 32, 96, 8])
+    scs = [_filled_scratch(gen, 7, 5, K, V, torch.bfloat16) for _ in groups]
+    tables = [_padded_table(R_MAX, NCOL), _padded_table(R_MAX, NCOL, pad=3)]
+    # distinct block ids in each group (the tables differ), some null entries
+    for i, bt in enumerate(tables):
+        ids = 1 + torch.randperm(nb - 1, generator=gen)[: R_MAX * NCOL].to(I32)
+        bt.copy_(ids.reshape(R_MAX, NCOL))
+    spec = [True, False, True, True, False, True, True, True, True, False, True]  # 10: past num_rows
+    mask = torch.tensor(spec)
+    # per row: (num_computed, num_draft, accepted, running column); scheduled = 1 + draft, so
+    # R = computed + 1 tokens in the base state; block size 4
+    rows = {
+        0: (6, 3, 4, 2),   # aligned 8 >= R=7, dest 1 != 2: boundary mid-run (count 2 of 4)
+        1: (5, 3, 3, 2),   # non-spec row with a boundary-looking run: nothing at all
+        2: (5, 3, 3, 1),   # aligned 8, dest 1 == running column: the final state is the boundary
+        3: (8, 2, 2, 2),   # aligned 8 < R=9: no boundary
+        4: (2, 1, 2, 0),   # non-spec
+        5: (2, 3, 3, 1),   # aligned 4, dest 0 (count 2): boundary block id 0 in group 0 only
+        6: (3, 0, 1, 1),   # aligned 4, dest 0: boundary at the run's last token (count == a == 1)
+        7: (7, 3, 2, 2),   # running block id 0 in both groups: skipped
+        8: (0, 1, 3, 2),   # scheduled 0, R = -1: new = 1, aligned 0 >= R but dest -1: none
+        9: (2, 2, 3, 1),   # non-spec at the end
+        10: (6, 3, 4, 2),  # past num_rows
+    }
+    tables[0][5, 0] = 0
+    tables[0][7, 2] = tables[1][7, 2] = 0
+    if mode == "none":
+        for bt in tables:
+            bt[7, 0] = 0
+    comp, draft, acc, col = (torch.tensor([rows[r][j] for r in range(R_MAX)], dtype=I32) for j in range(4))
+    sched = draft + 1
+    sched[8] = 0
+    kw = dict(spec_mask=mask, num_accepted=acc, num_rows=num_rows)
+    align = None
+    if mode != "none":
+        kw["running_col"] = col
+    if mode == "align":
+        align = rt.AlignInputs(state_idx=col, num_scheduled=sched, num_computed=comp, num_draft=draft,
+                               block_size=BS)
+        count, _, needs = rt.boundary(acc.clone(), align, num_rows)
+        assert needs.tolist() == [True, True, False, False, False, True, True, True, False, True], needs
+        assert count[[0, 5, 6]].tolist() == [2, 2, 1]
+
+    want_raws = [r.clone() for r in raws]
+    want_pools = [w.as_strided(p.shape, p.stride()) for w, p in zip(want_raws, pools)]
+    _commit_per_layer(want_pools, scs, groups, tables, running_col=kw.get("running_col"), align=align,
+                      **{k: kw[k] for k in ("spec_mask", "num_accepted", "num_rows")})
+    before = [r.clone() for r in raws]
+    plan = gd.CommitPlan(pools, scs, groups, tables)
+    assert plan.num_layers == 4 and plan.max_reqs == R_MAX and plan.block_r == 16
+    extra = {}
+    if mode == "align":
+        extra = dict(num_computed=comp, num_scheduled=sched, num_draft=draft, block_size=BS)
+    gd.gdn_defer_commit_all(plan, **kw, **extra)
+
+    seed = gen.initial_seed()
+    c = col if mode != "none" else torch.zeros_like(col)
+
+    def expected(g, spec_rows):
+        bt = tables[g]
+        blocks = {int(bt[r, int(c[r])]) for r in spec_rows}
+        if mode == "align":  # rows 0 and 6 (and 5 in group 1): their boundary blocks
+            blocks |= {int(bt[r, d]) for r, d in ((0, 1), (6, 0), (5, 0)) if r in spec_rows}
+        return blocks - {0}
+
+    for l, g in enumerate(groups):
+        changed = {b for b in range(nb) if not _same(raws[l][b], before[l][b])}
+        assert changed == expected(g, [0, 2, 3, 5, 6, 8]), (l, mode, sorted(changed), seed)
+        assert _same(raws[l], want_raws[l]), (l, mode, seed)
+    # a fresh plan on the same tensors, a shorter batch: rows past num_rows stay untouched
+    for r, b in zip(raws, before):
+        r.copy_(b)
+    gd.gdn_defer_commit_all(gd.CommitPlan(pools, scs, groups, tables), **{**kw, "num_rows": 3}, **extra)
+    for l, g in enumerate(groups):
+        changed = {b for b in range(nb) if not _same(raws[l][b], before[l][b])}
+        assert changed == expected(g, [0, 2]), (l, mode, sorted(changed), seed)
+
+
+@inproc
+def test_commit_all_boundary_rule_equals_runtime(gen):
+    """Random align-mode batches: commit_all with the raw counts leaves every pool bitwise as
+    the per-layer commit driven by gdn_defer_runtime.boundary() and its gathers (state_idx
+    sometimes -1 or equal to the boundary column, null blocks, a boundary column holding the
+    running block's id, a > max_tokens, a = 0, R <= 0, more verified rows than
+    scratch.max_seqs)."""
+    K, V = 16, 32
+    R_MAX, NCOL, MAXT = 12, 24, 5
+    groups = [0, 1, 1]
+    nb = 1 + R_MAX * NCOL
+    raws, pools = _paged_pools(gen, nb, K, V, torch.float32, pads=[0, 16, 40])
+    scs = [_filled_scratch(gen, 8, MAXT, K, V, torch.float32) for _ in groups]  # spec rows past 8: skipped
+    tables = [_padded_table(R_MAX, NCOL, pad=1) for _ in range(2)]
+    plan = gd.CommitPlan(pools, scs, groups, tables)
+    seed = gen.initial_seed()
+    on = off = past = 0
+    for trial in range(6):
+        for bt in tables:
+            bt.copy_((1 + torch.randperm(nb - 1, generator=gen)[: R_MAX * NCOL].to(I32)).reshape(R_MAX, NCOL))
+            bt[torch.rand(R_MAX, NCOL, generator=gen) < 0.1] = 0
+        bs = [2, 3, 4, 8, 5, 16][trial]
+        num_rows = int(torch.randint(R_MAX // 2, R_MAX + 1, (1,), generator=gen))
+        mask = torch.rand(R_MAX, generator=gen) < 0.75
+        draft = torch.randint(0, MAXT, (R_MAX,), generator=gen, dtype=I32)
+        sched = draft + 1 + (torch.rand(R_MAX, generator=gen) < 0.2).to(I32)
+        acc = (torch.randint(0, 100, (R_MAX,), generator=gen) % (draft + 2)).to(I32)  # 0..draft+1
+        acc[torch.rand(R_MAX, generator=gen) < 0.1] = MAXT + 1
+        comp = torch.randint(0, 40, (R_MAX,), generator=gen, dtype=I32)
+        # half the rows: an accepted run that reaches a multiple of bs (R = m*bs - j, j < a)
+        j = torch.randint(0, 100, (R_MAX,), generator=gen) % acc.clamp(min=1)
+        m = torch.randint(1, 40 // bs + 1, (R_MAX,), generator=gen)
+        crossing = (m * bs - j - sched + draft).clamp(min=0).to(I32)
+        comp = torch.where(torch.rand(R_MAX, generator=gen) < 0.5, crossing, comp)
+        neg = torch.rand(R_MAX, generator=gen) < 0.15  # R <= 0 (new < 0: // floors vs truncates)
+        comp[neg], sched[neg] = 0, 0
+        acc[neg] = torch.randint(1, MAXT + 1, (R_MAX,), generator=gen, dtype=I32)[neg]
+        if trial == 0:  # a full batch of verified rows: rows 8.. have no scratch slot
+            num_rows, mask[:] = R_MAX, True
+            acc.clamp_(min=1)
+        running = comp + sched - draft
+        dest = (running + acc - 1) // bs * bs // bs - 1
+        col = torch.randint(-1, NCOL, (R_MAX,), generator=gen, dtype=I32)
+        pick = torch.rand(R_MAX, generator=gen)
+        col = torch.where(pick < 0.3, dest.clamp(0, NCOL - 1), col)
+        col = torch.where((pick >= 0.3) & (pick < 0.6), ((running - 1) // bs).clamp(0, NCOL - 1), col)
+        col[pick >= 0.9] = -1
+        assert int(dest.max()) < NCOL
+        # some rows hold their running block id in the boundary column too (no boundary store)
+        for r in torch.nonzero(torch.rand(R_MAX, generator=gen) < 0.15).flatten().tolist():
+            d, cr = max(int(dest[r]), 0), max(int(col[r]), 0)
+            for bt in tables:
+                bt[r, d] = bt[r, cr]
+        align = rt.AlignInputs(state_idx=col, num_scheduled=sched, num_computed=comp, num_draft=draft,
+                               block_size=bs)
+        _, _, needs = rt.boundary(acc.clone(), align, num_rows)
+        live = mask[:num_rows] & (acc[:num_rows] > 0)
+        on += int((needs & live).sum())
+        past += int((mask[:num_rows].cumsum(0) > 8)[live].sum())
+        off += int((~needs & live).sum())
+        base = [r.clone() for r in raws]
+        want = [r.clone() for r in raws]
+        want_pools = [w.as_strided(p.shape, p.stride()) for w, p in zip(want, pools)]
+        _commit_per_layer(want_pools, scs, groups, tables, spec_mask=mask, num_accepted=acc,
+                          num_rows=num_rows, align=align)
+        gd.gdn_defer_commit_all(plan, spec_mask=mask, num_accepted=acc, num_rows=num_rows,
+                                running_col=col, num_computed=comp, num_scheduled=sched,
+                                num_draft=draft, block_size=bs)
+        for l in range(len(groups)):
+            assert _same(raws[l], want[l]), (trial, l, seed)
+            assert not _same(raws[l], base[l]) or not live.any(), (trial, l, seed)
+    print(f"rows with a boundary {on}, without {off}, past scratch.max_seqs {past}")
+    assert on >= 5 and off >= 5 and past >= 1, (on, off, past, seed)
+
+
+@inproc
+def test_commit_plan_value_errors(gen):
+    K, V = 16, 16
+    pools = [_pool(gen, 5, K, V) for _ in range(2)]
+    scs = [gd.DeferScratch(2, 3, H, HV, K, V, torch.float32, "cpu") for _ in range(2)]
+    bt = torch.ones(4, 3, dtype=I32)
+    plan = gd.CommitPlan(pools, scs, [0, 0], [bt])
+    cases = [
+        ((pools, scs[:1], [0, 0], [bt]), "2 states, 1 scratches and 2 groups"),
+        (([], [], [], [bt]), "no layers"),
+        ((pools, scs, [0, 0], []), "no block tables"),
+        ((pools, scs, [0, 1], [bt]), r"groups\[1\]=1 is not a block table index"),
+        ((pools, [scs[0], gd.DeferScratch(2, 4, H, HV, K, V, torch.float32, "cpu")], [0, 0], [bt]),
+         r"scratches\[1\] .* differs from scratches\[0\]"),
+        (([pools[0], _pool(gen, 5, K, 32)], scs, [0, 0], [bt]), r"states\[1\]: shape"),
+        (([pools[0], pools[1].bfloat16()], scs, [0, 0], [bt]), r"states\[1\] is torch.bfloat16"),
+        (([pools[0], pools[1].transpose(2, 3)], scs, [0, 0], [bt]), r"states\[1\]: inner dims"),
+        ((pools, scs, [0, 1], [bt, bt.long()]), r"block_tables\[1\] is torch.int64"),
+        ((pools, scs, [0, 1], [bt, torch.ones(4, 5, dtype=I32)]), r"block_tables\[1\] strides"),
+        ((pools, scs, [0, 1], [bt, bt.t()]), r"block_tables\[1\] strides"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match) as err:
+            gd.CommitPlan(*args)
+        assert "\n" not in str(err.value) and str(err.value).startswith("CommitPlan: "), err.value
+    m = torch.ones(4, dtype=torch.bool)
+    a = torch.ones(4, dtype=I32)
+    for kw, match in [
+        (dict(spec_mask=m[:2], num_accepted=a, num_rows=3), r"spec_mask must be 1-D with >= num_rows=3"),
+        (dict(spec_mask=m.to(I32), num_accepted=a, num_rows=3), "spec_mask is torch.int32; bool"),
+        (dict(spec_mask=m, num_accepted=a, num_rows=3, running_col=a[:1]), "running_col must be"),
+        (dict(spec_mask=m, num_accepted=a, num_rows=3, num_computed=a), "together, or none"),
+        (dict(spec_mask=m, num_accepted=a, num_rows=3, num_computed=a, num_scheduled=a, num_draft=a),
+         "block_size=0 must be > 0"),
+        (dict(spec_mask=torch.ones(8, dtype=torch.bool), num_accepted=torch.ones(8, dtype=I32), num_rows=5),
+         "num_rows=5 exceeds the block tables' 4 rows"),
+    ]:
+        with pytest.raises(ValueError, match=match) as err:
+            gd.gdn_defer_commit_all(plan, **kw)
+        assert "\n" not in str(err.value), err.value
+    gd.gdn_defer_commit_all(plan, spec_mask=m, num_accepted=a, num_rows=0)  # nothing to do

@@ -4,8 +4,8 @@ The patch is generated (scripts/make_gdn_defer_patch.py) and must equal its gene
 On a patched view of the installed vLLM, in a child process under TRITON_INTERPRET=1, one
 speculative step runs twice - stock (the fused_sigmoid_gating kernel writing a state per draft
 position into spec blocks, then vLLM's fused align postprocess) and deferred (gdn_defer_verify,
-the same postprocess with the patch's marker, then the runner's commit through
-GPUModelRunner._onecard_gdn_defer_commit) - and every block the next step or the prefix cache
+then vLLM's own GPUModelRunner._update_states_after_model_execute: the counts, the same
+postprocess with the patch's marker, the one-launch commit) - and every block the next step or the prefix cache
 reads must hold the same state: the running block == stock's block of the last accepted token,
 a cache-block boundary crossed by the accepted run == stock's boundary copy, the conv window
 shifted as stock shifts it. Also: MambaSpec asks for no per-draft blocks, vLLM's temporal copy
@@ -201,11 +201,26 @@ def postprocess(ctx):
 
 
 def fake_runner(layer, kvc, bt, mode, ctx=None):
-    return NS(kv_cache_config=kvc, cache_config=NS(mamba_cache_mode=mode),
+    """What GPUModelRunner._update_states_after_model_execute and the commit read of self."""
+    fake = NS(kv_cache_config=kvc, cache_config=NS(mamba_cache_mode=mode),
+              speculative_config=NS(num_speculative_tokens=KSPEC), model_config=NS(is_hybrid=True),
               _get_mamba_bufs=lambda: NS(postprocess_align=ctx),
-              input_batch=NS(block_table={0: NS(get_device_tensor=lambda n: bt[:n])}),
+              input_batch=NS(block_table={0: NS(get_device_tensor=lambda n: bt[:n], max_num_reqs=bt.shape[0])},
+                             num_accepted_tokens_cpu_tensor=torch.zeros(N + 3, dtype=torch.int32)),
               compilation_config=NS(static_forward_context={"l0": layer}),
-              num_accepted_tokens=NS(gpu=torch.cat([acc, torch.ones(3, dtype=torch.int32)])))
+              model=NS(get_mamba_state_copy_func=lambda: (mmu.get_conv_copy_spec, mmu.get_temporal_copy_spec)),
+              num_accepted_tokens_event=NS(record=lambda: None),
+              num_accepted_tokens=NS(gpu=torch.zeros(N + 3, dtype=torch.int32)))
+    fake._onecard_gdn_defer_commit = lambda n: GPUModelRunner._onecard_gdn_defer_commit(fake, n)
+    return fake
+
+
+def sampled(acc):
+    """The rejection sampler's output rows for these accepted counts (-1 past them)."""
+    out = torch.full((len(acc), T), -1, dtype=torch.int64)
+    for r, a in enumerate(acc.tolist()):
+        out[r, :a] = 11
+    return out
 
 
 for mode in ("align", "none"):
@@ -228,12 +243,15 @@ for mode in ("align", "none"):
         out_s = postprocess(align_ctx(ls, kvc_s, bt_s))
         ctx_d = align_ctx(ld, kvc_d, bt_d)
         assert ctx_d.state_conv_widths.tolist() == [W + KSPEC, -1]   # the marker on the temporal state
-        out_d = postprocess(ctx_d)
-        assert torch.equal(out_s, out_d), (out_s, out_d)   # the next step's counts are stock's
-    # the build of the step hands the commit its rows (all spec rows here), then the runner commits
+    # the build of the step hands the commit its rows (all spec rows here); then vLLM's own
+    # _update_states_after_model_execute: counts, align postprocess, the commit
     rt.note_step(torch.ones(N + 2, dtype=torch.bool), N)
-    GPUModelRunner._onecard_gdn_defer_commit(fake_runner(ld, kvc_d, bt_d, mode, ctx_d), N)
+    fake = fake_runner(ld, kvc_d, bt_d, mode, ctx_d)
+    GPUModelRunner._update_states_after_model_execute(fake, sampled(acc), None)
     assert rt._STATE.spec_mask is None   # consumed
+    assert torch.equal(fake.num_accepted_tokens.gpu[:N], acc)
+    if mode == "align":   # the next step's counts are stock's
+        assert torch.equal(fake.input_batch.num_accepted_tokens_cpu_tensor[:N], out_s), out_s
     ssm_s, ssm_d = ls.kv_cache[1], ld.kv_cache[1]
     stored = 0
     for r in range(N):
@@ -285,7 +303,7 @@ for step in range(4):
     close(o_d, o_s, f"step {step}: outputs", tol=5e-5)
     acc = 1 + torch.randint(0, T, (N,), generator=g, dtype=torch.int32)
     rt.note_step(torch.ones(N, dtype=torch.bool), N)
-    GPUModelRunner._onecard_gdn_defer_commit(fake_runner(ld, kvc_d, bt_d, "none"), N)
+    GPUModelRunner._update_states_after_model_execute(fake_runner(ld, kvc_d, bt_d, "none"), sampled(acc), None)
     prev_acc = acc
 for r in range(N):
     close(ld.kv_cache[1][bt_d[r, 0]], ls.kv_cache[1][bt_s[r, acc[r] - 1]], f"row {r} after 4 steps", tol=5e-5)
@@ -294,7 +312,7 @@ print("OK steps")
 # 5. rows without drafts in the batch (a prefill row beside spec rows) are not committed
 rt.note_step(torch.tensor([True, False, True, False, False]), 2)
 keep = ld.kv_cache[1].clone()
-GPUModelRunner._onecard_gdn_defer_commit(fake_runner(ld, kvc_d, bt_d, "none"), N)
+GPUModelRunner._update_states_after_model_execute(fake_runner(ld, kvc_d, bt_d, "none"), sampled(acc), None)
 changed = [r for r in range(N) if not torch.equal(ld.kv_cache[1][bt_d[r, 0]], keep[bt_d[r, 0]])]
 assert changed == [0, 2] or all(acc[r] == 0 for r in (0, 2)), changed
 rt.note_step(None, 0)

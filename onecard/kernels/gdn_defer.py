@@ -27,6 +27,12 @@ which always holds the last committed state. A step is split in two launches:
   the scratch, using the same fp32 operations in the same order as the stock kernel, and writes
   the result back to the running block (optionally also the state after ``boundary_count``
   tokens into ``boundary_block``, e.g. for a prefix-cache block boundary).
+* ``gdn_defer_commit_all`` is the same commit for every deferring layer of the engine in ONE
+  launch: a ``CommitPlan`` holds per-layer device tables of addresses (state pool, block stride,
+  scratch) and the KV-cache groups' block-table addresses; the kernel finds each row's spec
+  sequence from the spec mask, its running (and boundary) block ids in its group's block table,
+  and applies the prefix-cache boundary rule of gdn_defer_runtime.boundary() itself, so the
+  host issues one launch per step instead of one per layer plus the torch index ops.
 
 Because the replay performs the identical fp32 arithmetic on identical fp32 operands (the
 scratch stores the values the stock kernel had in registers), the committed state equals the
@@ -289,6 +295,119 @@ def _gdn_defer_commit_kernel(
 
 
 # --------------------------------------------------------------------------------------------
+# commit_all: every deferring layer of the engine in ONE launch, block ids looked up in-kernel
+# --------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["num_rows", "MAXS", "MAXT", "block_size", "stride_bt_row"])
+def _gdn_defer_commit_all_kernel(
+    state_addrs, state_strides,            # int64 [L]: state pool base address, block stride (elements)
+    sk_addrs, sv_addrs, sg_addrs, sb_addrs,  # int64 [L]: scratch k / v / g / beta base addresses
+    layer_group,                           # int32 [L]: index of the layer's block table
+    bt_addrs,                              # int64 [G]: block table base addresses (int32 [rows, cols])
+    stride_bt_row,                         # block tables' row stride (elements, equal for all)
+    spec_mask, num_accepted, running_col, num_computed, num_scheduled, num_draft,
+    num_rows, MAXS, MAXT, block_size,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BLOCK_R: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr,
+    HAS_COL: tl.constexpr, ALIGN: tl.constexpr,
+):
+    i_v, i_rh, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_r, i_hv = i_rh // HV, i_rh % HV
+    i_h = i_hv // (HV // H)
+    if i_r >= num_rows:
+        return
+    if tl.load(spec_mask + i_r).to(tl.int32) == 0:
+        return
+    # spec sequence of the row: the verified rows before it (the order of the verify's cu_seqlens)
+    o_r = tl.arange(0, BLOCK_R)
+    before = tl.load(spec_mask + o_r, mask=o_r < i_r, other=0).to(tl.int32)
+    i_n = tl.sum(before, 0).to(tl.int64)
+    if i_n >= MAXS:
+        return
+    a_raw = tl.load(num_accepted + i_r).to(tl.int64)
+    if a_raw <= 0:
+        return
+    n_acc = tl.minimum(a_raw, MAXT).to(tl.int32)
+
+    if HAS_COL:
+        col = tl.load(running_col + i_r).to(tl.int64)
+    else:
+        col = tl.zeros([], dtype=tl.int64)
+    grp = tl.load(layer_group + i_l).to(tl.int64)
+    bt = tl.load(bt_addrs + grp).to(tl.pointer_type(tl.int32)) + i_r.to(tl.int64) * stride_bt_row
+    # the runtime gathers the running block at the column clamped to >= 0
+    blk = tl.load(bt + tl.maximum(col, 0)).to(tl.int64)
+    if blk <= 0:
+        return
+
+    if ALIGN:
+        # onecard/kernels/gdn_defer_runtime.py boundary(), row by row (keep the two identical).
+        # Triton's integer `//` truncates (GPU and interpreter), boundary()'s torch `//` floors:
+        # they differ only for new < 0, where aligned <= 0 and dest < 0 either way (no boundary).
+        running = (tl.load(num_computed + i_r).to(tl.int64) + tl.load(num_scheduled + i_r).to(tl.int64)
+                   - tl.load(num_draft + i_r).to(tl.int64))
+        new = running + a_raw - 1
+        aligned = (new // block_size) * block_size
+        dest = aligned // block_size - 1
+        needs = (aligned >= running) & (dest != col) & (dest >= 0)
+        bnd_cnt = tl.where(needs, aligned - running + 1, 0).to(tl.int32)
+        bnd_blk = tl.load(bt + tl.maximum(dest, 0), mask=needs, other=0).to(tl.int64)
+        bnd_on = needs & (bnd_blk > 0) & (bnd_blk != blk)
+    else:
+        bnd_cnt = 0
+        bnd_blk = blk
+        bnd_on = False
+
+    state = tl.load(state_addrs + i_l).to(tl.pointer_type(STATE_DTYPE))
+    stride_blk = tl.load(state_strides + i_l)
+    s_k = tl.load(sk_addrs + i_l).to(tl.pointer_type(tl.float32))
+    s_v = tl.load(sv_addrs + i_l).to(tl.pointer_type(V_DTYPE))
+    s_g = tl.load(sg_addrs + i_l).to(tl.pointer_type(tl.float32))
+    s_beta = tl.load(sb_addrs + i_l).to(tl.pointer_type(tl.float32))
+
+    # from here on: _gdn_defer_commit_kernel's body (same operations, same order)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    mask_h = mask_v[:, None] & mask_k[None, :]
+    o_hv = i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+
+    row0 = i_n * MAXT
+    p_sk = s_k + (row0 * H + i_h) * K + o_k
+    p_sv = s_v + (row0 * HV + i_hv) * V + o_v
+    p_sg = s_g + row0 * HV + i_hv
+    p_sb = s_beta + row0 * HV + i_hv
+
+    p_h = state + blk * stride_blk + o_hv
+    b_h = tl.zeros([BV, BK], dtype=tl.float32)
+    b_h += tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
+
+    for i_t in range(0, n_acc):
+        b_k = tl.load(p_sk, mask=mask_k, other=0)
+        b_v = tl.load(p_sv, mask=mask_v, other=0).to(tl.float32)
+        b_g = tl.load(p_sg)
+        b_beta = tl.load(p_sb)
+
+        b_h *= tl.exp(b_g)
+        b_v -= tl.sum(b_h * b_k[None, :], 1)
+        b_v *= b_beta
+        b_h += b_v[:, None] * b_k[None, :]
+
+        if ALIGN:
+            if bnd_on & (i_t + 1 == bnd_cnt):
+                p_b = state + bnd_blk * stride_blk + o_hv
+                tl.store(p_b, b_h.to(STATE_DTYPE), mask=mask_h)
+
+        p_sk += H * K
+        p_sv += HV * V
+        p_sg += HV
+        p_sb += HV
+
+    tl.store(p_h, b_h.to(STATE_DTYPE), mask=mask_h)
+
+
+# --------------------------------------------------------------------------------------------
 # host wrappers (no device reads)
 # --------------------------------------------------------------------------------------------
 _NUM_WARPS = 4
@@ -424,6 +543,159 @@ def gdn_defer_commit(
         state.stride(0),
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         HAS_BOUNDARY=has_bnd,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+class CommitPlan:
+    """Device tables for ``gdn_defer_commit_all``, built once per engine (all addresses are
+    stable: the KV-cache views and the persistent block tables never move).
+
+    states[l]: layer l's state pool view [num_blocks, HV, V, K] (inner dims contiguous, any block
+    stride; base addresses and strides may differ per layer; one dtype for all: fp32 or bf16).
+    scratches[l]: layer l's DeferScratch (all of the same sizes and v dtype).
+    groups[l]: index of layer l's block table in ``block_tables``.
+    block_tables: one int32 [max_reqs, max_cols] device tensor per KV-cache group (equal
+    stride(0), unit column stride), the persistent ones (their full rows: ``max_reqs``, the
+    smallest row count, bounds ``num_rows`` and fixes the kernel's BLOCK_R).
+
+    The plan keeps references to every tensor it points to; rebuild it whenever one of them is
+    reallocated (a new KV cache, new block tables, new scratches)."""
+
+    def __init__(self, states: list[torch.Tensor], scratches: list[DeferScratch], groups: list[int],
+                 block_tables: list[torch.Tensor]):
+        L = len(states)
+        if L == 0:
+            raise ValueError("CommitPlan: no layers (states is empty)")
+        if len(scratches) != L or len(groups) != L:
+            raise ValueError(f"CommitPlan: {L} states, {len(scratches)} scratches and {len(groups)} groups; "
+                             "one of each per layer")
+        if len(block_tables) == 0:
+            raise ValueError("CommitPlan: no block tables")
+
+        def sizes(sc):
+            return (sc.num_k_heads, sc.num_v_heads, sc.head_k_dim, sc.head_v_dim, sc.max_seqs,
+                    sc.max_tokens, sc.v.dtype)
+
+        want = sizes(scratches[0])
+        for l, sc in enumerate(scratches):
+            if sizes(sc) != want:
+                raise ValueError(f"CommitPlan: scratches[{l}] (H, HV, K, V, max_seqs, max_tokens, v dtype)="
+                                 f"{sizes(sc)} differs from scratches[0]'s {want}")
+        H, HV, K, V, max_seqs, max_tokens, v_dtype = want
+        if v_dtype not in _TL_DTYPES:
+            raise ValueError(f"CommitPlan: scratch v dtype {v_dtype}; valid: {', '.join(map(str, _TL_DTYPES))}")
+        device = states[0].device
+        for l, st in enumerate(states):
+            _check_pool(f"CommitPlan: states[{l}]", st, HV, V, K)
+            if st.dtype != states[0].dtype:
+                raise ValueError(f"CommitPlan: states[{l}] is {st.dtype}, states[0] is {states[0].dtype}; "
+                                 "one state dtype for all layers")
+            if st.device != device or scratches[l].k.device != device:
+                raise ValueError(f"CommitPlan: states[{l}] or scratches[{l}] is not on {device}")
+        for l, g in enumerate(groups):
+            if not isinstance(g, int) or not 0 <= g < len(block_tables):
+                raise ValueError(f"CommitPlan: groups[{l}]={g!r} is not a block table index "
+                                 f"(0..{len(block_tables) - 1})")
+        stride0 = block_tables[0].stride(0) if block_tables[0].ndim == 2 else None
+        for i, bt in enumerate(block_tables):
+            if bt.ndim != 2 or bt.dtype != torch.int32:
+                raise ValueError(f"CommitPlan: block_tables[{i}] is {bt.dtype} {tuple(bt.shape)}; "
+                                 "int32 [max_reqs, max_cols] expected")
+            if bt.stride(1) != 1 or bt.stride(0) != stride0:
+                raise ValueError(f"CommitPlan: block_tables[{i}] strides {bt.stride()}; (same row stride "
+                                 f"for all tables = {stride0}, 1) expected")
+            if bt.device != device:
+                raise ValueError(f"CommitPlan: block_tables[{i}] is on {bt.device}, states on {device}")
+
+        self.num_layers = L
+        self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim = H, HV, K, V
+        self.max_seqs, self.max_tokens = max_seqs, max_tokens
+        self.max_reqs = min(int(bt.shape[0]) for bt in block_tables)
+        self.block_r = triton.next_power_of_2(max(self.max_reqs, 1))
+        self.state_dtype = states[0].dtype
+        self.v_dtype = v_dtype
+        self.stride_bt_row = int(stride0)
+
+        def i64(xs):
+            return torch.tensor(xs, dtype=torch.int64, device=device)
+
+        self.state_addrs = i64([st.data_ptr() for st in states])
+        self.state_strides = i64([st.stride(0) for st in states])
+        self.sk_addrs = i64([sc.k.data_ptr() for sc in scratches])
+        self.sv_addrs = i64([sc.v.data_ptr() for sc in scratches])
+        self.sg_addrs = i64([sc.g.data_ptr() for sc in scratches])
+        self.sb_addrs = i64([sc.beta.data_ptr() for sc in scratches])
+        self.layer_group = torch.tensor(list(groups), dtype=torch.int32, device=device)
+        self.bt_addrs = i64([bt.data_ptr() for bt in block_tables])
+        # the memory the addresses point to must outlive the plan
+        self._keep = (list(states), [(sc.k, sc.v, sc.g, sc.beta) for sc in scratches], list(block_tables))
+
+
+def gdn_defer_commit_all(
+    plan: CommitPlan,
+    *,
+    spec_mask: torch.Tensor,
+    num_accepted: torch.Tensor,
+    num_rows: int,
+    running_col: torch.Tensor | None = None,
+    num_computed: torch.Tensor | None = None,
+    num_scheduled: torch.Tensor | None = None,
+    num_draft: torch.Tensor | None = None,
+    block_size: int = 0,
+) -> None:
+    """``gdn_defer_commit`` of every layer of ``plan`` in one launch, block ids and the
+    prefix-cache boundary looked up on the device. For each layer l and batch row r < num_rows
+    with spec_mask[r] (n = number of True in spec_mask[:r] is the row's spec sequence):
+    a = num_accepted[r]; col = running_col[r] (0 without it); blk = table(l)[r, max(col, 0)];
+    the row is skipped when a <= 0, n >= max_seqs or blk <= 0. With num_computed,
+    num_scheduled, num_draft (prefix caching "align", block_size > 0) the state after
+    ``count`` tokens also goes to bblk = table(l)[r, dest] by the rule of
+    gdn_defer_runtime.boundary() (R = computed + scheduled - draft; aligned = ((R + a - 1) //
+    block_size) * block_size; dest = aligned // block_size - 1; on when aligned >= R,
+    dest >= 0, dest != col, then count = aligned - R + 1, and bblk > 0, bblk != blk). All
+    per-row tensors: 1-D on the device with >= num_rows entries (spec_mask bool, the others
+    any int type); nothing is read on the host."""
+    align = (num_computed, num_scheduled, num_draft)
+    has_align = num_computed is not None
+    if any((t is None) == has_align for t in align):
+        raise ValueError("gdn_defer_commit_all: pass num_computed, num_scheduled and num_draft together, or none")
+    if has_align and block_size <= 0:
+        raise ValueError(f"gdn_defer_commit_all: block_size={block_size} must be > 0 with the boundary counts")
+    if spec_mask.dtype != torch.bool:
+        raise ValueError(f"gdn_defer_commit_all: spec_mask is {spec_mask.dtype}; bool expected")
+    idx = {"spec_mask": spec_mask, "num_accepted": num_accepted}
+    if running_col is not None:
+        idx["running_col"] = running_col
+    if has_align:
+        idx.update(num_computed=num_computed, num_scheduled=num_scheduled, num_draft=num_draft)
+    for name, t in idx.items():
+        if t.ndim != 1 or t.shape[0] < num_rows:
+            raise ValueError(f"gdn_defer_commit_all: {name} must be 1-D with >= num_rows={num_rows} entries, "
+                             f"got {tuple(t.shape)}")
+    if num_rows > plan.max_reqs:
+        raise ValueError(f"gdn_defer_commit_all: num_rows={num_rows} exceeds the block tables' "
+                         f"{plan.max_reqs} rows")
+    if num_rows <= 0:
+        return
+    HV, V, K, H = plan.num_v_heads, plan.head_v_dim, plan.head_k_dim, plan.num_k_heads
+    BK, BV, NV = _blocks(K, V)
+    _gdn_defer_commit_all_kernel[(NV, num_rows * HV, plan.num_layers)](
+        plan.state_addrs, plan.state_strides,
+        plan.sk_addrs, plan.sv_addrs, plan.sg_addrs, plan.sb_addrs,
+        plan.layer_group, plan.bt_addrs, plan.stride_bt_row,
+        spec_mask, num_accepted,
+        running_col if running_col is not None else num_accepted,
+        num_computed if has_align else num_accepted,
+        num_scheduled if has_align else num_accepted,
+        num_draft if has_align else num_accepted,
+        num_rows, plan.max_seqs, plan.max_tokens, block_size if has_align else 1,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, BLOCK_R=plan.block_r,
+        STATE_DTYPE=_TL_DTYPES[plan.state_dtype], V_DTYPE=_TL_DTYPES[plan.v_dtype],
+        HAS_COL=running_col is not None, ALIGN=has_align,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
 

@@ -48,6 +48,8 @@ class _State:
     # (layer, index of its mamba group among the runner's mamba groups), found at first commit
     layers: list = field(default_factory=list)
     group_ids: list = field(default_factory=list)
+    plan: object = None  # the kernels' CommitPlan, built at the first commit
+    plan_key: tuple = ()
 
 
 _STATE = _State()
@@ -110,7 +112,8 @@ class AlignInputs:
 
 
 def boundary(a: torch.Tensor, al: AlignInputs, num_reqs: int):
-    """Per row: how many of the accepted tokens reach the first cache-block boundary inside the
+    """The rule gdn_defer_commit_all applies in its kernel, in torch (the tests hold the two
+    equal). Per row: how many of the accepted tokens reach the first cache-block boundary inside the
     step's accepted run (0: none) and that block's column, by the rule of vLLM's fused mamba
     postprocess (v1/worker/mamba_utils.py): the state after exactly ``aligned`` tokens goes to
     column ``aligned // block_size - 1``. Rows whose boundary column is the running column
@@ -131,35 +134,31 @@ def commit(*, forward_context: dict, kv_cache_config, mamba_group_ids: list[int]
            block_tables: list[torch.Tensor], num_reqs: int, num_accepted: torch.Tensor,
            align: AlignInputs | None = None) -> bool:
     """Replay each verified row's accepted tokens onto its committed state, in every deferring
-    GDN layer. ``block_tables[i]``: the device block table ([rows, columns], batch order) of
-    ``mamba_group_ids[i]``; ``num_accepted``: the rejection sampler's counts per batch row
-    (>= 1 for a verified row). Launches nothing (and returns False) when no row verified a
-    draft block this step."""
+    GDN layer, in one launch (gdn_defer_commit_all; the block ids and the boundary rule are
+    looked up in the kernel). ``block_tables[i]``: the whole persistent device block table
+    ([max_num_reqs, columns], batch order) of ``mamba_group_ids[i]``; ``num_accepted``: the
+    rejection sampler's counts per batch row (>= 1 for a verified row). Launches nothing (and
+    returns False) when no row verified a draft block this step."""
     if not _STATE.active or _STATE.spec_mask is None or num_reqs == 0:
         return False
-    gdn_defer_commit = _kernels().gdn_defer_commit
+    k = _kernels()
     _bind(forward_context, kv_cache_config, mamba_group_ids)
-    mask = _STATE.spec_mask[:num_reqs]
-    row_to_spec = torch.where(mask, torch.cumsum(mask.to(torch.int32), 0) - 1,
-                              torch.full_like(mask, -1, dtype=torch.int32)).to(torch.int32)
-    a = num_accepted[:num_reqs].to(torch.int32)
-    per_group = []
+    # the plan holds the addresses of the pools, scratches and block tables: rebuilt if any moved
+    key = (tuple((bt.data_ptr(), tuple(bt.shape)) for bt in block_tables),
+           tuple(layer.kv_cache[1].data_ptr() for layer, _ in _STATE.layers))
+    if _STATE.plan is None or _STATE.plan_key != key:
+        _STATE.plan = k.CommitPlan([layer.kv_cache[1] for layer, _ in _STATE.layers],
+                                   [layer._onecard_defer for layer, _ in _STATE.layers],
+                                   [local for _, local in _STATE.layers], list(block_tables))
+        _STATE.plan_key = key
     if align is None:
-        for bt in block_tables:
-            per_group.append((bt[:num_reqs, 0].to(torch.int32).contiguous(), None, None))
+        k.gdn_defer_commit_all(_STATE.plan, spec_mask=_STATE.spec_mask, num_accepted=num_accepted,
+                               num_rows=num_reqs)
     else:
-        count, col, needs = boundary(a, align, num_reqs)
-        src = align.state_idx[:num_reqs].to(torch.int64).clamp(min=0).unsqueeze(1)
-        dst = col.clamp(min=0).unsqueeze(1)
-        for bt in block_tables:
-            rows = bt[:num_reqs]
-            running = rows.gather(1, src).squeeze(1).to(torch.int32)
-            bblk = torch.where(needs, rows.gather(1, dst).squeeze(1), torch.zeros_like(running)).to(torch.int32)
-            per_group.append((running, count, bblk))
-    for layer, local in _STATE.layers:
-        running, count, bblk = per_group[local]
-        gdn_defer_commit(layer.kv_cache[1], layer._onecard_defer, row_to_spec=row_to_spec, num_accepted=a,
-                         running_block=running, num_rows=num_reqs, boundary_count=count, boundary_block=bblk)
+        k.gdn_defer_commit_all(_STATE.plan, spec_mask=_STATE.spec_mask, num_accepted=num_accepted,
+                               num_rows=num_reqs, running_col=align.state_idx, num_computed=align.num_computed,
+                               num_scheduled=align.num_scheduled, num_draft=align.num_draft,
+                               block_size=align.block_size)
     _STATE.spec_mask = None  # one commit per build: a stale mask is never replayed
     return True
 
