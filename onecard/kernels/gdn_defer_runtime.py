@@ -25,12 +25,15 @@ k extra columns inside the one block and shifts them by the accepted count as be
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
 import torch
 
 ENV = "ONECARD_GDN_DEFER"
+# inside vLLM this is a child of the "vllm" logger, so the line lands in the server log
+logger = logging.getLogger(__name__)
 
 
 def requested() -> bool:
@@ -66,6 +69,10 @@ def check_config(*, on_cuda: bool, num_spec: int, mamba_cache_mode: str, use_v2_
     if use_v2_model_runner:
         raise ValueError(f"{ENV}=1 needs vLLM's V1 GPU model runner (its commit hook is there); "
                          "valid: VLLM_USE_V2_MODEL_RUNNER unset or 0, or ONECARD_GDN_DEFER=0")
+    if not _STATE.active:
+        logger.info("onecard 0085: %s=1: Gated-DeltaNet layers keep one state block per sequence under "
+                    "speculation (%d draft tokens, mamba cache mode %s); the accepted tokens are committed "
+                    "after the rejection sampler", ENV, num_spec, mamba_cache_mode)
     _STATE.active = True
     return True
 
@@ -151,6 +158,9 @@ def commit(*, forward_context: dict, kv_cache_config, mamba_group_ids: list[int]
                                    [layer._onecard_defer for layer, _ in _STATE.layers],
                                    [local for _, local in _STATE.layers], list(block_tables))
         _STATE.plan_key = key
+        scratch = sum(layer._onecard_defer.nbytes for layer, _ in _STATE.layers)
+        logger.info("onecard 0085: GDN commit plan: %d layers in %d KV cache groups, verify scratch %.1f MiB",
+                    len(_STATE.layers), len(block_tables), scratch / 2**20)
     if align is None:
         k.gdn_defer_commit_all(_STATE.plan, spec_mask=_STATE.spec_mask, num_accepted=num_accepted,
                                num_rows=num_reqs)
