@@ -67,7 +67,7 @@ def test_bad_cases_refused_before_any_boot(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [ln for ln in r.stdout.splitlines() if "FIT_CASES" in ln]
     assert lines == ["41-fit: FIT_CASES: 'huge-off' is not a case; valid: long-dflash2 long-dflash2-bf16 fast-dflash2 long-mtp "
-                     "long-off huge-dflash2 huge-mtp long-dflash2-es long-dflash2-eh, each also with -cap (space- or comma-separated; default: long-dflash2 "
+                     "long-off huge-dflash2 huge-mtp long-dflash2-es long-dflash2-eh long-dflash2-gd, each also with -cap (space- or comma-separated; default: long-dflash2 "
                      "fast-dflash2 long-mtp long-off)"], r.stdout
     assert not list(out.glob("server-*.log")) and not (out / "run.txt").exists()
     assert "== 41-fit: FAIL (rc=2)" in r.stdout

@@ -87,6 +87,9 @@ CASES = {
     "long-dflash2-es": {"CTX": "long", "SPEC": "dflash2", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     # the headline with the target's embed_tokens in pinned host memory (patch 0013)
     "long-dflash2-eh": {"CTX": "long", "SPEC": "dflash2", "EMBED_HOST": "1"},
+    # the headline with the deferred GDN commit (patch 0085): the same pin, a larger pool (MAX_LEN
+    # 93,696 predicted) and a 32 MB verify scratch beside it
+    "long-dflash2-gd": {"CTX": "long", "SPEC": "dflash2", "GDN_DEFER": "1"},
 }
 DEFAULT_CASES = ("long-dflash2", "fast-dflash2", "long-mtp", "long-off")
 SERVED = "geom"
