@@ -12,10 +12,11 @@
 # tokens of about a third of them cross a GDN cache-block boundary), two passes (the 2nd hits the
 # prefix cache), all servers at once; every spec server == off token for token, a divergence
 # allowed only as a bf16 near-tie, identical / near-ties / real divergences reported per pair and
-# pass; spec-decode counters from /metrics (printed only). Each server's log shows its pool
-# ("GPU KV cache size"): the defer servers' pools are larger at the same KV_MEM (printed, not
-# judged); theirs also carry the lines "onecard 0085: ONECARD_GDN_DEFER=1: ..." (at load) and
-# "onecard 0085: GDN commit plan: N layers in G KV cache groups" (at the first verify step).
+# pass; spec-decode counters from /metrics (printed only). At boot each server's pool (vLLM's
+# "GPU KV cache size") is printed beside the plan's prediction: the defer servers' pools are
+# larger at the same KV_MEM (printed, not judged); their logs also carry "onecard 0085:
+# ONECARD_GDN_DEFER=1: ..." (at load) and "GDN commit plan: N layers in G KV cache groups" (at
+# the first verify step; printed after the sweep).
 # Expected wall: 250-560 s. Exit 0 only if every server booted and no pair has a real
 # divergence. Writes $JOB_OUT/{defer.json,run.txt,server-*.log,summary.txt}. CPU dry run:
 # python3 tests/gpu/spec_kv_sweep.py --suite defer --dry-run (tests/test_gpu_spec_kv_dry.py).

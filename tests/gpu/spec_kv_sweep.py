@@ -34,7 +34,8 @@ free-memory bar), plus the plan's child environment (ONECARD_WIDE_VERIFY=1, ...)
 
 Run: one server boots alone first (``--warm-first``, default the first ``off`` server: it fills
 the compile caches the others reuse; ``--warm-first ''`` boots all at once), then the rest at
-once. Per-server boot times are printed. Then the greedy sweep: 128 prompts, 32 tokens,
+once. Per-server boot times are printed, with each server's pool (vLLM's "GPU KV cache size")
+beside the plan's prediction (log_facts; printed, not judged). Then the greedy sweep: 128 prompts, 32 tokens,
 concurrent, every server at once, two passes (the second hits the prefix cache; per-server
 prefix-cache hit tokens from /metrics are reported per pass, not judged); each spec server vs
 the off server of its KV dtype, token for token with the bf16 near-tie rule. Then per spec
@@ -61,6 +62,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -201,6 +203,21 @@ def diagnose(log_text: str) -> str:
     return "unknown (see the server log)"
 
 
+_POOL = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+_DEFER_ON = "onecard 0085: ONECARD_GDN_DEFER=1"
+_DEFER_PLAN = re.compile(r"onecard 0085: GDN commit plan: (\d+) layers in (\d+) KV cache groups")
+
+
+def log_facts(text: str) -> dict:
+    """What a server log says about its pool and patch 0085 (printed, never judged): vLLM's
+    "GPU KV cache size" (tokens), whether the deferred GDN commit is on, and its commit plan."""
+    pool = _POOL.findall(text)
+    plan = _DEFER_PLAN.findall(text)
+    return {"pool_tokens": int(pool[-1].replace(",", "")) if pool else None,
+            "gdn_defer": _DEFER_ON in text,
+            "gdn_commit_plan": {"layers": int(plan[-1][0]), "groups": int(plan[-1][1])} if plan else None}
+
+
 def self_check() -> dict:
     res = d2.self_check()
     st = suite("quant")
@@ -219,6 +236,11 @@ def self_check() -> dict:
     off = [{"tokens": [1, 2], "top": [[(1, 9.0)], [(2, 8.0), (4, 7.97)]]}] * 2
     res["compare_pass"] = d2.compare_pass(off, [{"tokens": [1, 2]}, {"tokens": [1, 4]}], 1664)
     res["util"] = [gpu_util(6, {}), gpu_util(6, {"GPU_UTIL": "0.267"}), gpu_util(6, {"GPU_UTIL": "0.1"})]
+    res["log_facts"] = log_facts(
+        "(EngineCore_DP0 pid=1) INFO [kv_cache_utils.py:2235] GPU KV cache size: 93,998 tokens\n"
+        "INFO [onecard_gdn_defer_runtime.py:73] onecard 0085: ONECARD_GDN_DEFER=1: Gated-DeltaNet ...\n"
+        "INFO [onecard_gdn_defer_runtime.py:162] onecard 0085: GDN commit plan: 48 layers in 10 KV cache "
+        "groups, verify scratch 30.6 MiB\n")
     res["diagnose"] = diagnose("ValueError: No valid attention backend found ... "
                                "['non-causal attention not supported']")
     return res
@@ -234,6 +256,8 @@ def self_check_ok(res: dict) -> bool:
             and res["prefix"] == {"queries": 300.0, "hits": 120.0}
             and cp["equal"] == 1 and len(cp["near_ties"]) == 1 and cp["near_ties"][0]["residue"] == 1
             and res["util"] == [0.06, 0.044, 0.02]
+            and res["log_facts"] == {"pool_tokens": 93998, "gdn_defer": True,
+                                     "gdn_commit_plan": {"layers": 48, "groups": 10}}
             and res["diagnose"].startswith("an attention backend without non-causal"))
 
 
@@ -288,7 +312,8 @@ def run(suite_name: str, out: Path, deadline_s: float, warm_first: str | None,
             servers[name] = d2.Server(name, argv, port, out, child)
             pred = plan.prediction or {}
             rec["servers"][name] = {"argv": argv, "boot_s": None,
-                                    "block_size_predicted": pred.get("block_size")}
+                                    "block_size_predicted": pred.get("block_size"),
+                                    "pool_tokens_predicted": pred.get("pool_tokens")}
 
         def start(names):
             for n in names:
@@ -308,7 +333,11 @@ def run(suite_name: str, out: Path, deadline_s: float, warm_first: str | None,
                     try:
                         if servers[n].ready():
                             rec["servers"][n]["boot_s"] = round(servers[n].boot_s, 1)
-                            say(f"boot {n}: {servers[n].boot_s:.0f} s")
+                            facts = log_facts(servers[n].log.read_text(errors="replace"))
+                            rec["servers"][n].update(facts)
+                            say(f"boot {n}: {servers[n].boot_s:.0f} s; pool {facts['pool_tokens']} tokens "
+                                f"(predicted {rec['servers'][n]['pool_tokens_predicted']})"
+                                + ("; GDN_DEFER on" if facts["gdn_defer"] else ""))
                             pending.remove(n)
                     except RuntimeError:
                         log = servers[n].log.read_text(errors="replace")
@@ -383,6 +412,11 @@ def run(suite_name: str, out: Path, deadline_s: float, warm_first: str | None,
             rec["metrics"][n] = d
             say(f"metrics {n}: drafts {d['drafts']:.0f}, accepted {d['accepted']:.0f}, "
                 f"tokens/step {d['tokens_per_step']:.3f}, positions {len(d['per_pos'])}")
+        for n in specs:   # patch 0085's commit plan is logged at the first verify step
+            facts = log_facts(servers[n].log.read_text(errors="replace"))
+            rec["servers"][n].update(facts)
+            if facts["gdn_defer"]:
+                say(f"gdn defer {n}: commit plan {facts['gdn_commit_plan']}")
     return d2.verdict(rec, say)
 
 
