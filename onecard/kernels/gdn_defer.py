@@ -220,39 +220,15 @@ def _gdn_defer_verify_kernel(
 # --------------------------------------------------------------------------------------------
 # commit: replay the accepted tokens from the scratch onto the running block
 # --------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["num_rows", "MAXS", "MAXT"])
-def _gdn_defer_commit_kernel(
-    state, s_k, s_v, s_g, s_beta,
-    row_to_spec, num_accepted, running_block, boundary_count, boundary_block,
-    num_rows, MAXS, MAXT,
-    stride_blk,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
-    HAS_BOUNDARY: tl.constexpr,
-):
-    i_v, i_rh = tl.program_id(0), tl.program_id(1)
-    i_r, i_hv = i_rh // HV, i_rh % HV
-    i_h = i_hv // (HV // H)
-    if i_r >= num_rows:
-        return
-    i_n = tl.load(row_to_spec + i_r).to(tl.int64)
-    if (i_n < 0) | (i_n >= MAXS):
-        return
-    blk = tl.load(running_block + i_r).to(tl.int64)
-    if blk <= 0:
-        return
-    n_acc = tl.minimum(tl.load(num_accepted + i_r).to(tl.int32), MAXT)
-    if n_acc <= 0:
-        return
-    if HAS_BOUNDARY:
-        bnd_cnt = tl.load(boundary_count + i_r).to(tl.int32)
-        bnd_blk = tl.load(boundary_block + i_r).to(tl.int64)
-        bnd_on = (bnd_blk > 0) & (bnd_blk != blk)
-    else:
-        bnd_cnt = 0
-        bnd_blk = blk
-        bnd_on = False
-
+@triton.jit
+def _replay_accepted(state, stride_blk, blk, s_k, s_v, s_g, s_beta, i_n, i_v, i_h, i_hv, n_acc, MAXT,
+                     bnd_on, bnd_cnt, bnd_blk,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, HAS_BOUNDARY: tl.constexpr):
+    """The commit of one (row, value head, V slice): state[blk] <- the state after the first n_acc
+    tokens of spec sequence i_n, replayed from the scratch with the stock kernel's fp32 operations
+    in its order; with HAS_BOUNDARY and bnd_on, the state after bnd_cnt tokens also goes to
+    state[bnd_blk]. Shared by both commit kernels."""
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     mask_k = o_k < K
@@ -292,6 +268,43 @@ def _gdn_defer_commit_kernel(
         p_sb += HV
 
     tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=mask_h)
+
+
+@triton.jit(do_not_specialize=["num_rows", "MAXS", "MAXT"])
+def _gdn_defer_commit_kernel(
+    state, s_k, s_v, s_g, s_beta,
+    row_to_spec, num_accepted, running_block, boundary_count, boundary_block,
+    num_rows, MAXS, MAXT,
+    stride_blk,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    HAS_BOUNDARY: tl.constexpr,
+):
+    i_v, i_rh = tl.program_id(0), tl.program_id(1)
+    i_r, i_hv = i_rh // HV, i_rh % HV
+    i_h = i_hv // (HV // H)
+    if i_r >= num_rows:
+        return
+    i_n = tl.load(row_to_spec + i_r).to(tl.int64)
+    if (i_n < 0) | (i_n >= MAXS):
+        return
+    blk = tl.load(running_block + i_r).to(tl.int64)
+    if blk <= 0:
+        return
+    n_acc = tl.minimum(tl.load(num_accepted + i_r).to(tl.int32), MAXT)
+    if n_acc <= 0:
+        return
+    if HAS_BOUNDARY:
+        bnd_cnt = tl.load(boundary_count + i_r).to(tl.int32)
+        bnd_blk = tl.load(boundary_block + i_r).to(tl.int64)
+        bnd_on = (bnd_blk > 0) & (bnd_blk != blk)
+    else:
+        bnd_cnt = 0
+        bnd_blk = blk
+        bnd_on = False
+
+    _replay_accepted(state, stride_blk, blk, s_k, s_v, s_g, s_beta, i_n, i_v, i_h, i_hv, n_acc, MAXT,
+                     bnd_on, bnd_cnt, bnd_blk, H, HV, K, V, BK, BV, HAS_BOUNDARY)
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,46 +378,8 @@ def _gdn_defer_commit_all_kernel(
     s_g = tl.load(sg_addrs + i_l).to(tl.pointer_type(tl.float32))
     s_beta = tl.load(sb_addrs + i_l).to(tl.pointer_type(tl.float32))
 
-    # from here on: _gdn_defer_commit_kernel's body (same operations, same order)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    mask_k = o_k < K
-    mask_v = o_v < V
-    mask_h = mask_v[:, None] & mask_k[None, :]
-    o_hv = i_hv * V * K + o_v[:, None] * K + o_k[None, :]
-
-    row0 = i_n * MAXT
-    p_sk = s_k + (row0 * H + i_h) * K + o_k
-    p_sv = s_v + (row0 * HV + i_hv) * V + o_v
-    p_sg = s_g + row0 * HV + i_hv
-    p_sb = s_beta + row0 * HV + i_hv
-
-    p_h = state + blk * stride_blk + o_hv
-    b_h = tl.zeros([BV, BK], dtype=tl.float32)
-    b_h += tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
-
-    for i_t in range(0, n_acc):
-        b_k = tl.load(p_sk, mask=mask_k, other=0)
-        b_v = tl.load(p_sv, mask=mask_v, other=0).to(tl.float32)
-        b_g = tl.load(p_sg)
-        b_beta = tl.load(p_sb)
-
-        b_h *= tl.exp(b_g)
-        b_v -= tl.sum(b_h * b_k[None, :], 1)
-        b_v *= b_beta
-        b_h += b_v[:, None] * b_k[None, :]
-
-        if ALIGN:
-            if bnd_on & (i_t + 1 == bnd_cnt):
-                p_b = state + bnd_blk * stride_blk + o_hv
-                tl.store(p_b, b_h.to(STATE_DTYPE), mask=mask_h)
-
-        p_sk += H * K
-        p_sv += HV * V
-        p_sg += HV
-        p_sb += HV
-
-    tl.store(p_h, b_h.to(STATE_DTYPE), mask=mask_h)
+    _replay_accepted(state, stride_blk, blk, s_k, s_v, s_g, s_beta, i_n, i_v, i_h, i_hv, n_acc, MAXT,
+                     bnd_on, bnd_cnt, bnd_blk, H, HV, K, V, BK, BV, ALIGN)
 
 
 # --------------------------------------------------------------------------------------------
