@@ -4,7 +4,9 @@ The interpreter tests (tests/test_gdn_defer_kernels.py) check the arithmetic but
 kernels lower through Triton's real compiler (types across branches, pointer casts, constexpr
 calls into the shared replay helper). Triton's wheel carries ptxas, so a child process without
 TRITON_INTERPRET compiles every kernel variant the runtime launches for the 27B's GDN shapes
-(H 16, HV 48, K = V = 128; fp32 state, bf16 values) against a GPUTarget, no GPU needed.
+(H 16, HV 48, K = V = 128; fp32 state, bf16 values) against a GPUTarget, no GPU needed, and the
+per-layer commit kernel of the tests' oracle (tests/gdn_defer_oracle.py), which calls the shipped
+replay helper across modules.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import onecard.kernels.gdn_defer as g
+import tests.gdn_defer_oracle as oracle   # the per-layer commit: a test oracle, not shipped
 
 tgt = GPUTarget("cuda", 86, 32)   # RTX 3090
 opts = {"num_warps": 4, "num_stages": 3}
@@ -41,7 +44,7 @@ build(g._gdn_defer_verify_kernel,
        "threshold": "fp32", "MAXT": "i32", "stride_h0_blk": "i64", "stride_idx_seq": "i32"},
       USE_QK_L2NORM_IN_KERNEL=True)
 for hb in (True, False):
-    build(g._gdn_defer_commit_kernel,
+    build(oracle._gdn_defer_commit_kernel,
           {"state": "*fp32", "s_k": "*fp32", "s_v": "*bf16", "s_g": "*fp32", "s_beta": "*fp32",
            "row_to_spec": "*i32", "num_accepted": "*i32", "running_block": "*i32", "boundary_count": "*i32",
            "boundary_block": "*i32", "num_rows": "i32", "MAXS": "i32", "MAXT": "i32", "stride_blk": "i64"},

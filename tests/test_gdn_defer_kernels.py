@@ -1,6 +1,10 @@
 """Deferred GDN commit kernels (onecard/kernels/gdn_defer.py) vs vLLM's stock spec-decode kernel
 and a float64 reference, under Triton's CPU interpreter.
 
+The per-layer commit ``gdn_defer_commit``, the torch ``boundary()`` rule and the float64
+references are test oracles in tests/gdn_defer_oracle.py (not shipped into vLLM); the shipped
+one-launch ``gdn_defer_commit_all`` is held to them bitwise.
+
 The stock kernel is vLLM 0.27.1's ``fused_sigmoid_gating_delta_rule_update``. vLLM replaces
 Triton by a placeholder when no GPU driver is active, so the stock file is executed a second
 time under a private module name with real (interpreted) Triton behind ``vllm.triton_utils``.
@@ -45,10 +49,11 @@ def _load_stock():
 
 
 if _PREIMPORTED:
-    gd = rt = STOCK = None
+    gd = rt = oracle = STOCK = None
 else:
     from onecard.kernels import gdn_defer as gd
     from onecard.kernels import gdn_defer_runtime as rt
+    from tests import gdn_defer_oracle as oracle  # the per-layer commit, boundary(), float64 refs
     STOCK = _load_stock()
 
 inproc = inproc_mark(_PREIMPORTED)
@@ -108,8 +113,8 @@ def _verify(c, pool, idx, scratch):
 
 
 def _reference(c, pool, idx, **kw):
-    return gd.gdn_defer_reference_verify(*c.args(), initial_state=pool, cu_seqlens=c.cu,
-                                         ssm_state_indices=idx, **kw)
+    return oracle.gdn_defer_reference_verify(*c.args(), initial_state=pool, cu_seqlens=c.cu,
+                                             ssm_state_indices=idx, **kw)
 
 
 def _err(x, want):
@@ -235,8 +240,8 @@ def test_commit_matches_stock_column(name, dtype, gen):
     rows = dict(row_to_spec=perm, num_accepted=torch.tensor(acc, dtype=I32)[perm.long()],
                 running_block=d_idx[perm.long(), 0].contiguous(), num_rows=c.N)
     ref_pool = d_pool.double()
-    gd.gdn_defer_reference_commit(ref_pool, sc, **rows)
-    gd.gdn_defer_commit(d_pool, sc, **rows)
+    oracle.gdn_defer_reference_commit(ref_pool, sc, **rows)
+    oracle.gdn_defer_commit(d_pool, sc, **rows)
     seed = gen.initial_seed()
     worst_s = worst_r = worst_rc = 0.0
     bitwise = True
@@ -264,9 +269,9 @@ def test_commit_bf16_state(gen):
     o = _verify(c, d_pool, d_idx, sc)
     assert _err(o, o_stock) <= TIGHT
     acc = [3, 4, 1]
-    gd.gdn_defer_commit(d_pool, sc, row_to_spec=torch.arange(c.N, dtype=I32),
-                        num_accepted=torch.tensor(acc, dtype=I32),
-                        running_block=d_idx[:, 0].contiguous(), num_rows=c.N)
+    oracle.gdn_defer_commit(d_pool, sc, row_to_spec=torch.arange(c.N, dtype=I32),
+                            num_accepted=torch.tensor(acc, dtype=I32),
+                            running_block=d_idx[:, 0].contiguous(), num_rows=c.N)
     for n in range(c.N):
         got = d_pool[int(d_idx[n, 0])]
         e_s = _err(got, s_pool[int(s_idx[n, acc[n] - 1])])
@@ -326,8 +331,8 @@ def test_multi_step_matches_stock(dtype, commit, gen):
         worst = max(worst, w_s)
         acc = torch.tensor([int(torch.randint(1, T_n + 1, (1,), generator=gen)) for T_n in lens], dtype=I32)
         if commit == "layer":
-            gd.gdn_defer_commit(d_pool, sc, row_to_spec=torch.arange(N, dtype=I32), num_accepted=acc,
-                                running_block=running, num_rows=N)
+            oracle.gdn_defer_commit(d_pool, sc, row_to_spec=torch.arange(N, dtype=I32), num_accepted=acc,
+                                    running_block=running, num_rows=N)
         else:
             before = d_pool.clone()
             per_row = torch.zeros(5, dtype=I32)
@@ -376,9 +381,9 @@ def test_boundary_store(gen):
     running = d_idx[:, 0].contiguous()
     acc = torch.tensor([int(torch.randint(1, T_n + 1, (1,), generator=gen)) for T_n in c.lens], dtype=I32)
     bcount = torch.tensor([int(torch.randint(1, int(a) + 1, (1,), generator=gen)) for a in acc], dtype=I32)
-    gd.gdn_defer_commit(d_pool, sc, row_to_spec=torch.arange(c.N, dtype=I32), num_accepted=acc,
-                        running_block=running, num_rows=c.N, boundary_count=bcount,
-                        boundary_block=spare)
+    oracle.gdn_defer_commit(d_pool, sc, row_to_spec=torch.arange(c.N, dtype=I32), num_accepted=acc,
+                            running_block=running, num_rows=c.N, boundary_count=bcount,
+                            boundary_block=spare)
     touched = set(running.tolist()) | set(spare.tolist())
     for n in range(c.N):
         assert torch.equal(d_pool[int(running[n])], s_pool[int(s_idx[n, int(acc[n]) - 1])]), n
@@ -390,15 +395,15 @@ def test_boundary_store(gen):
     # no extra store: boundary block == running block, <= 0, or a count outside 1..a
     d_pool.copy_(base)
     acc = torch.tensor([3, 2, 5], dtype=I32)
-    gd.gdn_defer_commit(d_pool, sc, row_to_spec=torch.arange(c.N, dtype=I32), num_accepted=acc,
-                        running_block=running, num_rows=c.N,
-                        boundary_count=torch.tensor([2, 1, 6], dtype=I32),
-                        boundary_block=torch.tensor([int(running[0]), 0, int(spare[2])], dtype=I32))
+    oracle.gdn_defer_commit(d_pool, sc, row_to_spec=torch.arange(c.N, dtype=I32), num_accepted=acc,
+                            running_block=running, num_rows=c.N,
+                            boundary_count=torch.tensor([2, 1, 6], dtype=I32),
+                            boundary_block=torch.tensor([int(running[0]), 0, int(spare[2])], dtype=I32))
     d_pool2 = base.clone()
-    gd.gdn_defer_commit(d_pool2, sc, row_to_spec=torch.arange(c.N, dtype=I32), num_accepted=acc,
-                        running_block=running, num_rows=c.N,
-                        boundary_count=torch.tensor([2, 1, 2], dtype=I32),
-                        boundary_block=torch.tensor([-1, int(running[1]), 0], dtype=I32))
+    oracle.gdn_defer_commit(d_pool2, sc, row_to_spec=torch.arange(c.N, dtype=I32), num_accepted=acc,
+                            running_block=running, num_rows=c.N,
+                            boundary_count=torch.tensor([2, 1, 2], dtype=I32),
+                            boundary_block=torch.tensor([-1, int(running[1]), 0], dtype=I32))
     for pool in (d_pool, d_pool2):
         for n in range(c.N):
             assert torch.equal(pool[int(running[n])], s_pool[int(s_idx[n, int(acc[n]) - 1])]), n
@@ -429,8 +434,8 @@ def test_padded_rows_and_null_blocks_are_skipped(gen):
     running = torch.tensor([int(d_idx[1, 0]), int(d_idx[0, 0]), int(d_idx[0, 0]), 0, 0,
                             int(d_idx[3, 0]), int(d_idx[3, 0])], dtype=I32)
     acc = torch.tensor([2, 1, 3, 1, 1, 1, 1], dtype=I32)
-    gd.gdn_defer_commit(d_pool, sc, row_to_spec=row_to_spec, num_accepted=acc,
-                        running_block=running, num_rows=n_real)
+    oracle.gdn_defer_commit(d_pool, sc, row_to_spec=row_to_spec, num_accepted=acc,
+                            running_block=running, num_rows=n_real)
     for n, a in ((1, 2), (0, 3)):
         assert torch.equal(d_pool[int(d_idx[n, 0])], s_pool[int(s_idx[n, a - 1])]), n
     changed = {int(d_idx[0, 0]), int(d_idx[1, 0])}
@@ -466,9 +471,9 @@ def test_strided_pool_with_padded_block_stride(gen):
     acc = torch.tensor([4, 5, 1], dtype=I32)
     bnd = torch.tensor([int(s_idx[n, C - 1]) for n in range(c.N)], dtype=I32)
     bcount = torch.tensor([2, 5, 1], dtype=I32)  # row 2: count == a == 1
-    gd.gdn_defer_commit(d_pool, sc, row_to_spec=torch.arange(c.N, dtype=I32), num_accepted=acc,
-                        running_block=s_idx[:, 0].contiguous(), num_rows=c.N,
-                        boundary_count=bcount, boundary_block=bnd)
+    oracle.gdn_defer_commit(d_pool, sc, row_to_spec=torch.arange(c.N, dtype=I32), num_accepted=acc,
+                            running_block=s_idx[:, 0].contiguous(), num_rows=c.N,
+                            boundary_count=bcount, boundary_block=bnd)
     for n in range(c.N):
         assert torch.equal(d_pool[int(s_idx[n, 0])], s_pool[int(s_idx[n, int(acc[n]) - 1])]), n
         assert torch.equal(d_pool[int(bnd[n])], s_pool[int(s_idx[n, int(bcount[n]) - 1])]), n
@@ -496,9 +501,9 @@ def test_long_sequence_clamped_to_max_tokens(gen):
     base = d_pool.clone()
     for a in (4, 6):
         d_pool.copy_(base)
-        gd.gdn_defer_commit(d_pool, sc, row_to_spec=torch.tensor([0, 2], dtype=I32),
-                            num_accepted=torch.tensor([a, a + 1], dtype=I32),
-                            running_block=d_idx[[0, 2], 0].contiguous(), num_rows=2)
+        oracle.gdn_defer_commit(d_pool, sc, row_to_spec=torch.tensor([0, 2], dtype=I32),
+                                num_accepted=torch.tensor([a, a + 1], dtype=I32),
+                                running_block=d_idx[[0, 2], 0].contiguous(), num_rows=2)
         for n in (0, 2):
             assert torch.equal(d_pool[int(d_idx[n, 0])], s_pool[int(s_idx[n, 3])]), (n, a)
 
@@ -516,9 +521,9 @@ def test_host_bounds_raise_value_error(gen):
         _verify(c, pool, idx, gd.DeferScratch(3, 8, H, HV, 16, 16, torch.bfloat16, "cpu"))
     sc = c.scratch()
     with pytest.raises(ValueError, match=">= num_rows=3"):
-        gd.gdn_defer_commit(pool, sc, row_to_spec=torch.zeros(2, dtype=I32),
-                            num_accepted=torch.ones(3, dtype=I32),
-                            running_block=torch.ones(3, dtype=I32), num_rows=3)
+        oracle.gdn_defer_commit(pool, sc, row_to_spec=torch.zeros(2, dtype=I32),
+                                num_accepted=torch.ones(3, dtype=I32),
+                                running_block=torch.ones(3, dtype=I32), num_rows=3)
     assert "\n" not in str(pytest.raises(ValueError, _verify, c, pool, idx,
                                          c.scratch(max_seqs=2)).value)
 
@@ -530,13 +535,45 @@ def test_scratch_size_and_no_value_specialization():
     assert sc.g.shape == sc.beta.shape == (3, 5, HV) and sc.v.dtype == torch.bfloat16
     assert sc.nbytes == sum(t.numel() * t.element_size() for t in (sc.k, sc.v, sc.g, sc.beta))
     assert gd.DeferScratch.nbytes_for(3, 5, H, HV, 32, 16, 2) == sc.nbytes
-    for kernel, name in ((gd._gdn_defer_verify_kernel, "MAXT"), (gd._gdn_defer_commit_kernel, "num_rows"),
+    for kernel, name in ((gd._gdn_defer_verify_kernel, "MAXT"), (oracle._gdn_defer_commit_kernel, "num_rows"),
                          (gd._gdn_defer_commit_all_kernel, "num_rows")):
         dns = getattr(kernel, "do_not_specialize", None)
         if dns is None:  # the interpreter's wrapper: read the jit options it keeps
             dns = (getattr(kernel, "kwargs", None) or {}).get("do_not_specialize")
         assert dns is not None and name in [getattr(kernel, "arg_names", [None])[d]
                                             if isinstance(d, int) else d for d in dns]
+
+
+@pytest.mark.parametrize("model", ["27b", "tiny"])
+def test_scratch_bytes_equal_the_memory_model(model):
+    """The plan's scratch VRAM (onecard.memory.gdn_defer_scratch_bytes) is what the patched GDN
+    layers allocate: one DeferScratch(max_num_seqs, 1 + k, H // tp, HV // tp, K, V, model dtype)
+    per GDN layer (patch 0085's qwen_gdn_linear_attn edit). No kernel runs here."""
+    from collections import defaultdict
+
+    from onecard import memory
+    from onecard.kernels.gdn_defer import DeferScratch
+    from onecard.prepare import tiny
+
+    if model == "27b":
+        geom = memory.QWEN38_27B
+    else:
+        geom = memory.ModelGeometry.from_config(tiny.make_config(tiny.DEFAULT_SPEC, defaultdict(int)))
+    v_dtype = {2: torch.bfloat16, 4: torch.float32}[geom.dtype_bytes]
+    for tp in (1, 2):
+        H, HV = geom.linear_num_key_heads // tp, geom.linear_num_value_heads // tp
+        K, V = geom.linear_key_head_dim, geom.linear_value_head_dim
+        for max_seqs, k in ((1, 1), (4, 3), (4, 7), (2, 15), (8, 4)):
+            per_layer = DeferScratch.nbytes_for(max_seqs, 1 + k, H, HV, K, V, geom.dtype_bytes)
+            got = memory.gdn_defer_scratch_bytes(geom, max_seqs, k, tp=tp)
+            assert got == geom.num_gdn * per_layer, (model, tp, max_seqs, k, got, geom.num_gdn * per_layer)
+            if tp == 1 and (max_seqs, k) == (4, 7):   # the tensors the layer allocates, once
+                sc = DeferScratch(max_seqs, 1 + k, H, HV, K, V, v_dtype, "cpu")
+                assert sc.nbytes == per_layer == sum(t.numel() * t.element_size()
+                                                     for t in (sc.k, sc.v, sc.g, sc.beta))
+    assert memory.gdn_defer_scratch_bytes(geom, 4, 0) == 0   # no speculation: no scratch
+    if model == "27b":
+        assert memory.gdn_defer_scratch_bytes(geom, 4, 7) == 32_047_104   # memory's docstring figure
 
 
 # ---------------------------------------------------------------------------------------------
@@ -558,7 +595,7 @@ def _paged_pools(gen, nb, K, V, dtype, pads):
 def _filled_scratch(gen, max_seqs, max_tokens, K, V, v_dtype):
     """A scratch as a verify leaves it (random normalized keys, values, decays, betas)."""
     sc = gd.DeferScratch(max_seqs, max_tokens, H, HV, K, V, v_dtype, "cpu")
-    sc.k.copy_(gd._ref_l2norm(torch.randn(sc.k.shape, generator=gen)))
+    sc.k.copy_(oracle._ref_l2norm(torch.randn(sc.k.shape, generator=gen)))
     sc.v.copy_(torch.randn(sc.v.shape, generator=gen).to(v_dtype))
     sc.g.copy_(-torch.rand(sc.g.shape, generator=gen))
     sc.beta.copy_(torch.rand(sc.beta.shape, generator=gen))
@@ -567,8 +604,9 @@ def _filled_scratch(gen, max_seqs, max_tokens, K, V, v_dtype):
 
 def _commit_per_layer(pools, scratches, groups, tables, *, spec_mask, num_accepted, num_rows,
                       running_col=None, align=None):
-    """What onecard/kernels/gdn_defer_runtime.commit does today: the row -> spec sequence map,
-    block-id gathers and rt.boundary() in torch, then one gdn_defer_commit per layer."""
+    """The second formulation of the commit (tests/gdn_defer_oracle.py): the row -> spec sequence
+    map, block-id gathers and oracle.boundary() in torch, then one oracle.gdn_defer_commit per
+    layer."""
     n = num_rows
     mask = spec_mask[:n]
     row_to_spec = torch.where(mask, torch.cumsum(mask.to(I32), 0) - 1,
@@ -580,7 +618,7 @@ def _commit_per_layer(pools, scratches, groups, tables, *, spec_mask, num_accept
         for bt in tables:
             per_group.append((bt[:n].gather(1, cols.clamp(min=0)[:, None])[:, 0].to(I32).contiguous(), None, None))
     else:
-        count, col, needs = rt.boundary(a, align, n)
+        count, col, needs = oracle.boundary(a, align, n)
         src = align.state_idx[:n].to(torch.int64).clamp(min=0).unsqueeze(1)
         dst = col.clamp(min=0).unsqueeze(1)
         for bt in tables:
@@ -590,8 +628,8 @@ def _commit_per_layer(pools, scratches, groups, tables, *, spec_mask, num_accept
             per_group.append((running, count, bblk))
     for pool, sc, g in zip(pools, scratches, groups):
         running, count, bblk = per_group[g]
-        gd.gdn_defer_commit(pool, sc, row_to_spec=row_to_spec, num_accepted=a, running_block=running,
-                            num_rows=n, boundary_count=count, boundary_block=bblk)
+        oracle.gdn_defer_commit(pool, sc, row_to_spec=row_to_spec, num_accepted=a, running_block=running,
+                                num_rows=n, boundary_count=count, boundary_block=bblk)
 
 
 def _padded_table(rows, cols, pad=3):
@@ -649,7 +687,7 @@ def test_commit_all_matches_per_layer_commit(mode, state, gen):
     if mode == "align":
         align = rt.AlignInputs(state_idx=col, num_scheduled=sched, num_computed=comp, num_draft=draft,
                                block_size=BS)
-        count, _, needs = rt.boundary(acc.clone(), align, num_rows)
+        count, _, needs = oracle.boundary(acc.clone(), align, num_rows)
         assert needs.tolist() == [True, True, False, False, False, True, True, True, False, True], needs
         assert count[[0, 5, 6]].tolist() == [2, 2, 1]
 
@@ -691,7 +729,7 @@ def test_commit_all_matches_per_layer_commit(mode, state, gen):
 @inproc
 def test_commit_all_boundary_rule_equals_runtime(gen):
     """Random align-mode batches: commit_all with the raw counts leaves every pool bitwise as
-    the per-layer commit driven by gdn_defer_runtime.boundary() and its gathers (state_idx
+    the per-layer commit driven by the oracle's boundary() and its gathers (state_idx
     sometimes -1 or equal to the boundary column, null blocks, a boundary column holding the
     running block's id, a > max_tokens, a = 0, R <= 0, more verified rows than
     scratch.max_seqs)."""
@@ -743,7 +781,7 @@ def test_commit_all_boundary_rule_equals_runtime(gen):
                 bt[r, d] = bt[r, cr]
         align = rt.AlignInputs(state_idx=col, num_scheduled=sched, num_computed=comp, num_draft=draft,
                                block_size=bs)
-        _, _, needs = rt.boundary(acc.clone(), align, num_rows)
+        _, _, needs = oracle.boundary(acc.clone(), align, num_rows)
         live = mask[:num_rows] & (acc[:num_rows] > 0)
         on += int((needs & live).sum())
         past += int((mask[:num_rows].cumsum(0) > 8)[live].sum())

@@ -43,6 +43,18 @@ def test_shipped_files_are_onecards():
         assert added == body, rel
 
 
+def test_test_oracles_are_not_shipped():
+    """The per-layer commit, the torch boundary rule and the float64 references are test oracles
+    (tests/gdn_defer_oracle.py): production runs gdn_defer_verify and gdn_defer_commit_all only."""
+    text = PATCH.read_text()
+    for name in ("def gdn_defer_commit(", "def _gdn_defer_commit_kernel(", "def boundary(",
+                 "def gdn_defer_reference_verify(", "def gdn_defer_reference_commit(", "def _ref_step("):
+        assert name not in text, name
+    for name in ("def gdn_defer_verify(", "def gdn_defer_commit_all(", "class CommitPlan:", "class AlignInputs:",
+                 "def _replay_accepted("):
+        assert name in text, name
+
+
 def test_patched_tree_has_the_edits(patched_site):
     v = patched_site / "vllm"
     assert "_onecard_defer" in (v / "model_executor/layers/mamba/abstract.py").read_text()

@@ -22,17 +22,20 @@ which always holds the last committed state. A step is split in two launches:
   kernel's l2 normalization (fp32), the raw value row (in v's dtype), the decay gate
   g = -exp(A_log) * softplus(a + dt_bias) (fp32) and the write strength sigmoid(b) (fp32).
   These are a few KB per token instead of a full state.
-* ``gdn_defer_commit`` runs after the rejection sampler. For each batch row it reloads the
-  running block and replays the delta-rule update over the first ``num_accepted`` tokens from
-  the scratch, using the same fp32 operations in the same order as the stock kernel, and writes
-  the result back to the running block (optionally also the state after ``boundary_count``
-  tokens into ``boundary_block``, e.g. for a prefix-cache block boundary).
-* ``gdn_defer_commit_all`` is the same commit for every deferring layer of the engine in ONE
-  launch: a ``CommitPlan`` holds per-layer device tables of addresses (state pool, block stride,
-  scratch) and the KV-cache groups' block-table addresses; the kernel finds each row's spec
-  sequence from the spec mask, its running (and boundary) block ids in its group's block table,
-  and applies the prefix-cache boundary rule of gdn_defer_runtime.boundary() itself, so the
-  host issues one launch per step instead of one per layer plus the torch index ops.
+* ``gdn_defer_commit_all`` runs after the rejection sampler, for every deferring layer of the
+  engine in ONE launch. For each verified batch row and layer it reloads the running block and
+  replays the delta-rule update over the first ``num_accepted`` tokens from the scratch, using
+  the same fp32 operations in the same order as the stock kernel, and writes the result back to
+  the running block (with prefix caching also the state at a cache-block boundary crossed by
+  the accepted run into that block). A ``CommitPlan`` holds per-layer device tables of
+  addresses (state pool, block stride, scratch) and the KV-cache groups' block-table
+  addresses; the kernel finds each row's spec sequence from the spec mask, its running (and
+  boundary) block ids in its group's block table, and applies the prefix-cache boundary rule
+  itself, so the host issues one launch per step and no torch index ops.
+
+The per-layer commit ``gdn_defer_commit`` (block ids given per row), the boundary rule in torch
+``boundary()`` and float64 references of both launches are test oracles, kept out of vLLM in
+onecard's tests/gdn_defer_oracle.py; the tests hold ``gdn_defer_commit_all`` to them bitwise.
 
 Because the replay performs the identical fp32 arithmetic on identical fp32 operands (the
 scratch stores the values the stock kernel had in registers), the committed state equals the
@@ -57,7 +60,7 @@ Limits and contracts
 * Sequences with 0 tokens or with ``ssm_state_indices[n, 0] <= 0`` are skipped entirely (as the
   stock kernel does): their output rows are left unwritten and their scratch rows are untouched.
 * The commit reads scratch rows written by the preceding verify of the same layer; the caller
-  guarantees num_accepted[r] <= tokens of sequence row_to_spec[r], that distinct rows use
+  guarantees num_accepted[r] <= tokens of row r's spec sequence, that distinct rows use
   distinct running blocks, and that no boundary block is another row's running block.
 * State pools are [num_blocks, HV, V, K] with contiguous inner dims and any block stride
   (vLLM's mamba views into padded KV pages); float32 or bfloat16 (fp32 math, cast on load/store).
@@ -228,7 +231,8 @@ def _replay_accepted(state, stride_blk, blk, s_k, s_v, s_g, s_beta, i_n, i_v, i_
     """The commit of one (row, value head, V slice): state[blk] <- the state after the first n_acc
     tokens of spec sequence i_n, replayed from the scratch with the stock kernel's fp32 operations
     in its order; with HAS_BOUNDARY and bnd_on, the state after bnd_cnt tokens also goes to
-    state[bnd_blk]. Shared by both commit kernels."""
+    state[bnd_blk]. Shared with the per-layer commit kernel of onecard's test oracle
+    (tests/gdn_defer_oracle.py), which the tests hold commit_all to bitwise."""
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     mask_k = o_k < K
@@ -268,43 +272,6 @@ def _replay_accepted(state, stride_blk, blk, s_k, s_v, s_g, s_beta, i_n, i_v, i_
         p_sb += HV
 
     tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=mask_h)
-
-
-@triton.jit(do_not_specialize=["num_rows", "MAXS", "MAXT"])
-def _gdn_defer_commit_kernel(
-    state, s_k, s_v, s_g, s_beta,
-    row_to_spec, num_accepted, running_block, boundary_count, boundary_block,
-    num_rows, MAXS, MAXT,
-    stride_blk,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
-    HAS_BOUNDARY: tl.constexpr,
-):
-    i_v, i_rh = tl.program_id(0), tl.program_id(1)
-    i_r, i_hv = i_rh // HV, i_rh % HV
-    i_h = i_hv // (HV // H)
-    if i_r >= num_rows:
-        return
-    i_n = tl.load(row_to_spec + i_r).to(tl.int64)
-    if (i_n < 0) | (i_n >= MAXS):
-        return
-    blk = tl.load(running_block + i_r).to(tl.int64)
-    if blk <= 0:
-        return
-    n_acc = tl.minimum(tl.load(num_accepted + i_r).to(tl.int32), MAXT)
-    if n_acc <= 0:
-        return
-    if HAS_BOUNDARY:
-        bnd_cnt = tl.load(boundary_count + i_r).to(tl.int32)
-        bnd_blk = tl.load(boundary_block + i_r).to(tl.int64)
-        bnd_on = (bnd_blk > 0) & (bnd_blk != blk)
-    else:
-        bnd_cnt = 0
-        bnd_blk = blk
-        bnd_on = False
-
-    _replay_accepted(state, stride_blk, blk, s_k, s_v, s_g, s_beta, i_n, i_v, i_h, i_hv, n_acc, MAXT,
-                     bnd_on, bnd_cnt, bnd_blk, H, HV, K, V, BK, BV, HAS_BOUNDARY)
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,9 +321,9 @@ def _gdn_defer_commit_all_kernel(
         return
 
     if ALIGN:
-        # onecard/kernels/gdn_defer_runtime.py boundary(), row by row (keep the two identical).
-        # Triton's integer `//` truncates (GPU and interpreter), boundary()'s torch `//` floors:
-        # they differ only for new < 0, where aligned <= 0 and dest < 0 either way (no boundary).
+        # boundary() of onecard's test oracle tests/gdn_defer_oracle.py, row by row (keep the two
+        # identical). Triton's integer `//` truncates (GPU and interpreter), boundary()'s torch `//`
+        # floors: they differ only for new < 0, where aligned <= 0 and dest < 0 either way (no boundary).
         running = (tl.load(num_computed + i_r).to(tl.int64) + tl.load(num_scheduled + i_r).to(tl.int64)
                    - tl.load(num_draft + i_r).to(tl.int64))
         new = running + a_raw - 1
@@ -431,7 +398,7 @@ def gdn_defer_verify(
     """Outputs of ``fused_sigmoid_gating_delta_rule_update(..., inplace_final_state=True)``
     (its first return value, [1, T, HV, V] in q's dtype), starting every sequence n from state
     block ``ssm_state_indices[n, 0]`` and storing no state; the per-token update inputs go to
-    ``scratch`` for ``gdn_defer_commit``. IS_KDA=False only."""
+    ``scratch`` for ``gdn_defer_commit_all``. IS_KDA=False only."""
     if cu_seqlens is None:
         raise ValueError("gdn_defer_verify: cu_seqlens is required (varlen inputs only)")
     if k.ndim != 4 or v.ndim != 4 or q.shape != k.shape or k.shape[0] != 1:
@@ -476,50 +443,6 @@ def gdn_defer_verify(
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     return o.squeeze(0)
-
-
-def gdn_defer_commit(
-    state: torch.Tensor,
-    scratch: DeferScratch,
-    *,
-    row_to_spec: torch.Tensor,
-    num_accepted: torch.Tensor,
-    running_block: torch.Tensor,
-    num_rows: int,
-    boundary_count: torch.Tensor | None = None,
-    boundary_block: torch.Tensor | None = None,
-) -> None:
-    """For each row r < num_rows with n = row_to_spec[r] >= 0 and blk = running_block[r] > 0:
-    state[blk] <- the state after the first num_accepted[r] tokens of spec sequence n, replayed
-    from ``scratch`` (filled by the preceding ``gdn_defer_verify``) on top of state[blk]. With
-    boundary_count/boundary_block, the state after boundary_count[r] tokens is also stored into
-    state[boundary_block[r]] when 1 <= boundary_count[r] <= num_accepted[r] and
-    boundary_block[r] > 0 and != blk. All index tensors: int32 [>= num_rows], on the device."""
-    HV, V, K = scratch.num_v_heads, scratch.head_v_dim, scratch.head_k_dim
-    H = scratch.num_k_heads
-    _check_pool("state", state, HV, V, K)
-    if (boundary_count is None) != (boundary_block is None):
-        raise ValueError("gdn_defer_commit: pass both boundary_count and boundary_block, or neither")
-    idx = {"row_to_spec": row_to_spec, "num_accepted": num_accepted, "running_block": running_block}
-    if boundary_count is not None:
-        idx.update(boundary_count=boundary_count, boundary_block=boundary_block)
-    for name, t in idx.items():
-        if t.ndim != 1 or t.shape[0] < num_rows:
-            raise ValueError(f"gdn_defer_commit: {name} must be 1-D with >= num_rows={num_rows} entries, got {tuple(t.shape)}")
-    if num_rows <= 0:
-        return
-    BK, BV, NV = _blocks(K, V)
-    has_bnd = boundary_count is not None
-    _gdn_defer_commit_kernel[(NV, num_rows * HV)](
-        state, scratch.k, scratch.v, scratch.g, scratch.beta,
-        row_to_spec, num_accepted, running_block,
-        boundary_count if has_bnd else row_to_spec, boundary_block if has_bnd else row_to_spec,
-        num_rows, scratch.max_seqs, scratch.max_tokens,
-        state.stride(0),
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-        HAS_BOUNDARY=has_bnd,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
-    )
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -622,16 +545,16 @@ def gdn_defer_commit_all(
     num_draft: torch.Tensor | None = None,
     block_size: int = 0,
 ) -> None:
-    """``gdn_defer_commit`` of every layer of ``plan`` in one launch, block ids and the
-    prefix-cache boundary looked up on the device. For each layer l and batch row r < num_rows
+    """The commit of every layer of ``plan`` in one launch, block ids and the prefix-cache
+    boundary looked up on the device. For each layer l and batch row r < num_rows
     with spec_mask[r] (n = number of True in spec_mask[:r] is the row's spec sequence):
     a = num_accepted[r]; col = running_col[r] (0 without it); blk = table(l)[r, max(col, 0)];
     the row is skipped when a <= 0, n >= max_seqs or blk <= 0. With num_computed,
     num_scheduled, num_draft (prefix caching "align", block_size > 0) the state after
-    ``count`` tokens also goes to bblk = table(l)[r, dest] by the rule of
-    gdn_defer_runtime.boundary() (R = computed + scheduled - draft; aligned = ((R + a - 1) //
-    block_size) * block_size; dest = aligned // block_size - 1; on when aligned >= R,
-    dest >= 0, dest != col, then count = aligned - R + 1, and bblk > 0, bblk != blk). All
+    ``count`` tokens also goes to bblk = table(l)[r, dest] by this rule (R = computed +
+    scheduled - draft; aligned = ((R + a - 1) // block_size) * block_size; dest = aligned //
+    block_size - 1; on when aligned >= R, dest >= 0, dest != col, then count = aligned - R + 1,
+    and bblk > 0, bblk != blk; in torch: boundary() of onecard's tests/gdn_defer_oracle.py). All
     per-row tensors: 1-D on the device with >= num_rows entries (spec_mask bool, the others
     any int type); nothing is read on the host."""
     align = (num_computed, num_scheduled, num_draft)
@@ -673,96 +596,3 @@ def gdn_defer_commit_all(
         HAS_COL=running_col is not None, ALIGN=has_align,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
-
-
-# --------------------------------------------------------------------------------------------
-# float64 torch references (host loops; for tests)
-# --------------------------------------------------------------------------------------------
-def _ref_l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
-
-
-def _ref_step(h, k_t, v_t, g_t, beta_t):
-    """One delta-rule step in float64. h [HV, V, K], k_t [HV, K], v_t [HV, V], g_t/beta_t [HV]."""
-    h = h * torch.exp(g_t)[:, None, None]
-    vn = (v_t - torch.einsum("hvk,hk->hv", h, k_t)) * beta_t[:, None]
-    return h + vn[:, :, None] * k_t[:, None, :]
-
-
-def gdn_defer_reference_verify(
-    A_log, a, b, dt_bias, q, k, v, *, initial_state, cu_seqlens, ssm_state_indices,
-    scratch: DeferScratch | None = None, scale=None, use_qk_l2norm_in_kernel=True, beta=1.0,
-    threshold=20.0, return_states: bool = False,
-):
-    """float64 reference of ``gdn_defer_verify``: returns o [1, T, HV, V] float64 (NaN rows for
-    skipped sequences) and fills ``scratch`` (when given) the way the kernel does. With
-    ``return_states``: (o, states), states[n] = float64 [T_n, HV, V, K], the state after each
-    token (what the stock kernel stores in column t), or None for a skipped sequence."""
-    _, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[3]
-    g_rep = HV // H
-    if scale is None:
-        scale = K ** -0.5
-    f64 = torch.float64
-    qd, kd, vd = q[0].to(f64), k[0].to(f64), v[0].to(f64)
-    ad, bd = a.reshape(T, HV).to(f64), b.reshape(T, HV).to(f64)
-    x = ad + dt_bias.to(f64)
-    sp = torch.where(beta * x <= threshold, (1.0 / beta) * torch.log(1 + torch.exp(beta * x)), x)
-    gd = -torch.exp(A_log.to(f64)) * sp                        # [T, HV]
-    betad = torch.sigmoid(bd)                                  # [T, HV]
-    if use_qk_l2norm_in_kernel:
-        qd, kd = _ref_l2norm(qd), _ref_l2norm(kd)
-    qd = qd * scale
-    o = torch.full((1, T, HV, V), float("nan"), dtype=f64)
-    cu = [int(c) for c in cu_seqlens.tolist()]
-    idx = ssm_state_indices.reshape(len(cu) - 1, -1)[:, 0].tolist()
-    states = []
-    for n in range(len(cu) - 1):
-        bos, eos = cu[n], cu[n + 1]
-        if eos == bos or idx[n] <= 0:
-            states.append(None)
-            continue
-        h = initial_state[idx[n]].to(f64).cpu()
-        hs = []
-        for t in range(eos - bos):
-            tok = bos + t
-            k_t = kd[tok].repeat_interleave(g_rep, 0)
-            h = _ref_step(h, k_t, vd[tok], gd[tok], betad[tok])
-            o[0, tok] = torch.einsum("hvk,hk->hv", h, qd[tok].repeat_interleave(g_rep, 0))
-            hs.append(h)
-            if scratch is not None and t < scratch.max_tokens:
-                scratch.k[n, t] = kd[tok].to(scratch.k.dtype)
-                scratch.v[n, t] = v[0, tok].to(scratch.v.dtype)
-                scratch.g[n, t] = gd[tok].to(torch.float32)
-                scratch.beta[n, t] = betad[tok].to(torch.float32)
-        states.append(torch.stack(hs))
-    return (o, states) if return_states else o
-
-
-def gdn_defer_reference_commit(
-    state, scratch: DeferScratch, *, row_to_spec, num_accepted, running_block, num_rows: int,
-    boundary_count=None, boundary_block=None,
-) -> None:
-    """float64 reference of ``gdn_defer_commit`` (reads the scratch, writes ``state`` in its dtype)."""
-    g_rep = scratch.num_v_heads // scratch.num_k_heads
-    f64 = torch.float64
-    rows = row_to_spec.tolist()
-    accs = num_accepted.tolist()
-    blks = running_block.tolist()
-    bcs = boundary_count.tolist() if boundary_count is not None else None
-    bbs = boundary_block.tolist() if boundary_block is not None else None
-    for r in range(num_rows):
-        n, blk = rows[r], blks[r]
-        if n < 0 or n >= scratch.max_seqs or blk <= 0:
-            continue
-        n_acc = min(accs[r], scratch.max_tokens)
-        if n_acc <= 0:
-            continue
-        h = state[blk].to(f64)
-        for t in range(n_acc):
-            k_t = scratch.k[n, t].to(f64).repeat_interleave(g_rep, 0)
-            h = _ref_step(h, k_t, scratch.v[n, t].to(f64), scratch.g[n, t].to(f64),
-                          scratch.beta[n, t].to(f64))
-            if bcs is not None and t + 1 == bcs[r] and bbs[r] > 0 and bbs[r] != blk:
-                state[bbs[r]] = h.to(state.dtype)
-        state[blk] = h.to(state.dtype)

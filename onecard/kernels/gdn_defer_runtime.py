@@ -109,32 +109,15 @@ def _bind(forward_context: dict, kv_cache_config, mamba_group_ids: list[int]) ->
 
 @dataclass
 class AlignInputs:
-    """Batch-ordered device tensors of the step (vLLM's MambaSpecDecodeGPUContext buffers)."""
+    """Batch-ordered device tensors of the step (vLLM's MambaSpecDecodeGPUContext buffers), for
+    gdn_defer_commit_all's prefix-cache boundary rule (in torch: boundary() of onecard's test
+    oracle tests/gdn_defer_oracle.py)."""
 
     state_idx: torch.Tensor  # running block column per row
     num_scheduled: torch.Tensor
     num_computed: torch.Tensor  # before the step
     num_draft: torch.Tensor
     block_size: int
-
-
-def boundary(a: torch.Tensor, al: AlignInputs, num_reqs: int):
-    """The rule gdn_defer_commit_all applies in its kernel, in torch (the tests hold the two
-    equal). Per row: how many of the accepted tokens reach the first cache-block boundary inside the
-    step's accepted run (0: none) and that block's column, by the rule of vLLM's fused mamba
-    postprocess (v1/worker/mamba_utils.py): the state after exactly ``aligned`` tokens goes to
-    column ``aligned // block_size - 1``. Rows whose boundary column is the running column
-    get 0 (the final state is the boundary state)."""
-    n = num_reqs
-    running = al.num_computed[:n] + al.num_scheduled[:n] - al.num_draft[:n]  # tokens in the base state + 1
-    new = running + a[:n] - 1
-    aligned = (new // al.block_size) * al.block_size
-    dest = aligned // al.block_size - 1
-    src = al.state_idx[:n]
-    needs = (aligned >= running) & (dest != src) & (dest >= 0)
-    count = torch.where(needs, aligned - running + 1, torch.zeros_like(aligned)).to(torch.int32)
-    col = torch.where(needs, dest, src).to(torch.int64)
-    return count, col, needs
 
 
 def commit(*, forward_context: dict, kv_cache_config, mamba_group_ids: list[int],
