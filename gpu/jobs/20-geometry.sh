@@ -76,8 +76,10 @@ elif [ $rc_build -eq 0 ]; then
   echo "== serve (patched vLLM, --language-model-only, eager, 4k context)"
   # the first request JIT-compiles the eager GDN kernels: over 60 s beside job 63 (session 16),
   # over 120 s beside jobs 63 + 61 (session 17: JIT at +45 s, no answer at +120 s); in a group
-  # the request gets 300 s
-  req_s=120; [ "${GPU_SHARED:-1}" -gt 1 ] && req_s=300
+  # the request gets 300 s; alone on a fresh H100 (session 21) the conv1d JIT came 67 s in and
+  # 16 tokens had not come at 120 s, so alone it gets 300 s too (build 36 s + drafter 13 s + boot
+  # 198 s + 300 s stays under the 620 s limit)
+  req_s=300
   timeout $(( 240 + req_s )) python3 gpu/lib/serve_probe.py --model "$M" --out "$JOB_OUT/serve.json" --request-timeout $req_s \
       --log "$JOB_OUT/serve.log" --pidfile "$JOB_OUT/server.pid" --port 8321 --boot-timeout 220 --max-tokens 16 ${PROBE_EXTRA:-} -- \
       --max-model-len 4096 --enforce-eager --language-model-only --max-num-seqs 4 \
