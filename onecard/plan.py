@@ -323,6 +323,8 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
     if plan.get("GDN_DEFER") == "1" and spec.name == "off":
         plan.notes.append("GDN_DEFER=1 has no effect with SPEC=off (no draft positions, so no per-draft GDN "
                           "states to drop); not passed to the server")
+    if spec.name == "off" and plan.get("GDN_DEFER") == "auto":
+        plan.set("GDN_DEFER", "0", "profile", "auto with SPEC=off: no draft positions")
     if plan.get("EMBED_HOST") == "1" and in_wsl():
         raise PlanError("EMBED_HOST=1 needs pinned host memory, which CUDA does not give under WSL; valid on WSL: "
                         "EMBED_HOST=0")
@@ -430,6 +432,11 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
     if plan.get("TP") > 1:
         n, why = visible_gpus(environ, probe=probe_gpus)
         plan.set("GPUS", n if n is not None else "unknown", "env" if n is not None else "default", why)
+    if plan.get("GDN_DEFER") == "auto":
+        # patch 0085 ran exact on one GPU (jobs 75 and 31, 2026-12-05); its TP>1 path never ran
+        one = plan.get("TP") == 1
+        plan.set("GDN_DEFER", "1" if one else "0", "profile",
+                 f"auto with SPEC={spec.name}" + ("" if one else f" at TP={plan.get('TP')}: not yet run on two GPUs"))
     return plan
 
 

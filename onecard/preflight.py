@@ -19,9 +19,10 @@ Checks, in order:
 5. MAX_SEQS vs pool blocks: vLLM raises "max_num_seqs (N) exceeds available Mamba cache blocks"
    when capturing FULL graphs (config/compilation.py); cap MAX_SEQS to num_blocks.
 6. Residency note: each resident sequence holds gdn_groups x (1|2 + k) state blocks, gdn_groups x (1|2)
-   with GDN_DEFER=1 (speculation only; memory.predict_pool(gdn_defer=True)); with speculation and
-   GDN_DEFER=0 one more note says what GDN_DEFER=1 would give this plan (blocks per sequence, the
-   longest sequence, the KV_MEM pin for the same pool), all from predict_pool.
+   with GDN_DEFER=1 (speculation only; the default on one GPU, plan.resolve's GDN_DEFER=auto;
+   memory.predict_pool(gdn_defer=True)); with speculation and GDN_DEFER=0 one more note says what
+   GDN_DEFER=1 would give this plan (blocks per sequence, the longest sequence, the KV_MEM pin for
+   the same pool), all from predict_pool.
 7. KV_MEM=auto: note that gpu_memory_utilization does not reserve CUDA-graph memory.
 8. PREFIX_CACHE=1 with speculation (SPEC=mtp/dflash2: vLLM's EAGLE-style path): every prefix-cache
    hit loses its last attention block, so prompts of <= 2 x block tokens never hit; and, with a
@@ -176,6 +177,23 @@ def _drafter(plan: ServePlan) -> memory.DrafterVRAM | None:
     if plan.get("SPEC") != "dflash2" or str(plan.get("DRAFT")) == TINY_DRAFT:
         return None
     return memory.dflash_drafter_vram(str(plan.get("DRAFT")), ring=_ring(plan))
+
+
+def _pool_drafter(plan: ServePlan, drafter: memory.DrafterVRAM | None) -> memory.DrafterVRAM | None:
+    """The drafter whose attention layers share the KV pool: ``drafter`` (_drafter's record), or for
+    DRAFT=tiny the tiny DFlash2 drafter's shape (onecard.dflash.tiny_drafter.DEFAULT_DRAFTER, what
+    ensure_tiny_drafter builds: 2 layers of 2 KV heads x 64 beside the tiny target's 2 x 256; no
+    weights, the tiny model has no VRAM budget). Without it the pool was predicted with the MTP
+    layer in the target's bucket instead (job 75: 241,956 / 232,886 predicted, vLLM 195,347 /
+    188,100 at k 7 / 15; tests/test_pool_vs_vllm.py)."""
+    from onecard.plan import TINY_DRAFT
+
+    if drafter is not None or plan.get("SPEC") != "dflash2" or str(plan.get("DRAFT")) != TINY_DRAFT:
+        return drafter
+    from onecard.dflash.tiny_drafter import DEFAULT_DRAFTER as t
+
+    return memory.DrafterVRAM(0, 0 if _ring(plan) else t.layers, "the tiny DFlash2 drafter's spec (no VRAM budget)",
+                              kv_heads=t.kv_heads, head_dim=t.head_dim)
 
 
 def _draft_quant(plan: ServePlan, geom: memory.ModelGeometry, drafter: memory.DrafterVRAM | None,
@@ -394,7 +412,7 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
     pin = alt.get("kv_mem_same_pool")
     if pin and (total := b["total"] - (kv_mem - pin) + alt["scratch_bytes"]) <= b["card_bytes"]:
         fix += (f"; or GDN_DEFER=1 with KV_MEM={pin // memory.MiB}M (the same {plan.prediction['pool_tokens']:,}-token "
-                f"pool, no GDN state per draft position: {_gib(total)} GiB; not yet run on a GPU)")
+                f"pool, no GDN state per draft position: {_gib(total)} GiB; the default with speculation on one GPU)")
     plan.notes.append(f"{line}: {why}; {fix} (or use a larger card; the reserves are 3090 estimates)")
 
 
@@ -426,8 +444,10 @@ def _gdn_defer_note(plan: ServePlan, geom: memory.ModelGeometry, pred: memory.Po
     the MAX_LEN before that cap), and (with a KV_MEM pin) how much lower a pin gives the same pool
     (memory.kv_mem_for_pool: vLLM's logged pool at the same MAX_LEN); its verify scratch. The figures
     go into plan.prediction["gdn_defer"] (step 9's does-not-fit note and ./verify.sh's plan check
-    name that pin). At TP>1 with GDN_DEFER=1 the note says what it holds instead (that path has no
-    residency note of its own)."""
+    name that pin). On one GPU GDN_DEFER=1 is the default with speculation (GDN_DEFER=auto; exact
+    against SPEC=off on an H100, jobs 75 and 31), so the note comes with an explicit GDN_DEFER=0; at
+    TP>1 auto is 0 and the note says GDN_DEFER=1 has not run on two GPUs. At TP>1 with GDN_DEFER=1 the
+    note says what it holds instead (that path has no residency note of its own)."""
     if k <= 0:
         return
     seqs = int(plan.get("MAX_SEQS"))
@@ -436,7 +456,7 @@ def _gdn_defer_note(plan: ServePlan, geom: memory.ModelGeometry, pred: memory.Po
     if plan.get("GDN_DEFER") == "1":
         if tp > 1:
             plan.notes.append(
-                f"GDN_DEFER=1 (not yet run on a GPU): each resident sequence holds {pred.state_slots_per_seq} GDN "
+                f"GDN_DEFER=1 (not yet run on two GPUs): each resident sequence holds {pred.state_slots_per_seq} GDN "
                 f"state blocks ({pred.gdn_groups} groups x {2 if prefix else 1}; "
                 f"{pred.gdn_groups * memory.gdn_state_blocks_per_group(k, prefix)} without it); its verify scratch "
                 f"takes {scratch / 1e6:.1f} MB{where}")
@@ -444,7 +464,8 @@ def _gdn_defer_note(plan: ServePlan, geom: memory.ModelGeometry, pred: memory.Po
     kw = {**pool_kw, "gdn_defer": True}
     alt = memory.predict_pool(geom, pred.kv_mem_bytes, pred.kv, pred.max_len, k, prefix, **kw)
     now_seq, alt_seq = pred.one_sequence_tokens(), alt.one_sequence_tokens()
-    line = (f"GDN_DEFER=1 (not yet run on a GPU) would hold {alt.state_slots_per_seq} instead of "
+    status = "available, not yet run on two GPUs" if tp > 1 else "the default with speculation on one GPU"
+    line = (f"GDN_DEFER=1 ({status}) would hold {alt.state_slots_per_seq} instead of "
             f"{pred.state_slots_per_seq} GDN state blocks per resident sequence: one sequence "
             f"{alt_seq:,} instead of {now_seq:,} tokens (+{alt_seq - now_seq:,}")
     if want_len is not None and pred.max_len < want_len:
@@ -527,9 +548,10 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
     max_len = int(plan.get("MAX_LEN"))
     drafter = _drafter(plan)
     # DFlash2: no MTP layer is built; the drafter's own attention layers share the pool instead,
-    # unless they live in rings outside it (DFLASH_RING=1: attn_layers 0)
-    pool_kw = drafter.pool_kw() if drafter else {}
-    attn_layers = geom.num_full_attention + (drafter.attn_layers if drafter else (geom.mtp_layers if k > 0 else 0))
+    # unless they live in rings outside it (DFLASH_RING=1: attn_layers 0); the tiny drafter too
+    in_pool = _pool_drafter(plan, drafter)
+    pool_kw = in_pool.pool_kw() if in_pool else {}
+    attn_layers = geom.num_full_attention + (in_pool.attn_layers if in_pool else (geom.mtp_layers if k > 0 else 0))
     if _ring(plan):  # also for the tiny drafter: no pool pages, and bf16 FLASH_ATTN (no KVarN stage slots)
         pool_kw = {**pool_kw, "mtp_in_pool": False, "draft_attn_layers": 0}
         attn_layers = geom.num_full_attention
@@ -547,17 +569,17 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
             raise PlanError(f"on the {_card_name(plan)} the KV pin that fits, {kv_mem // memory.MiB}M, gives a pool "
                             f"of {max(one_seq, 0):,} tokens (< {MIN_POOL:,}); valid: a larger card, SPEC=off|mtp, "
                             f"or VRAM_CHECK=0 to keep the profile's pin")
-        least = memory.kv_mem_for_pool(geom, MIN_POOL, plan.get("KV"), MIN_POOL, k, prefix, gdn_defer=defer)
+        least = memory.kv_mem_for_pool(geom, MIN_POOL, plan.get("KV"), MIN_POOL, k, prefix, **pool_kw)
         raise PlanError(f"KV_MEM={kv_mem} gives a pool of {max(one_seq, 0):,} tokens (< {MIN_POOL:,}); "
                         f"valid: KV_MEM >= {least:,}")
     if one_seq < max_len:
         capped = one_seq // 256 * 256 or one_seq
         why = f"predicted pool holds {one_seq:,} tokens for one sequence (< {max_len:,})"
-        if drafter and drafter.attn_layers:
+        if in_pool and in_pool.attn_layers:
             bare = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), max_len, k, prefix, mtp_in_pool=False,
                                        gdn_defer=defer)
             bare_seq = bare.one_sequence_tokens()
-            why += (f"; the DFlash2 drafter's {drafter.attn_layers} attention layers hold KV in the same pool, in "
+            why += (f"; the DFlash2 drafter's {in_pool.attn_layers} attention layers hold KV in the same pool, in "
                     f"KV-cache groups of {pred.group_size} layers (without them {bare.group_size}; "
                     f"{bare_seq:,} tokens" + (", which would fit MAX_LEN)" if bare_seq >= max_len else ")")
                     + ("; DFLASH_RING=1 keeps them out of the pool (their K/V in rings of the drafter's sliding "

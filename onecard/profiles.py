@@ -150,13 +150,15 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("GDN_SHARED_META", "1", "0|1", "1: one GDN attention-metadata build per step serves every GDN KV cache "
          "group (patch 0082; 10 groups beside a DFlash2 drafter, 3 otherwise); 0: stock, a build per group. "
          "Passed to the server as ONECARD_GDN_SHARED_META", BOOL),
-    Knob("GDN_DEFER", "0", "0|1", "SPEC=mtp|dflash2: 1: the verify step keeps no GDN state per draft position (a "
-         "small kernel commits the accepted state after the rejection sampler), so each resident sequence holds "
-         "GDN groups x (1|2) state blocks instead of GDN groups x (1|2 + draft tokens) (CTX=long SPEC=dflash2: 20 "
-         "instead of 90) and the pool holds KV in the blocks saved; costs a verify scratch beside the KV pin "
-         "(32 MB for the 27B at MAX_SEQS 4, 7 draft tokens), which the preflight counts; 0: stock, a state per "
-         "draft position. Not yet run on a GPU. No effect with SPEC=off. Passed to the server as "
-         "ONECARD_GDN_DEFER", BOOL),
+    Knob("GDN_DEFER", "auto", "auto|0|1", "SPEC=mtp|dflash2: 1: the verify step keeps no GDN state per draft "
+         "position (a small kernel commits the accepted state after the rejection sampler, patch 0085), so each "
+         "resident sequence holds GDN groups x (1|2) state blocks instead of GDN groups x (1|2 + draft tokens) "
+         "(CTX=long SPEC=dflash2: 20 instead of 90) and the pool holds KV in the blocks saved (the 3090 pin's "
+         "CTX=long SPEC=dflash2 pool 71,140 -> 93,998 tokens); costs a verify scratch beside the KV pin (32 MB for "
+         "the 27B at MAX_SEQS 4, 7 draft tokens), which the preflight counts; exact against SPEC=off and 2 % "
+         "faster per step on an H100 (docs/gdn-defer.md); 0: stock vLLM, a state per draft position; auto: 1 "
+         "with speculation on one GPU, 0 at TP>1 (not yet run on two GPUs). No effect with SPEC=off. Passed to "
+         "the server as ONECARD_GDN_DEFER", ("auto", "0", "1")),
     Knob("KVARN_WINDOW", "3", "1|2|3", "KVarN KV (CTX=huge): tiles each query reads in fp16 up to its own (3: its own "
          "and the two previous ones; with KVARN_SINKS=2 served at +0.41 % perplexity vs bf16 on SmolLM2, H200, "
          "2026-12-04, against +0.65 % for 2 and 1; 2: its own and the previous one; 1: its own only; each step "

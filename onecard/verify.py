@@ -449,7 +449,7 @@ def check_plan(ctx) -> Result:
         pin = defer.get("kv_mem_same_pool")
         if (pin and isinstance(kv, int) and val.get("GDN_DEFER") == "0"
                 and vram["total"] - (kv - pin) + defer.get("scratch_bytes", 0) <= vram["card_bytes"]):
-            alt += f", or GDN_DEFER=1 with KV_MEM={pin // 2**20}M (the same pool; not yet run on a GPU)"
+            alt += f", or GDN_DEFER=1 with KV_MEM={pin // 2**20}M (the same pool; the default with speculation on one GPU)"
         return Result(WARN, "plan", f"{detail}; over this card by the estimated reserves only: it boots at "
                                     f"the pin, and if it runs out of GPU memory, KV_MEM <= {vram['kv_max'] // 2**20}M"
                                     + alt)

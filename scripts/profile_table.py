@@ -48,8 +48,9 @@ def published_drafter(tmp: Path) -> Path:
     return d
 
 
-def build_plans() -> list[tuple[str, str, P.ServePlan | str]]:
-    """(CTX, SPEC, plan) for the 9 profiles; a refused plan is its one-line PlanError."""
+def build_plans(extra: dict | None = None, specs: tuple[str, ...] = SPECS) -> list[tuple[str, str, P.ServePlan | str]]:
+    """(CTX, SPEC, plan) for the 9 profiles; a refused plan is its one-line PlanError. ``extra``:
+    more knobs for every plan (stock_line: GDN_DEFER=0), ``specs``: the SPEC values."""
     out = []
     with tempfile.TemporaryDirectory(prefix=TMP_PREFIX) as t:
         tmp = Path(t)
@@ -58,10 +59,10 @@ def build_plans() -> list[tuple[str, str, P.ServePlan | str]]:
         draft = published_drafter(tmp)
         with profiles.pretend_installed(tmp / "fakevllm"):
             for ctx in CTXS:
-                for spec in SPECS:
+                for spec in specs:
                     env = {"CARD_GIB": str(CARD_GIB), "CTX": ctx, "SPEC": spec,
                            # no checkpoint here: the memory model's 27B layout, wherever this runs
-                           "MODEL": str(root / "models" / "qwen38-27b")}
+                           "MODEL": str(root / "models" / "qwen38-27b"), **(extra or {})}
                     if spec == "dflash2":
                         env["DRAFT"] = str(draft)
                     try:
@@ -73,6 +74,19 @@ def build_plans() -> list[tuple[str, str, P.ServePlan | str]]:
 
 def _gib(n: int) -> str:
     return f"{n / memory.GiB:.2f}"
+
+
+def stock_line() -> str:
+    """The speculative profiles' MAX_LEN and pool with GDN_DEFER=0 (stock vLLM's GDN states), beside
+    the table's default GDN_DEFER=auto (1 on one GPU)."""
+    cells = []
+    for ctx, spec, plan in build_plans({"GDN_DEFER": "0"}, ("mtp", "dflash2")):
+        if isinstance(plan, str):
+            cells.append(f"`CTX={ctx} SPEC={spec}` refused")
+        else:
+            cells.append(f"`CTX={ctx} SPEC={spec}` {int(plan.get('MAX_LEN')):,} / "
+                         f"{plan.prediction['pool_tokens']:,}")
+    return ", ".join(cells)
 
 
 def _spec_cell(spec: str, plan: P.ServePlan) -> str:
@@ -161,11 +175,18 @@ launcher's knobs, preflight and prediction; `--dry-run` prints every value, note
   drafter checkpoint**: `./install.sh --drafter` (or `onecard prepare drafter`) fetches it into
   `models/dflash2-drafter` (`DRAFT=DIR` points elsewhere); without one the launcher refuses
   `SPEC=dflash2`.
+- The speculative plans (`SPEC=mtp|dflash2`) run the default `GDN_DEFER=auto`, 1 on one GPU (patch
+  0085, [gdn-defer.md](gdn-defer.md)): one GDN state block per sequence instead of one per draft
+  position, so the pool holds more KV at the same pin, plus a small verify scratch beside it (on an
+  H100, 2026-12-05: greedy output equal to `SPEC=off`, and the `CTX=long SPEC=dflash2` pool as
+  predicted). With `GDN_DEFER=0` (stock vLLM's GDN states) the same pins give, as MAX_LEN / KV pool
+  tokens: {stock}.
 
 Columns: **MAX_LEN** after the preflight's caps; **KV_MEM pin** the profile's pin (the preflight
 lowers it only when even the certain part does not fit); **KV pool** the predicted pool in tokens
 (and how many sequences of MAX_LEN it holds); **VRAM** everything one GPU holds at the pin
-(weights, drafter, KVarN stage, drafter rings, reserves, KV pin) against the card, in GiB;
+(weights, drafter, KVarN stage, drafter rings, GDN_DEFER verify scratch, reserves, KV pin) against
+the card, in GiB;
 **fits** that total against the card; **without reserves** the same without the estimated
 CUDA-graph and activation reserves (the CUDA context stays), which the preflight counts as
 certain (over the card only by the reserves, the pin stays and a note names a smaller `KV_MEM`
@@ -179,7 +200,7 @@ COLUMNS = ["CTX", "SPEC", "KV dtype", "MAX_LEN", "MAX_SEQS", "KV_MEM pin", "KV p
 
 def render(plans: list | None = None) -> str:
     plans = build_plans() if plans is None else plans
-    text = HEADER.format(card=CARD_GIB, reserves=_gib(memory.RESERVES))
+    text = HEADER.format(card=CARD_GIB, reserves=_gib(memory.RESERVES), stock=stock_line())
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     sections = []
     for ctx, spec, plan in plans:

@@ -67,7 +67,7 @@ def test_bad_cases_refused_before_any_boot(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [ln for ln in r.stdout.splitlines() if "FIT_CASES" in ln]
     assert lines == ["41-fit: FIT_CASES: 'huge-off' is not a case; valid: long-dflash2 long-dflash2-bf16 fast-dflash2 long-mtp "
-                     "long-off huge-dflash2 huge-mtp long-dflash2-es long-dflash2-eh long-dflash2-gd, each also with -cap (space- or comma-separated; default: long-dflash2 "
+                     "long-off huge-dflash2 huge-mtp long-dflash2-es long-dflash2-eh long-dflash2-gd0, each also with -cap (space- or comma-separated; default: long-dflash2 "
                      "fast-dflash2 long-mtp long-off)"], r.stdout
     assert not list(out.glob("server-*.log")) and not (out / "run.txt").exists()
     assert "== 41-fit: FAIL (rc=2)" in r.stdout
@@ -198,18 +198,23 @@ def test_workload_and_waves():
 
 
 def test_dry_run_prints_the_3090_plans(tmp_path):
-    env = dict(os.environ, MODELS=str(tmp_path / "models"), FIT_CASES="long-dflash2")
+    env = dict(os.environ, MODELS=str(tmp_path / "models"), FIT_CASES="long-dflash2 long-dflash2-gd0")
     env.pop("FIT_MODEL", None)
     r = subprocess.run([sys.executable, str(DRIVER), "--dry-run", "--out", str(tmp_path / "out")], cwd=REPO,
                        env=env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
-    assert "[fit] case long-dflash2: CTX=long SPEC=dflash2 KV=int8_per_token_head MAX_LEN 70,912 MAX_SEQS 4" in out
-    assert "predicted 23.79 GiB" in out   # docs/profiles.md's CTX=long SPEC=dflash2 row (FP8 drafter)
+    # the default GDN_DEFER=auto -> 1: docs/profiles.md's CTX=long SPEC=dflash2 row (FP8 drafter, the
+    # 32 MB verify scratch); long-dflash2-gd0: the same pin on stock GDN states (GDN_DEFER=0)
+    assert "[fit] case long-dflash2: CTX=long SPEC=dflash2 KV=int8_per_token_head MAX_LEN 93,696 MAX_SEQS 4" in out
+    assert "predicted 23.82 GiB" in out
+    assert "[fit] case long-dflash2-gd0: CTX=long SPEC=dflash2 KV=int8_per_token_head MAX_LEN 70,912 MAX_SEQS 4" in out
+    assert "predicted 23.79 GiB" in out
     argv = next(ln for ln in out.splitlines() if "argv:" in ln)
     assert "--gpu-memory-utilization 0.1 " in argv and "--kv-cache-memory-bytes" in argv
     assert "--enforce-eager" not in argv and "--port" in argv and '"method":"dflash2"' in argv
-    assert "workload: 1 request of 35,456 prompt ids + 64 tokens, then 4 x (128 + 64) at once" in out
+    assert "workload: 1 request of 46,848 prompt ids + 64 tokens, then 4 x (128 + 64) at once" in out
+    assert "workload: 1 request of 35,456 prompt ids + 64 tokens, then 4 x (128 + 64) at once" in out   # gd0
     assert out.rstrip().endswith("[fit] dry run PASS")
 
 
@@ -244,9 +249,10 @@ def test_geometry_checkpoint_gets_the_products_plan(tmp_path):
     r = subprocess.run([sys.executable, str(DRIVER), "--dry-run", "--out", str(tmp_path / "out")], cwd=REPO,
                        env=env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "MAX_LEN 70,912 MAX_SEQS 4 KV_MEM 4.95 GiB" in r.stdout and "no checkpoint" not in r.stdout
+    # (the default GDN_DEFER=auto -> 1: MAX_LEN 93,696 at the pin, + its 0.03 GiB verify scratch)
+    assert "MAX_LEN 93,696 MAX_SEQS 4 KV_MEM 4.95 GiB" in r.stdout and "no checkpoint" not in r.stdout
     pred = re.search(r"predicted ([\d.]+) GiB .*; prepared 27B layout ([\d.]+) GiB", r.stdout)
-    assert pred and float(pred.group(1)) > 25.5 and float(pred.group(2)) == 23.79, r.stdout
+    assert pred and float(pred.group(1)) > 25.5 and float(pred.group(2)) == 23.82, r.stdout
     assert "dflash2_draft_quant" in r.stdout   # DRAFT_QUANT=auto: fp8 for both layouts on 24 GiB
     # the same case with the drafter as stored (DRAFT_QUANT=bf16): 1.44 GiB more
     env["FIT_CASES"] = "long-dflash2-bf16"
@@ -254,7 +260,7 @@ def test_geometry_checkpoint_gets_the_products_plan(tmp_path):
                        env=env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     pred = re.search(r"predicted ([\d.]+) GiB .*; prepared 27B layout ([\d.]+) GiB", r.stdout)
-    assert pred and float(pred.group(2)) == 25.23 and "dflash2_draft_quant" not in r.stdout, r.stdout
+    assert pred and float(pred.group(2)) == 25.26 and "dflash2_draft_quant" not in r.stdout, r.stdout
     assert "FAIL" not in r.stdout
 
 

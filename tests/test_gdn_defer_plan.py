@@ -1,7 +1,9 @@
 """GDN_DEFER (the launcher's side of the deferred GDN commit): the knob and its refusal, the server
 variable only under speculation, the memory model (GDN state blocks per resident sequence without
 the per-draft states; the verify scratch beside the pin), the VRAM line and the plan notes. CPU
-only; imports neither vLLM nor Triton. The patch itself has not yet run on a GPU."""
+only; imports neither vLLM nor Triton. The patch ran exact on an H100 (jobs 75 and 31, 2026-12-05)
+and is the default with speculation on one GPU (GDN_DEFER=auto -> 1); at TP>1 auto is 0 (not yet
+run on two GPUs). The stock arms below set GDN_DEFER=0 explicitly."""
 from __future__ import annotations
 
 import json
@@ -65,14 +67,26 @@ def test_imports_neither_vllm_nor_triton():
 
 def test_knob_default_values_and_refusal(mk):
     k = profiles.KNOBS["GDN_DEFER"]
-    assert (k.default, k.valid, k.choices) == ("0", "0|1", ("0", "1"))
-    assert "not yet run on a gpu" in k.doc.lower() and "ONECARD_GDN_DEFER" in k.doc
+    assert (k.default, k.valid, k.choices) == ("auto", "auto|0|1", ("auto", "0", "1"))
+    assert "not yet run on a gpu" not in k.doc.lower() and "not yet run on two GPUs" in k.doc
+    assert "ONECARD_GDN_DEFER" in k.doc
     assert profiles.SERVER_ENV["GDN_DEFER"] == "ONECARD_GDN_DEFER"
-    assert mk(SPEC="mtp").get("GDN_DEFER") == "0"
+    # auto: 1 with speculation on one GPU, 0 at TP>1 and with SPEC=off; never "auto" after resolve
+    for spec in ("mtp", "dflash2"):
+        v = mk(SPEC=spec).values["GDN_DEFER"]
+        assert (v.value, v.source, v.reason) == ("1", "profile", f"auto with SPEC={spec}")
+    v = mk(SPEC="off").values["GDN_DEFER"]
+    assert (v.value, v.source) == ("0", "profile")
+    v = mk(CTX="long", SPEC="mtp", TP="2", CUDA_VISIBLE_DEVICES="0,1").values["GDN_DEFER"]
+    assert (v.value, v.source) == ("0", "profile") and "not yet run on two GPUs" in v.reason
+    for explicit in ("0", "1"):
+        v = mk(SPEC="mtp", GDN_DEFER=explicit).values["GDN_DEFER"]
+        assert (v.value, v.source) == (explicit, "env")
+    assert mk(SPEC="mtp", GDN_DEFER="auto").get("GDN_DEFER") == "1"
     for bad in ("yes", "2", "true"):
         with pytest.raises(P.PlanError) as e:
             mk(SPEC="mtp", GDN_DEFER=bad)
-        assert str(e.value) == f"GDN_DEFER={bad!r} is not valid; valid: 0|1"
+        assert str(e.value) == f"GDN_DEFER={bad!r} is not valid; valid: auto|0|1"
 
 
 @pytest.mark.parametrize("spec", ["mtp", "dflash2"])
@@ -80,7 +94,7 @@ def test_knob_default_values_and_refusal(mk):
 def test_server_variable_under_speculation(mk, spec, value):
     env = {"CTX": "long", "SPEC": spec, **({"GDN_DEFER": value} if value else {})}
     plan = mk(**env)
-    assert plan.child_env["ONECARD_GDN_DEFER"] == (value or "0")
+    assert plan.child_env["ONECARD_GDN_DEFER"] == (value or "1")   # unset: auto -> 1 on one GPU
     # no vLLM flag: the patch reads the variable (at a MAX_LEN neither pool caps, the argv is the same)
     assert mk(**env, MAX_LEN="65536").argv == mk(**{**env, "GDN_DEFER": "0"}, MAX_LEN="65536").argv
 
@@ -157,8 +171,9 @@ def test_scratch_bytes():
 # ------------------------------------------------------------------ the plan: VRAM line and notes
 
 def test_vram_line_counts_the_scratch(mk):
-    off = mk(CTX="long", SPEC="dflash2", CARD_GIB="24")
+    off = mk(CTX="long", SPEC="dflash2", CARD_GIB="24", GDN_DEFER="0")   # stock
     on = mk(CTX="long", SPEC="dflash2", CARD_GIB="24", GDN_DEFER="1")
+    assert mk(CTX="long", SPEC="dflash2", CARD_GIB="24").prediction["vram"] == on.prediction["vram"]  # the default
     v_off, v_on = off.prediction["vram"], on.prediction["vram"]
     assert v_off["gdn_defer_scratch"] == 0 and "gdn_defer_scratch_bytes" not in off.prediction
     assert v_on["gdn_defer_scratch"] == on.prediction["gdn_defer_scratch_bytes"] == SCRATCH_27B
@@ -171,12 +186,13 @@ def test_vram_line_counts_the_scratch(mk):
 
 
 def test_dflash2_long_notes(mk, drafter_27b):
-    """CTX=long SPEC=dflash2: 90 GDN state blocks per sequence (10 groups x 2+7); GDN_DEFER=1: 20."""
-    off = mk(CTX="long", SPEC="dflash2")
+    """CTX=long SPEC=dflash2: 90 GDN state blocks per sequence (10 groups x 2+7) with stock GDN_DEFER=0;
+    GDN_DEFER=1 (the default on one GPU): 20."""
+    off = mk(CTX="long", SPEC="dflash2", GDN_DEFER="0")
     p = off.prediction
     assert (p["state_slots_per_seq"], p["gdn_groups"], off.get("MAX_LEN")) == (90, 10, 70_912)
     assert "each resident sequence holds 90 GDN state blocks (10 groups x 2+7)" in "\n".join(off.notes)
-    note = _note(off, "GDN_DEFER=1 (not yet run on a GPU) would hold ")
+    note = _note(off, "GDN_DEFER=1 (the default with speculation on one GPU) would hold ")
     # the figures from predict_pool at the plan's own pool (the drafter's layers in it)
     kw = memory.dflash_drafter_vram(str(drafter_27b)).pool_kw()
     stock = memory.predict_pool(G, memory.LONG_KV_MEM, INT8, 70_912, 7, True, **kw)
@@ -186,7 +202,8 @@ def test_dflash2_long_notes(mk, drafter_27b):
     s0, s1 = stock.one_sequence_tokens(), alt.one_sequence_tokens()
     assert (s0, s1, stock.pool_tokens, pin // memory.MiB) == (71_104, 93_728, 71_140, 3923)
     assert note == (
-        f"GDN_DEFER=1 (not yet run on a GPU) would hold 20 instead of 90 GDN state blocks per resident sequence: "
+        f"GDN_DEFER=1 (the default with speculation on one GPU) would hold 20 instead of 90 GDN state blocks per "
+        f"resident sequence: "
         f"one sequence {s1:,} instead of {s0:,} tokens (+{s1 - s0:,}; MAX_LEN 93,696 instead of 70,912), or "
         f"KV_MEM {(memory.LONG_KV_MEM - pin) / memory.GiB:.2f} GiB lower for the same 71,140-token pool "
         f"(KV_MEM=3923M); its verify scratch takes 32.0 MB beside the KV pin")
@@ -197,10 +214,13 @@ def test_dflash2_long_notes(mk, drafter_27b):
 
     on = mk(CTX="long", SPEC="dflash2", GDN_DEFER="1")
     assert on.prediction["state_slots_per_seq"] == 20 and on.get("MAX_LEN") == 93_696
+    assert on.prediction["pool_tokens"] == 93_998   # at MAX_LEN 93,696: what job 31 logged at the 3090 pin
+    default = mk(CTX="long", SPEC="dflash2")
+    assert (default.get("MAX_LEN"), default.prediction) == (on.get("MAX_LEN"), on.prediction)
     assert on.prediction["num_blocks"] == p["num_blocks"] and on.prediction["block_size"] == p["block_size"]
     assert ("each resident sequence holds 20 GDN state blocks (10 groups x 2, from GDN_DEFER=1: no state per "
             "draft position; 90 without it)") in _note(on, "each resident sequence holds")
-    assert not any(n.startswith("GDN_DEFER=1 (not yet run") for n in on.notes)
+    assert not any(n.startswith("GDN_DEFER=1 (") for n in on.notes)
     assert "gdn_defer" not in on.prediction
     # the short-request residency note goes: 311 blocks hold 14 sequences of 20 state blocks + 1
     assert any(n.startswith("MAX_SEQS=4 > 3") for n in off.notes)
@@ -208,46 +228,48 @@ def test_dflash2_long_notes(mk, drafter_27b):
 
 
 def test_mtp_long_notes(mk):
-    off = mk(CTX="long", SPEC="mtp")
+    off = mk(CTX="long", SPEC="mtp", GDN_DEFER="0")   # stock
     assert off.get("MAX_LEN") == 124_928 and off.prediction["state_slots_per_seq"] == 15
-    note = _note(off, "GDN_DEFER=1 (not yet run on a GPU) would hold ")
-    assert note.startswith("GDN_DEFER=1 (not yet run on a GPU) would hold 6 instead of 15 GDN state blocks per "
-                           "resident sequence: one sequence 139,392 instead of 125,136 tokens (+14,256; MAX_LEN "
+    note = _note(off, "GDN_DEFER=1 (the default with speculation on one GPU) would hold ")
+    assert note.startswith("GDN_DEFER=1 (the default with speculation on one GPU) would hold 6 instead of 15 GDN "
+                           "state blocks per resident sequence: one sequence 139,392 instead of 125,136 tokens (+14,256; MAX_LEN "
                            "131,072 instead of 124,928), or KV_MEM ")
     assert note.endswith("; its verify scratch takes 16.0 MB beside the KV pin")   # MAX_SEQS 4 x (1 + 3)
     on = mk(CTX="long", SPEC="mtp", GDN_DEFER="1")
     assert on.get("MAX_LEN") == 131_072 and on.values["MAX_LEN"].source == "profile"
     assert "6 GDN state blocks (3 groups x 2, from GDN_DEFER=1" in _note(on, "each resident sequence holds")
     assert on.prediction["gdn_defer_scratch_bytes"] == memory.gdn_defer_scratch_bytes(G, 4, 3) == 16_023_552
+    default = mk(CTX="long", SPEC="mtp")
+    assert (default.get("MAX_LEN"), default.prediction) == (131_072, on.prediction)
 
 
 @pytest.mark.parametrize("prefix", ["0", "1"])
 def test_dflash2_k15_and_mode_none(mk, prefix):
-    plan = mk(CTX="long", SPEC="dflash2", DFLASH_TOKENS="15", PREFIX_CACHE=prefix)
+    plan = mk(CTX="long", SPEC="dflash2", DFLASH_TOKENS="15", PREFIX_CACHE=prefix, GDN_DEFER="0")
     base = 2 if prefix == "1" else 1
     assert plan.prediction["state_slots_per_seq"] == 10 * (base + 15)
     assert f"would hold {10 * base} instead of {10 * (base + 15)} GDN state blocks" in \
-        _note(plan, "GDN_DEFER=1 (not yet run")
+        _note(plan, "GDN_DEFER=1 (the default")
     on = mk(CTX="long", SPEC="dflash2", DFLASH_TOKENS="15", PREFIX_CACHE=prefix, GDN_DEFER="1")
     assert on.prediction["state_slots_per_seq"] == 10 * base
     assert on.prediction["vram"]["gdn_defer_scratch"] == memory.gdn_defer_scratch_bytes(G, 4, 15)
 
 
 def test_does_not_fit_note_names_gdn_defer(mk):
-    """Over the card with the pin: GDN_DEFER=1 at the lower pin that keeps the same pool is named when
-    it would fit."""
-    plan = mk(CTX="long", SPEC="mtp", CARD_GIB="21.5", VRAM_CHECK="0")
+    """Over the card with the pin (stock GDN_DEFER=0): GDN_DEFER=1 at the lower pin that keeps the same
+    pool is named when it would fit."""
+    plan = mk(CTX="long", SPEC="mtp", CARD_GIB="21.5", VRAM_CHECK="0", GDN_DEFER="0")
     pin = plan.prediction["gdn_defer"]["kv_mem_same_pool"]
     line = _note(plan, "VRAM on one GPU")
     assert "does NOT fit" in line
     assert (f"; or GDN_DEFER=1 with KV_MEM={pin // memory.MiB}M (the same 124,928-token pool, no GDN state per draft "
-            f"position: 21.45 GiB; not yet run on a GPU)") in line
+            f"position: 21.45 GiB; the default with speculation on one GPU)") in line
 
 
 def test_verify_plan_warn_names_gdn_defer(mk, monkeypatch):
     from onecard import verify
 
-    plan = mk(CTX="long", SPEC="mtp", CARD_GIB="21.5", VRAM_CHECK="0")
+    plan = mk(CTX="long", SPEC="mtp", CARD_GIB="21.5", VRAM_CHECK="0", GDN_DEFER="0")
     doc = json.dumps(plan.to_json(), default=str)
     monkeypatch.setenv("CARD_GIB", "21.5")
     monkeypatch.setattr(verify.subprocess, "run", lambda *a, **k: types.SimpleNamespace(
@@ -255,11 +277,13 @@ def test_verify_plan_warn_names_gdn_defer(mk, monkeypatch):
     res = verify.check_plan({})
     pin = plan.prediction["gdn_defer"]["kv_mem_same_pool"] // memory.MiB
     assert res.status == verify.WARN
-    assert res.detail.endswith(f", or GDN_DEFER=1 with KV_MEM={pin}M (the same pool; not yet run on a GPU)")
+    assert res.detail.endswith(f", or GDN_DEFER=1 with KV_MEM={pin}M (the same pool; the default with speculation "
+                               f"on one GPU)")
 
 
 def test_tp2(mk):
-    off = mk(CTX="long", SPEC="mtp", TP="2", CUDA_VISIBLE_DEVICES="0,1")
+    off = mk(CTX="long", SPEC="mtp", TP="2", CUDA_VISIBLE_DEVICES="0,1")   # auto -> 0 at TP>1
+    assert off.values["GDN_DEFER"].source == "profile"
     on = mk(CTX="long", SPEC="mtp", TP="2", CUDA_VISIBLE_DEVICES="0,1", GDN_DEFER="1")
     scratch = memory.gdn_defer_scratch_bytes(G, 4, 3, tp=2)
     assert scratch == memory.gdn_defer_scratch_bytes(G, 4, 3) // 2 == 8_011_776
@@ -268,6 +292,6 @@ def test_tp2(mk):
     # the scratch comes out of what GPU_UTIL leaves for the pool on each GPU
     assert off.prediction["kv_bytes_per_gpu"] - on.prediction["kv_bytes_per_gpu"] == scratch
     assert (off.prediction["state_slots_per_seq"], on.prediction["state_slots_per_seq"]) == (15, 6)
-    assert "8.0 MB on each GPU" in _note(on, "GDN_DEFER=1 (not yet run on a GPU): each resident sequence holds 6")
-    note = _note(off, "GDN_DEFER=1 (not yet run on a GPU) would hold 6 instead of 15")
+    assert "8.0 MB on each GPU" in _note(on, "GDN_DEFER=1 (not yet run on two GPUs): each resident sequence holds 6")
+    note = _note(off, "GDN_DEFER=1 (available, not yet run on two GPUs) would hold 6 instead of 15")
     assert "KV_MEM" not in note and note.endswith("8.0 MB on each GPU, out of what GPU_UTIL leaves for the pool")

@@ -55,6 +55,9 @@ def test_golden_argv(ctx, spec, root, features):
     if os.environ.get("UPDATE_GOLDEN"):
         path.write_text(got)
     assert got == path.read_text()
+    # the argv's MAX_LEN with speculation is the pool's under the default GDN_DEFER=auto -> 1 (TP=1),
+    # which reaches the server as a variable, not a flag
+    assert plan.child_env.get("ONECARD_GDN_DEFER") == (None if spec == "off" else "1")
 
 
 def test_sources(root):

@@ -53,11 +53,17 @@ def test_huge_dflash2_plans_with_rings(tmp_path, features, drafter_27b):
     assert plan.argv[plan.argv.index("--kv-cache-dtype") + 1] == "kvarn_k4v2_g128"
     sc = json.loads(plan.argv[plan.argv.index("--speculative-config") + 1])
     assert sc["method"] == "dflash2" and sc["num_speculative_tokens"] == 7
-    # the pool is the target's alone at k=7 (docs/dflash2-huge.md section 2: 271,183 at 245,760, 1.10x)
+    # the pool is the target's alone at k=7: with the default GDN_DEFER=auto -> 1, 357,469 tokens at
+    # 245,760 (1.45x; 6 GDN state blocks per sequence); stock GDN_DEFER=0 is docs/dflash2-huge.md
+    # section 2's 271,183 (1.10x; 27 blocks)
     p = plan.prediction
+    assert plan.get("GDN_DEFER") == "1" and plan.child_env["ONECARD_GDN_DEFER"] == "1"
     assert plan.get("MAX_LEN") == 245_760 and plan.values["MAX_LEN"].source == "profile"
-    assert (p["pool_tokens"], p["block_size"], p["group_size"], p["gdn_groups"]) == (271_183, 4096, 16, 3)
-    assert [tuple(g) for g in p["attn_groups"]] == [(1, 4096)] and round(p["max_concurrency"], 2) == 1.10
+    assert (p["pool_tokens"], p["block_size"], p["group_size"], p["gdn_groups"]) == (357_469, 4096, 16, 3)
+    assert [tuple(g) for g in p["attn_groups"]] == [(1, 4096)] and round(p["max_concurrency"], 2) == 1.45
+    assert p["state_slots_per_seq"] == 6
+    stock = mk({"CTX": "huge", "SPEC": "dflash2", "DRAFT": str(drafter_27b), "GDN_DEFER": "0"}, tmp_path).prediction
+    assert (stock["pool_tokens"], round(stock["max_concurrency"], 2), stock["state_slots_per_seq"]) == (271_183, 1.10, 27)
     # the rings beside the pin: 5 layers x (2 x 129 + 1) blocks x 16 x 8 x 128 x 2 x 2 B
     assert p["dflash2_ring_bytes"] == p["vram"]["dflash2_ring_bytes"] == ring.ring_bytes(5, 2, 2048, 7, 8, 128) \
         == 84_869_120
@@ -137,9 +143,11 @@ def test_long_dflash2_unchanged_under_auto(tmp_path, features, drafter_27b):
     plan = mk({"CTX": "long", "SPEC": "dflash2", "DRAFT": str(drafter_27b)}, tmp_path)
     assert plan.get("DFLASH_RING") == "0" and plan.child_env["ONECARD_DFLASH_RING"] == "0"
     # the drafter's 5 layers share the pool as before (group size 5), no rings
+    # (with the default GDN_DEFER=auto -> 1: no GDN state per draft position)
     d = memory.dflash_drafter_vram(str(drafter_27b))
+    assert plan.get("GDN_DEFER") == "1"
     want = memory.predict_pool(memory.QWEN38_27B, int(plan.get("KV_MEM")), "int8_per_token_head",
-                               int(plan.get("MAX_LEN")), 7, True, **d.pool_kw())
+                               int(plan.get("MAX_LEN")), 7, True, gdn_defer=True, **d.pool_kw())
     assert plan.prediction["pool_tokens"] == want.pool_tokens and plan.prediction["group_size"] == 5
     assert "dflash2_ring_bytes" not in plan.prediction and plan.prediction["vram"]["dflash2_ring_bytes"] == 0
     assert not any("DFLASH_RING" in n for n in plan.notes)

@@ -31,6 +31,10 @@
 # summary. Measured 2026-12-03 on a fresh H200: the `off` boot took 187 s (torch.compile 50 s,
 # vLLM's profiling run 93 s: the FLA GDN kernels autotune at every boot) and a dflash2 boot
 # more than 220 s (profiling 106 s, then the drafter's compile): four arms take ~15-17 minutes.
+# Every arm runs the launcher's defaults unless its 7th field says otherwise, so GDN_DEFER=auto: 1
+# with speculation (patch 0085, the default since 2026-12-05; the spec arms' pools and MAX_LEN are
+# the deferred ones); a stock arm sets GDN_DEFER=0 there (e.g. d2k7-gd0:dflash2:1:7:1:-:GDN_DEFER=0).
+# Spec-arm figures from runs before 2026-12-05 are stock (GDN_DEFER=0).
 # Every boot goes through `python3 -m onecard.launch` (the launcher's argv and env), with
 # VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (the geometry config's max_position_embeddings may be below
 # CTX=long's MAX_LEN).

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # timeout: 600
 # 75-gdn-defer (issue 8, patch 0085): GDN_DEFER=1 keeps one GDN state block per sequence under
-# speculation and commits the accepted tokens after rejection; this is its first GPU run.
+# speculation and commits the accepted tokens after rejection (first run: PASS on an H100,
+# 2026-12-05; since then the default with speculation on one GPU, GDN_DEFER=auto -> 1).
 # tests/gpu/spec_kv_sweep.py --suite defer boots six servers through the launcher's plan on the
-# tiny model (+ its tiny DFlash2 drafter): CTX=long (int8 KV), SPEC=off; SPEC=mtp stock (the
-# control); SPEC=mtp GDN_DEFER=1 with prefix caching (mamba cache mode align) and without
-# (none); SPEC=dflash2 GDN_DEFER=1 at DFLASH_TOKENS 7 and 15. MAX_LEN 4096, KV_MEM 1G, MAX_SEQS
-# 16, CUDA graphs, GDN_PREFILL=triton. off boots alone first (compile caches; at most 240 s),
-# then the other five at once; per-server boot times are printed.
+# tiny model (+ its tiny DFlash2 drafter), each with its GDN_DEFER set explicitly: CTX=long (int8
+# KV), SPEC=off; SPEC=mtp stock (GDN_DEFER=0, the control); SPEC=mtp GDN_DEFER=1 with prefix
+# caching (mamba cache mode align) and without (none); SPEC=dflash2 GDN_DEFER=1 at DFLASH_TOKENS
+# 7 and 15. MAX_LEN 4096, KV_MEM 1G, MAX_SEQS 16, CUDA graphs, GDN_PREFILL=triton. off boots
+# alone first (compile caches; at most 240 s), then the other five at once; per-server boot
+# times are printed.
 # Checks: greedy, 128 prompts of 1,984..2,111 tokens (every residue mod 128; the 32 decoded
 # tokens of about a third of them cross a GDN cache-block boundary), two passes (the 2nd hits the
 # prefix cache), all servers at once; every spec server == off token for token, a divergence

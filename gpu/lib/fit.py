@@ -87,9 +87,11 @@ CASES = {
     "long-dflash2-es": {"CTX": "long", "SPEC": "dflash2", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     # the headline with the target's embed_tokens in pinned host memory (patch 0013)
     "long-dflash2-eh": {"CTX": "long", "SPEC": "dflash2", "EMBED_HOST": "1"},
-    # the headline with the deferred GDN commit (patch 0085): the same pin, a larger pool (MAX_LEN
-    # 93,696 predicted) and a 32 MB verify scratch beside it
-    "long-dflash2-gd": {"CTX": "long", "SPEC": "dflash2", "GDN_DEFER": "1"},
+    # the headline on stock vLLM's GDN states (one per draft position): the plain cases run the
+    # product's default GDN_DEFER=auto (1 with speculation on one GPU, patch 0085: the deferred GDN
+    # commit, MAX_LEN 93,696 at the same pin plus a 32 MB verify scratch); this one pins
+    # GDN_DEFER=0 (MAX_LEN 70,912, no scratch), the footprint before the default flipped
+    "long-dflash2-gd0": {"CTX": "long", "SPEC": "dflash2", "GDN_DEFER": "0"},
 }
 DEFAULT_CASES = ("long-dflash2", "fast-dflash2", "long-mtp", "long-off")
 SERVED = "geom"

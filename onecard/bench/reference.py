@@ -313,6 +313,11 @@ class Reference:
             # GPU auto would keep bf16, nvidia-smi reporting 141 GiB. Part of the SPEC=dflash2
             # boot (the argv's speculative config records it), not of the compared server config
             env["DRAFT_QUANT"] = "fp8"
+        if arm.name == "stock" and "GDN_DEFER" not in env:
+            # stock 0.27.1 has no patch 0085: it keeps a GDN state per draft position whatever the
+            # launcher's default (GDN_DEFER=auto: 1 with speculation on one GPU) would plan, so its
+            # plan (pool, the MAX_LEN the pool holds) is made as stock sizes it
+            env["GDN_DEFER"] = "0"
         return env
 
     def plan(self, env: dict) -> dict:
@@ -553,12 +558,15 @@ class Reference:
     def common_max_len(self, arms: list[Arm], ctx: str, specs: tuple[str, ...]) -> dict:
         """The preflight caps MAX_LEN when a method's state slots shrink the pool (CTX=long with MTP on a
         float32-state checkpoint); a verify step and its plain step must then run at the same MAX_LEN,
-        or the contract calls the comparison CONFOUNDED. Returns {"MAX_LEN": min} when the plans differ."""
+        or the contract calls the comparison CONFOUNDED. Every arm's plan counts (the stock arm's
+        SPEC=mtp pool is stock's: GDN_DEFER=0, env_for). Returns {"MAX_LEN": min} when the plans differ."""
         lens = {}
         for spec in specs:
-            p = self.plan({**os.environ, **self.env_for(arms[0], ctx, spec)})
-            if "error" not in p:
-                lens[spec] = p["server_config"].get("MAX_LEN")
+            for arm in arms:
+                p = self.plan({**os.environ, **self.env_for(arm, ctx, spec)})
+                if "error" not in p:
+                    got = p["server_config"].get("MAX_LEN")
+                    lens[spec] = got if spec not in lens else min(lens[spec], got)
         if len(set(lens.values())) <= 1:
             return {}
         low = min(lens.values())

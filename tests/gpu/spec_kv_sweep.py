@@ -19,7 +19,7 @@ Suites (``--suite``):
          tiny drafter's window is 64, so its 80-row ring wraps ~30 times per prompt.
   defer  (job 75) GDN_DEFER=1 (patch 0085: one GDN state block per sequence under speculation,
          the accepted tokens committed after rejection): CTX=long, servers off, mtp (stock
-         speculation, the control), mtp-defer, mtp-defer-nopc (PREFIX_CACHE=0: mamba cache mode
+         speculation, the control: GDN_DEFER=0 explicitly, the default is 1), mtp-defer, mtp-defer-nopc (PREFIX_CACHE=0: mamba cache mode
          none), d2k7-defer and d2k15-defer (DFLASH_TOKENS=15: 7 drafter rows + 8 lookup
          positions, the widest verify block). MAX_LEN 4096; prompts of 1,984..2,111 tokens, so
          that the 32 decoded tokens of about a third of them cross a GDN cache-block boundary
@@ -30,7 +30,9 @@ Every server: the launcher's plan (onecard.plan.make_plan, MODEL=tiny), prefix c
 --mamba-cache-mode align), vLLM's default CUDA graphs, GDN_PREFILL=triton, KV_MEM 1 GiB, MAX_SEQS
 16, --seed 0, --logprobs-mode raw_logits, --gpu-memory-utilization = min(0.06, GPU_UTIL /
 servers) (GPU_UTIL is the job's share in a `+` group; with a KV pin it is only vLLM's
-free-memory bar), plus the plan's child environment (ONECARD_WIDE_VERIFY=1, ...).
+free-memory bar), plus the plan's child environment (ONECARD_WIDE_VERIFY=1, ...). GDN_DEFER: the
+quant and kvarn servers run the launcher's default (auto: 1 with speculation on one GPU since
+2026-12-05; their runs before that were stock); the defer suite sets it on every server.
 
 Run: one server boots alone first (``--warm-first``, default the first ``off`` server: it fills
 the compile caches the others reuse; ``--warm-first ''`` boots all at once), then the rest at
@@ -129,8 +131,10 @@ def _suite(name: str, model: Path | None = None) -> dict:
                 "warm_first": "kvarn-off",
                 "base": {**COMMON, "CTX": "huge", "MAX_LEN": "4096"}, "base_len": 2176}
     if name == "defer":
-        on = {"GDN_DEFER": "1"}
-        servers = {"off": {"SPEC": "off"}, "mtp": {"SPEC": "mtp"},
+        # every server names its GDN_DEFER: the default (auto) is 1 with speculation since
+        # 2026-12-05, so the stock control "mtp" pins 0 (and "off", where the knob has no effect)
+        on, stock = {"GDN_DEFER": "1"}, {"GDN_DEFER": "0"}
+        servers = {"off": {"SPEC": "off", **stock}, "mtp": {"SPEC": "mtp", **stock},
                    "mtp-defer": {"SPEC": "mtp", **on},
                    "mtp-defer-nopc": {"SPEC": "mtp", "PREFIX_CACHE": "0", **on},
                    "d2k7-defer": {"SPEC": "dflash2", "DFLASH_TOKENS": "7", **on},

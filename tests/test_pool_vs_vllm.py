@@ -1,0 +1,330 @@
+"""The launcher's KV-pool prediction (onecard.memory.predict_pool, through the preflight's plan)
+against vLLM 0.27.1's own layout, computed on the CPU with vLLM's real functions: the KVCacheSpec
+dict the GPU runner would collect (FullAttentionSpec per attention layer of target, MTP layer or
+DFlash2 drafter, MambaSpec per GDN layer with num_speculative_blocks k, or 0 under GDN_DEFER=1 as
+patch 0085 makes the Qwen3.5 GDN layers ask), the block size from
+Platform._align_hybrid_block_size (the TRITON_ATTN backend's kernel alignment; the Qwen3.5 state
+shape and dtype from vLLM's MambaState*Calculator, as qwen3_5.py's two classmethods call them),
+then kv_cache_utils.get_kv_cache_configs (grouping, page unification, num_blocks, the
+_check_enough_kv_cache_memory refusal) and get_kv_cache_capacity ("GPU KV cache size: N tokens").
+None of those functions is patched by patches/series, so the installed (stock) vLLM is the server's.
+
+Measured pools (vLLM's log line) are fixed expectations where a row is the measured configuration:
+job 75 (H100, 2026-12-05, the tiny model + tiny DFlash2 drafter, docs/results/2026-12-05-s21),
+job 31 (27B geometry, CTX=long d2k7 +/- GDN_DEFER), the H200 session of 2026-12-03 (27B d2k7 /
+d2k15, off, mtp) and job 70 (tiny pair, bf16, 3 GiB).
+
+Job 75's two DFlash2 servers were predicted 19 % over (241,956 / 232,886 vs 195,347 / 188,100):
+the preflight sized DRAFT=tiny's pool with the MTP layer in the target's bucket (3 attention
+layers, group size 3, 2 GDN groups) instead of the tiny drafter's 2 layers of 2 KV heads x 64 in
+a bucket of their own (group size 2, 3 GDN groups, 26 instead of 14 blocks per request);
+test_job75_old_prediction_was_the_mtp_layout pins that cause."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+ku = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+from vllm.model_executor.layers.mamba.mamba_utils import (  # noqa: E402
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+)
+from vllm.platforms.interface import Platform  # noqa: E402
+from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE  # noqa: E402
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, get_kv_quant_mode  # noqa: E402
+
+from onecard import memory  # noqa: E402
+from onecard import plan as P  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+import spec_kv_sweep  # noqa: E402  (job 75's server table)
+sys.path.pop(0)
+
+G = memory.QWEN38_27B
+INT8 = "int8_per_token_head"
+PIN = memory.LONG_KV_MEM  # the 3090 CTX=long pin, 5,309,988,864 B (jobs 31 and the H200 session)
+
+
+# ----------------------------------------------------------------------------- vLLM's layout
+
+@dataclasses.dataclass
+class Layout:
+    tokens: int       # "GPU KV cache size: N tokens"
+    block: int        # attention block size after _align_hybrid_block_size
+    num_blocks: int
+    groups: int       # KV cache groups
+    gdn_groups: int
+    longest: int      # _estimate_max_model_len_from_groups: the longest max_model_len vLLM accepts
+
+
+class _Qwen35:
+    """Qwen3_5ForConditionalGeneration's get_mamba_state_{shape,dtype}_from_config (qwen3_5.py),
+    which _align_hybrid_block_size resolves through the model registry (its module needs
+    torchvision, not in the CPU env): the same calls into vLLM's calculators."""
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vc):
+        h, sc = vc.model_config.hf_text_config, vc.speculative_config
+        return MambaStateShapeCalculator.gated_delta_net_state_shape(
+            vc.parallel_config.tensor_parallel_size, h.linear_num_key_heads, h.linear_num_value_heads,
+            h.linear_key_head_dim, h.linear_value_head_dim, h.linear_conv_kernel_dim,
+            sc.num_speculative_tokens if sc else 0)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vc):
+        c = vc.cache_config
+        return MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+            vc.model_config.dtype, c.mamba_cache_dtype, c.mamba_ssm_cache_dtype)
+
+
+def vllm_layout(geom: memory.ModelGeometry, kv_mem: int, kv: str, max_len: int, k: int, prefix: bool,
+                defer: bool = False, draft: tuple[int, int, int] | None = None,
+                mtp: bool | None = None) -> Layout:
+    """vLLM 0.27.1's pool for a Qwen3.5 hybrid at --kv-cache-memory kv_mem. ``draft``: a DFlash2
+    drafter's (layers, KV heads, head dim), its layers full attention in the pool (no MTP layer is
+    built then); ``mtp``: the MTP layer in the pool (default: with speculation and no drafter)."""
+    from vllm.model_executor.models import ModelRegistry
+
+    cache_dtype = memory.KV_DTYPES[kv].name
+    bf16 = torch.bfloat16
+    kv_dtype = bf16 if cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
+    quant = get_kv_quant_mode(cache_dtype)
+    mode = "align" if prefix else "none"
+    hf = NS(linear_num_key_heads=geom.linear_num_key_heads, linear_num_value_heads=geom.linear_num_value_heads,
+            linear_key_head_dim=geom.linear_key_head_dim, linear_value_head_dim=geom.linear_value_head_dim,
+            linear_conv_kernel_dim=geom.conv_kernel)
+    cc = NS(cache_dtype=cache_dtype, block_size=16, user_specified_block_size=False, mamba_block_size=None,
+            user_specified_mamba_block_size=False, mamba_cache_mode=mode, mamba_page_size_padded=None,
+            mamba_cache_dtype="auto", mamba_ssm_cache_dtype="float32" if geom.ssm_state_bytes == 4 else "bfloat16",
+            enable_prefix_caching=prefix, num_gpu_blocks_override=None, kv_cache_dtype_skip_layers=None,
+            prefix_match_unit=None)
+    mc = NS(dtype=bf16, use_mla=False, architecture="Qwen3_5ForConditionalGeneration", model_impl="auto",
+            convert_type="none", hf_text_config=hf, max_model_len=max_len, original_max_model_len=max_len,
+            is_hybrid=True, get_num_kv_heads=lambda pc: geom.num_kv_heads, get_head_size=lambda: geom.head_dim)
+    vc = NS(cache_config=cc, model_config=mc, parallel_config=NS(tensor_parallel_size=1, decode_context_parallel_size=1),
+            speculative_config=NS(num_speculative_tokens=k) if k else None, kv_transfer_config=None,
+            scheduler_config=NS(disable_hybrid_kv_cache_manager=False), max_in_flight_tokens=None)
+    ModelRegistry.resolve_model_cls = lambda arch, model_config: (_Qwen35, arch)  # instance attribute
+    try:
+        Platform._align_hybrid_block_size(vc, TritonAttentionBackend)
+    finally:
+        del ModelRegistry.resolve_model_cls
+    if cc.mamba_block_size is None:  # mode none: VllmConfig sets max_model_len (not used for sizing)
+        cc.mamba_block_size = max_len
+    block = cc.block_size
+
+    def attn(heads: int, head_dim: int, **kw) -> FullAttentionSpec:
+        # indexes_kv_by_block_stride: what the GPU runner asks TRITON_ATTN / FLASH_ATTN (NHD: True)
+        return FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head_dim, dtype=kv_dtype,
+                                 kv_quant_mode=quant, indexes_kv_by_block_stride=True, **kw)
+
+    target = attn(geom.num_kv_heads, geom.head_dim)
+    gdn = MambaSpec(shapes=tuple(_Qwen35.get_mamba_state_shape_from_config(vc)),
+                    dtypes=_Qwen35.get_mamba_state_dtype_from_config(vc), block_size=cc.mamba_block_size,
+                    page_size_padded=cc.mamba_page_size_padded, mamba_cache_mode=mode,
+                    # patch 0085: a deferring GDN layer asks no per-draft state blocks
+                    num_speculative_blocks=0 if defer else k)
+    every = geom.num_layers // geom.num_full_attention
+    specs = {f"language_model.model.layers.{i}.{'self_attn.attn' if (i + 1) % every == 0 else 'linear_attn'}":
+             target if (i + 1) % every == 0 else gdn for i in range(geom.num_layers)}
+    if mtp if mtp is not None else (k > 0 and draft is None and geom.mtp_layers > 0):
+        for j in range(geom.mtp_layers):
+            specs[f"mtp.layers.{geom.num_layers + j}.self_attn.attn"] = target
+    if draft:
+        n, heads, head_dim = draft
+        d = attn(heads, head_dim, non_causal=True)
+        for j in range(n):
+            specs[f"draft_model.model.layers.{j}.self_attn.attn"] = d
+    cfg = ku.get_kv_cache_configs(vc, [specs], [kv_mem])[0]   # raises where vLLM refuses max_len
+    tokens, _ = ku.get_kv_cache_capacity(vc, cfg)
+    mc.max_model_len = 1 << 22
+    longest = ku._estimate_max_model_len_from_groups(vc, cfg.kv_cache_groups, kv_mem)
+    gdn_groups = sum(isinstance(g.kv_cache_spec, MambaSpec) for g in cfg.kv_cache_groups)
+    return Layout(tokens, block, cfg.num_blocks, len(cfg.kv_cache_groups), gdn_groups, longest)
+
+
+def assert_same(pred: memory.PoolPrediction, lay: Layout) -> None:
+    got = (pred.pool_tokens, pred.block_size, pred.num_blocks, pred.gdn_groups,
+           pred.gdn_groups + sum(g for g, _ in pred.attn_groups), pred.one_sequence_tokens())
+    assert got == (lay.tokens, lay.block, lay.num_blocks, lay.gdn_groups, lay.groups, lay.longest)
+
+
+# ----------------------------------------------------------------------------- the models
+
+def _tiny_configs() -> tuple[dict, dict]:
+    """The tiny target's and its tiny DFlash2 drafter's config.json, as scripts/make_tiny_model.py
+    and ensure_tiny_drafter write them (token ids: placeholders, only the mask id reads one)."""
+    from onecard.dflash.tiny_drafter import make_config as drafter_config
+    from onecard.prepare.tiny import DEFAULT_SPEC, make_config
+
+    ids = {t: i for i, t in enumerate(["<|im_end|>", "<|image_pad|>", "<|video_pad|>",
+                                       "<|vision_start|>", "<|vision_end|>"])}
+    target = make_config(DEFAULT_SPEC, ids)
+    return target, drafter_config(target)
+
+
+def _draft_shape(cfg: dict) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) as vLLM's DFlash drafter reads its config.json."""
+    return (cfg["num_hidden_layers"], cfg["num_key_value_heads"],
+            cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target, drafter = _tiny_configs()
+    return memory.ModelGeometry.from_config(target), _draft_shape(drafter)
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    from onecard.profiles import pretend_installed
+
+    with pretend_installed(tmp_path_factory.mktemp("fakevllm")) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def drafter_27b(tmp_path_factory):
+    """The published 27B drafter's config.json (5 layers, 8 x 128), no weights."""
+    from onecard.dflash.tiny_drafter import build_geometry_drafter
+
+    d = tmp_path_factory.mktemp("d27") / "drafter-27b"
+    build_geometry_drafter(d, config_only=True, log=lambda *a, **k: None)
+    return d
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("root")
+
+
+def _plan_layout(plan, geom, draft):
+    """vLLM's layout at the plan's final values (MAX_LEN after caps, KV_MEM, k, prefix, GDN_DEFER)."""
+    k = int(plan.get("SPEC_K"))
+    return vllm_layout(geom, int(plan.get("KV_MEM")), plan.get("KV"), int(plan.get("MAX_LEN")), k,
+                       plan.get("PREFIX_CACHE") == "1", plan.get("GDN_DEFER") == "1" and k > 0,
+                       draft if plan.get("SPEC") == "dflash2" else None)
+
+
+def _pred(plan) -> memory.PoolPrediction:
+    d = dict(plan.prediction)
+    fields = {f.name for f in dataclasses.fields(memory.PoolPrediction)}
+    d["attn_groups"] = tuple(tuple(x) for x in d["attn_groups"])
+    return memory.PoolPrediction(**{k: v for k, v in d.items() if k in fields})
+
+
+# ----------------------------------------------------------------------------- job 75 (tiny)
+
+JOB75 = {"off": 310_814, "mtp": 167_740, "mtp-defer": 234_837, "mtp-defer-nopc": 270_966,
+         "d2k7-defer": 195_347, "d2k15-defer": 188_100}
+
+
+@pytest.mark.parametrize("server", sorted(JOB75))
+def test_job75_pools(server, tiny, features, root):
+    """Each job-75 server through the launcher's plan (MODEL=tiny, DRAFT=tiny, the suite's knobs):
+    prediction == vLLM's layout == the pool the H100 logged."""
+    geom, draft = tiny
+    st = spec_kv_sweep.suite("defer", environ={})
+    env = {"GDN_DEFER": "0", **st["base"], **st["servers"][server], "PORT": "8000"}
+    plan = P.make_plan(env, root, "python3", None, geom)
+    lay = _plan_layout(plan, geom, draft)
+    assert_same(_pred(plan), lay)
+    assert lay.tokens == plan.prediction["pool_tokens"] == JOB75[server]
+
+
+@pytest.mark.parametrize("k,old,real", [(7, 241_956, 195_347), (15, 232_886, 188_100)])
+def test_job75_old_prediction_was_the_mtp_layout(tiny, k, old, real):
+    """The cause: job 75's predictions were vLLM's pool for the MTP layer (the target's 2 x 256)
+    in the target's bucket, not for the tiny drafter's 2 layers of 2 x 64: group size 3 instead of
+    2, so 2 GDN groups instead of 3 and 14 blocks per request instead of 26."""
+    geom, draft = tiny
+    assert draft == (2, 2, 64) and (geom.num_kv_heads, geom.head_dim) == (2, 256)
+    as_mtp = vllm_layout(geom, memory.GiB, INT8, 4096, k, True, defer=True, mtp=True)
+    assert as_mtp.tokens == old == memory.predict_pool(geom, memory.GiB, INT8, 4096, k, True, gdn_defer=True).pool_tokens
+    real_lay = vllm_layout(geom, memory.GiB, INT8, 4096, k, True, defer=True, draft=draft)
+    assert real_lay.tokens == real and (as_mtp.gdn_groups, real_lay.gdn_groups) == (2, 3)
+
+
+# ----------------------------------------------------------------------------- 27B, measured
+
+@pytest.mark.parametrize("knobs,pool,max_len", [
+    ({"SPEC": "off", "GDN_DEFER": "0"}, 146_915, 131_072),       # H200 2026-12-03
+    ({"SPEC": "mtp", "GDN_DEFER": "0"}, 124_928, 124_928),       # H200 2026-12-03 (capped)
+    ({"SPEC": "dflash2", "GDN_DEFER": "0"}, 71_140, 70_912),     # job 31 d2k7 (capped)
+    ({"SPEC": "dflash2", "GDN_DEFER": "1"}, 93_998, 93_696),     # job 31 d2k7-gd (capped)
+])
+def test_27b_ctx_long_measured(knobs, pool, max_len, features, drafter_27b, root):
+    """CTX=long at the 3090 pin through the plan (no checkpoint: the 27B layout; DRAFT: the
+    published drafter's config)."""
+    env = {"CTX": "long", "MODEL": str(root / "models" / "qwen38-27b"), "DRAFT": str(drafter_27b), **knobs}
+    plan = P.make_plan(env, root, "python3")
+    assert int(plan.get("KV_MEM")) == PIN and int(plan.get("MAX_LEN")) == max_len
+    lay = _plan_layout(plan, G, (5, 8, 128))
+    assert_same(_pred(plan), lay)
+    assert lay.tokens == pool
+
+
+@pytest.mark.parametrize("k,max_len,pool", [(7, 65_536, 69_090), (15, 33_792, 37_046)])
+def test_27b_dflash2_h200(k, max_len, pool):
+    """H200, 2026-12-03: the geometry drafter at the 3090 pin, MAX_LEN given."""
+    kw = memory.DrafterVRAM(0, memory.DFLASH2_27B_LAYERS, "test").pool_kw()
+    lay = vllm_layout(G, PIN, INT8, max_len, k, True, draft=(5, 8, 128))
+    assert_same(memory.predict_pool(G, PIN, INT8, max_len, k, True, **kw), lay)
+    assert lay.tokens == pool
+
+
+@pytest.mark.parametrize("k,pool", [(7, 193_536), (15, 112_320)])
+def test_tiny_dflash2_job70(k, pool, tiny):
+    """Job 70 (H200): the tiny pair, bf16 KV, 3 GiB, max-model-len 2048, prefix caching."""
+    geom, draft = tiny
+    kw = memory.DrafterVRAM(0, draft[0], "test", kv_heads=draft[1], head_dim=draft[2]).pool_kw()
+    lay = vllm_layout(geom, 3 * memory.GiB, "bf16", 2048, k, True, draft=draft)
+    assert_same(memory.predict_pool(geom, 3 * memory.GiB, "bf16", 2048, k, True, **kw), lay)
+    assert lay.tokens == pool
+
+
+# ----------------------------------------------------------------------------- the table
+
+SPECS = [("off", {"SPEC": "off"}), ("mtp", {"SPEC": "mtp"}),
+         ("d2k7", {"SPEC": "dflash2", "DFLASH_TOKENS": "7"}), ("d2k15", {"SPEC": "dflash2", "DFLASH_TOKENS": "15"})]
+TABLE = [(f"{s}-{kv}-pc{pc}-defer{d}", {**knobs, "KV": kv, "PREFIX_CACHE": pc, "GDN_DEFER": d})
+         for s, knobs in SPECS for kv in ("bf16", INT8) for pc in ("0", "1")
+         for d in (("0",) if s == "off" else ("0", "1"))]
+
+
+@pytest.mark.parametrize("name,knobs", TABLE, ids=[n for n, _ in TABLE])
+def test_27b_table(name, knobs, features, drafter_27b, root):
+    """The 27B geometry at the 3090 CTX=long pin, every SPEC x KV x prefix caching x GDN_DEFER: the
+    plan's prediction (after its MAX_LEN cap) is vLLM's pool, and its longest sequence is vLLM's
+    estimate (so vLLM accepts the capped MAX_LEN: get_kv_cache_configs raises otherwise)."""
+    env = {"CTX": "long", "MODEL": str(root / "models" / "qwen38-27b"), "DRAFT": str(drafter_27b),
+           "KV_MEM": str(PIN), **knobs}
+    plan = P.make_plan(env, root, "python3")
+    assert_same(_pred(plan), _plan_layout(plan, G, (5, 8, 128)))
+
+
+@pytest.mark.parametrize("name,knobs", [(n, kn) for n, kn in TABLE if "-pc1-" in n],
+                         ids=[n for n, _ in TABLE if "-pc1-" in n])
+def test_tiny_table(name, knobs, tiny, features, root):
+    """The tiny model at job 75's knobs (1 GiB, MAX_LEN 4096) for every SPEC x KV x GDN_DEFER."""
+    geom, draft = tiny
+    env = {**spec_kv_sweep.COMMON, "CTX": "long", "MAX_LEN": "4096", **knobs, "PORT": "8000"}
+    plan = P.make_plan(env, root, "python3", None, geom)
+    assert_same(_pred(plan), _plan_layout(plan, geom, draft))
+
+
+def test_tiny_drafter_shape_is_what_the_plan_uses(tiny):
+    """The preflight's DRAFT=tiny record (onecard.dflash.tiny_drafter.DEFAULT_DRAFTER) is the shape
+    of the drafter config ensure_tiny_drafter writes."""
+    from onecard.dflash.tiny_drafter import DEFAULT_DRAFTER as t
+
+    assert (t.layers, t.kv_heads, t.head_dim) == tiny[1]
+    assert json.loads(json.dumps(_tiny_configs()[1]))["num_key_value_heads"] == t.kv_heads
