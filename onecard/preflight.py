@@ -394,7 +394,14 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
     if b["fits"]:
         plan.notes.append(f"{line}: fits a {card}")
         return
-    without = b["total"] - sum(added.values())
+    # blame the fewest added terms, largest first, whose absence makes the plan fit (a 32 MB
+    # GDN_DEFER scratch is not named beside a 2 GiB drafter that alone decides it)
+    blamed, without = {}, b["total"]
+    for name, size in sorted(added.items(), key=lambda kv: -kv[1]):
+        if without <= b["card_bytes"]:
+            break
+        blamed[name], without = size, without - size
+    added = blamed
     if added and without <= b["card_bytes"]:
         why = (f"does NOT fit a {card} because of {' and '.join(added)} "
                f"(without {'them' if len(added) > 1 else 'it'}: {_gib(without)} GiB, which fits)")
