@@ -545,6 +545,9 @@ FAST_DFLASH_KV_MEM = kv_mem_for_pool(PUBLIC_3090, 68_605, "bf16", 65_536, 7, Tru
 # size stays, the per-rank pool bytes buy N times the blocks, and the pool in tokens (what vLLM
 # logs; every rank holds a 1/N slice of every token) is predicted by predict_pool on
 # rank_geometry(). vLLM takes the smallest per-rank block count (kv_cache_utils).
+# A DFlash2 drafter runs at the target's TP (SpeculativeConfig._verify_and_get_draft_tp): each rank
+# holds all its attention layers with their KV heads split the same way (rank_pool_kw; below TP
+# they are replicated, one a rank), so its bucket and the group size are the TP=1 ones.
 
 TP_SIZES = (1, 2, 4, 8)
 
@@ -565,6 +568,31 @@ def tp_check(geom: ModelGeometry, tp: int) -> str | None:
                     f"{geom.linear_num_key_heads}/{geom.linear_num_value_heads} GDN key/value heads); "
                     f"valid for this model: TP={valid}")
     return None
+
+
+def rank_kv_heads(total: int, tp: int, what: str = "KV heads") -> int:
+    """KV heads one rank holds at tensor parallel ``tp``, as vLLM 0.27.1's attention layers split
+    them (qwen3_next.py Qwen3NextAttention, qwen3_dflash.py's DFlash attention; the same rule as
+    ModelConfig.get_num_kv_heads): ``total // tp`` when ``total >= tp`` (which must divide), else
+    replicated, one per rank (``tp`` must then be a multiple of ``total``). ValueError (one line)
+    where vLLM's assert would fail at model init."""
+    if total >= tp and total % tp or total < tp and tp % total:
+        raise ValueError(f"TP={tp} does not split the {total} {what}: vLLM 0.27.1 needs {total} % TP == 0, "
+                         f"or TP a multiple of {total} (replicated)")
+    return max(1, total // tp)
+
+
+def rank_pool_kw(pool_kw: dict, tp: int) -> dict:
+    """predict_pool's drafter keywords (DrafterVRAM.pool_kw) for one rank at tensor parallel
+    ``tp``: the drafter runs at the target's TP (vLLM 0.27.1), so its attention layers' KV heads
+    are split by rank_kv_heads (8 -> 4 per rank at TP=2 for the 27B drafter; the tiny drafter's 2
+    -> 1); its layer count, head size, ``mtp_in_pool`` and ``gdn_defer`` stay. Without drafter
+    layers in the pool (none, or DFLASH_RING=1) nothing changes."""
+    kw = dict(pool_kw)
+    if tp > 1 and kw.get("draft_attn_layers", 0) > 0:
+        kw["draft_kv_heads"] = rank_kv_heads(kw.get("draft_kv_heads", DFLASH2_27B_KV_HEADS), tp,
+                                             "KV heads of the DFlash2 drafter")
+    return kw
 
 
 def rank_geometry(geom: ModelGeometry, tp: int) -> ModelGeometry:
@@ -665,15 +693,20 @@ CARD_24G = 24 * GiB  # the card this distribution targets (RTX 3090: 24,576 MiB)
 
 def predict_tp(geom: ModelGeometry, tp: int, weights: TPWeights, kv: str, max_len: int, num_spec: int = 0,
                prefix_cache: bool = False, gpu_util: float = 0.92, card_bytes: int = CARD_24G,
-               kv_bytes_per_gpu: int | None = None, gdn_defer: bool = False) -> TPPrediction:
+               kv_bytes_per_gpu: int | None = None, gdn_defer: bool = False, **pool_kw) -> TPPrediction:
     """Pool at tensor parallel ``tp`` when it is sized from gpu_memory_utilization: per GPU,
     ``card * util - weights/GPU - activation - CUDA context - graph reserve`` (kv_mem_from_util;
     the reserves are the single-card 3090 figures, per rank), or ``kv_bytes_per_gpu`` when known
-    (vLLM logs it: "Available KV cache memory: X GiB")."""
+    (vLLM logs it: "Available KV cache memory: X GiB").
+
+    ``pool_kw``: predict_pool's other keywords at the whole model's shape, as at TP=1 (a DFlash2
+    drafter's layers: DrafterVRAM.pool_kw, ``mtp_in_pool``); a rank holds the drafter's layers
+    with their KV heads split like the target's (rank_pool_kw), in the layout predict_pool
+    describes (the drafter's own bucket, group size = its layer count)."""
     if kv_bytes_per_gpu is None:
         kv_bytes_per_gpu = kv_mem_from_util(card_bytes, gpu_util, weights.per_gpu)
     pool = predict_pool(rank_geometry(geom, tp), kv_bytes_per_gpu, kv, max_len, num_spec, prefix_cache,
-                        gdn_defer=gdn_defer)
+                        gdn_defer=gdn_defer, **rank_pool_kw(pool_kw, tp))
     return TPPrediction(tp, card_bytes, gpu_util, weights, kv_bytes_per_gpu, pool)
 
 

@@ -11,7 +11,10 @@ Checks, in order:
 1. TP>1 (the TP knob or -tp in EXTRA_ARGS; plan.resolve decides): TP must divide the model's
    attention, KV and GDN heads and not exceed the visible GPUs (when known); the single-card
    KV_MEM pin is dropped (an explicit byte pin is refused) and the pool is sized from GPU_UTIL;
-   the prediction is per GPU (onecard.memory.predict_tp) on 24 GiB cards.
+   the prediction is per GPU (onecard.memory.predict_tp) on 24 GiB cards, with the same layers in
+   the pool as at TP=1 (SPEC=dflash2: the drafter's attention layers, no MTP layer; none with
+   DFLASH_RING=1), every KV / GDN head count split per rank as vLLM splits it (a drafter whose KV
+   heads TP does not split is refused).
 2. ``--dtype float16`` with speculation is refused (drafters and GDN state run in bf16).
 3. k > 7 (DFlash2 DFLASH_TOKENS 8..15): CUDA-graph sizes capped to multiples of 1+k and
    max_len capped to 65,536.
@@ -194,6 +197,22 @@ def _pool_drafter(plan: ServePlan, drafter: memory.DrafterVRAM | None) -> memory
 
     return memory.DrafterVRAM(0, 0 if _ring(plan) else t.layers, "the tiny DFlash2 drafter's spec (no VRAM budget)",
                               kv_heads=t.kv_heads, head_dim=t.head_dim)
+
+
+def _pool_layers(plan: ServePlan, geom: memory.ModelGeometry, drafter: memory.DrafterVRAM | None,
+                 k: int) -> tuple[memory.DrafterVRAM | None, dict, int]:
+    """(the drafter whose layers share the pool (_pool_drafter), predict_pool's keywords for it, the
+    attention layers holding KV) at the whole model's shape; at TP>1 memory.predict_tp splits the
+    drafter's KV heads per rank. SPEC=dflash2 builds no MTP layer: the drafter's own attention
+    layers share the pool instead (pool_kw: mtp_in_pool False, their count and KV shape), unless
+    they live in rings outside it (DFLASH_RING=1: none, also for the tiny drafter)."""
+    in_pool = _pool_drafter(plan, drafter)
+    pool_kw = in_pool.pool_kw() if in_pool else {}
+    attn_layers = geom.num_full_attention + (in_pool.attn_layers if in_pool else (geom.mtp_layers if k > 0 else 0))
+    if _ring(plan):  # also for the tiny drafter: no pool pages, and bf16 FLASH_ATTN (no KVarN stage slots)
+        pool_kw = {**pool_kw, "mtp_in_pool": False, "draft_attn_layers": 0}
+        attn_layers = geom.num_full_attention
+    return in_pool, pool_kw, attn_layers
 
 
 def _draft_quant(plan: ServePlan, geom: memory.ModelGeometry, drafter: memory.DrafterVRAM | None,
@@ -525,6 +544,13 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
         plan.set("DRAFT_QUANT", "bf16", "profile", f"auto with {'TP>1' if tp > 1 else 'KV_MEM=auto'}: no "
                                                    f"single-card fit is predicted")
     if tp > 1:
+        # the DFlash2 drafter's layers in the pool (none with DFLASH_RING=1; no MTP layer) as at TP=1,
+        # their KV heads split per rank (memory.rank_pool_kw, inside predict_tp)
+        _, pool_kw, _ = _pool_layers(plan, geom, _drafter(plan), k)
+        try:
+            rank_kw = memory.rank_pool_kw(pool_kw, tp)
+        except ValueError as e:
+            raise PlanError(f"{e}; valid: TP=1 with this DRAFT, or SPEC=mtp|off") from None
         weights = _tp_weights(plan, geom, tp)
         if weights is None:
             plan.notes.append(f"TP={tp}: no per-GPU prediction (no checkpoint at MODEL={plan.get('MODEL')} "
@@ -536,12 +562,12 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
         scratch = _defer_scratch(plan, geom, tp)
         kv_gpu = max(memory.kv_mem_from_util(memory.CARD_24G, util, weights.per_gpu) - scratch, 0)
         pred = memory.predict_tp(geom, tp, weights, plan.get("KV"), int(plan.get("MAX_LEN")), k, prefix, util,
-                                 kv_bytes_per_gpu=kv_gpu, gdn_defer=_defer(plan))
+                                 kv_bytes_per_gpu=kv_gpu, gdn_defer=_defer(plan), **pool_kw)
         plan.prediction = pred.as_dict()
         if scratch:
             plan.prediction["gdn_defer_scratch_bytes"] = scratch
-        _gdn_defer_note(plan, memory.rank_geometry(geom, tp), pred.pool, k, prefix, {}, tp=tp)
-        one_seq = (pred.pool.num_blocks - pred.pool.state_slots_per_seq) * pred.pool.block_size
+        _gdn_defer_note(plan, memory.rank_geometry(geom, tp), pred.pool, k, prefix, rank_kw, tp=tp)
+        one_seq = pred.pool.one_sequence_tokens()
         if one_seq < int(plan.get("MAX_LEN")):
             plan.notes.append(f"TP={tp}: on {memory.CARD_24G // memory.GiB} GiB cards the predicted pool holds "
                               f"{max(one_seq, 0):,} tokens for one sequence (< MAX_LEN {int(plan.get('MAX_LEN')):,}); "
@@ -556,12 +582,7 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
     drafter = _drafter(plan)
     # DFlash2: no MTP layer is built; the drafter's own attention layers share the pool instead,
     # unless they live in rings outside it (DFLASH_RING=1: attn_layers 0); the tiny drafter too
-    in_pool = _pool_drafter(plan, drafter)
-    pool_kw = in_pool.pool_kw() if in_pool else {}
-    attn_layers = geom.num_full_attention + (in_pool.attn_layers if in_pool else (geom.mtp_layers if k > 0 else 0))
-    if _ring(plan):  # also for the tiny drafter: no pool pages, and bf16 FLASH_ATTN (no KVarN stage slots)
-        pool_kw = {**pool_kw, "mtp_in_pool": False, "draft_attn_layers": 0}
-        attn_layers = geom.num_full_attention
+    in_pool, pool_kw, attn_layers = _pool_layers(plan, geom, drafter, k)
     # 9a. the card, when known: a profile pin that does not fit is lowered before the pool is sized
     weights = _weights(plan, geom, environ) if str(plan.get("MODEL")) != "tiny" else (None, "", 0, "", 0)
     drafter = _draft_quant(plan, geom, drafter, weights, attn_layers)

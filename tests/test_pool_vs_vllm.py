@@ -8,6 +8,8 @@ shape and dtype from vLLM's MambaState*Calculator, as qwen3_5.py's two classmeth
 then kv_cache_utils.get_kv_cache_configs (grouping, page unification, num_blocks, the
 _check_enough_kv_cache_memory refusal) and get_kv_cache_capacity ("GPU KV cache size: N tokens").
 None of those functions is patched by patches/series, so the installed (stock) vLLM is the server's.
+At tensor parallel N (the tests at the end) the same functions run on N per-rank spec dicts at the
+plan's per-GPU KV bytes; what that cannot reproduce on the CPU is said above those tests.
 
 Measured pools (vLLM's log line) are fixed expectations where a row is the measured configuration:
 job 75 (H100, 2026-12-05, the tiny model + tiny DFlash2 drafter, docs/results/2026-12-05-s21),
@@ -40,6 +42,8 @@ from vllm.platforms.interface import Platform  # noqa: E402
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE  # noqa: E402
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, get_kv_quant_mode  # noqa: E402
+from vllm.config.model import ModelConfig  # noqa: E402
+from vllm.config.speculative import SpeculativeConfig  # noqa: E402
 
 from onecard import memory  # noqa: E402
 from onecard import plan as P  # noqa: E402
@@ -85,12 +89,25 @@ class _Qwen35:
             vc.model_config.dtype, c.mamba_cache_dtype, c.mamba_ssm_cache_dtype)
 
 
+def rank_heads(total: int, tp: int) -> int:
+    """KV heads per rank by vLLM's own ModelConfig.get_num_kv_heads (max(1, total // tp): the
+    expression qwen3_next.py's and qwen3_dflash.py's attention __init__ use too)."""
+    return ModelConfig.get_num_kv_heads(NS(use_mla=False, get_total_num_kv_heads=lambda: total),
+                                        NS(tensor_parallel_size=tp))
+
+
 def vllm_layout(geom: memory.ModelGeometry, kv_mem: int, kv: str, max_len: int, k: int, prefix: bool,
                 defer: bool = False, draft: tuple[int, int, int] | None = None,
-                mtp: bool | None = None) -> Layout:
+                mtp: bool | None = None, tp: int = 1) -> Layout:
     """vLLM 0.27.1's pool for a Qwen3.5 hybrid at --kv-cache-memory kv_mem. ``draft``: a DFlash2
     drafter's (layers, KV heads, head dim), its layers full attention in the pool (no MTP layer is
-    built then); ``mtp``: the MTP layer in the pool (default: with speculation and no drafter)."""
+    built then); ``mtp``: the MTP layer in the pool (default: with speculation and no drafter).
+
+    ``tp``: --tensor-parallel-size; ``geom`` and ``draft`` are the whole model's and ``kv_mem`` one
+    rank's KV bytes. Each of the ``tp`` workers hands get_kv_cache_configs the same per-rank spec
+    dict (layer names are the same on every rank) and the same memory: KV heads per rank by
+    rank_heads, the GDN state shape by vLLM's calculator at tensor_parallel_size=tp, the block size
+    by _align_hybrid_block_size at that parallel config."""
     from vllm.model_executor.models import ModelRegistry
 
     cache_dtype = memory.KV_DTYPES[kv].name
@@ -108,8 +125,9 @@ def vllm_layout(geom: memory.ModelGeometry, kv_mem: int, kv: str, max_len: int, 
             prefix_match_unit=None)
     mc = NS(dtype=bf16, use_mla=False, architecture="Qwen3_5ForConditionalGeneration", model_impl="auto",
             convert_type="none", hf_text_config=hf, max_model_len=max_len, original_max_model_len=max_len,
-            is_hybrid=True, get_num_kv_heads=lambda pc: geom.num_kv_heads, get_head_size=lambda: geom.head_dim)
-    vc = NS(cache_config=cc, model_config=mc, parallel_config=NS(tensor_parallel_size=1, decode_context_parallel_size=1),
+            is_hybrid=True, get_num_kv_heads=lambda pc: rank_heads(geom.num_kv_heads, pc.tensor_parallel_size),
+            get_head_size=lambda: geom.head_dim)
+    vc = NS(cache_config=cc, model_config=mc, parallel_config=NS(tensor_parallel_size=tp, decode_context_parallel_size=1),
             speculative_config=NS(num_speculative_tokens=k) if k else None, kv_transfer_config=None,
             scheduler_config=NS(disable_hybrid_kv_cache_manager=False), max_in_flight_tokens=None)
     ModelRegistry.resolve_model_cls = lambda arch, model_config: (_Qwen35, arch)  # instance attribute
@@ -126,7 +144,7 @@ def vllm_layout(geom: memory.ModelGeometry, kv_mem: int, kv: str, max_len: int, 
         return FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head_dim, dtype=kv_dtype,
                                  kv_quant_mode=quant, indexes_kv_by_block_stride=True, **kw)
 
-    target = attn(geom.num_kv_heads, geom.head_dim)
+    target = attn(rank_heads(geom.num_kv_heads, tp), geom.head_dim)
     gdn = MambaSpec(shapes=tuple(_Qwen35.get_mamba_state_shape_from_config(vc)),
                     dtypes=_Qwen35.get_mamba_state_dtype_from_config(vc), block_size=cc.mamba_block_size,
                     page_size_padded=cc.mamba_page_size_padded, mamba_cache_mode=mode,
@@ -140,12 +158,12 @@ def vllm_layout(geom: memory.ModelGeometry, kv_mem: int, kv: str, max_len: int, 
             specs[f"mtp.layers.{geom.num_layers + j}.self_attn.attn"] = target
     if draft:
         n, heads, head_dim = draft
-        d = attn(heads, head_dim, non_causal=True)
+        d = attn(rank_heads(heads, tp), head_dim, non_causal=True)
         for j in range(n):
             specs[f"draft_model.model.layers.{j}.self_attn.attn"] = d
-    cfg = ku.get_kv_cache_configs(vc, [specs], [kv_mem])[0]   # raises where vLLM refuses max_len
+    cfg = ku.get_kv_cache_configs(vc, [specs] * tp, [kv_mem] * tp)[0]   # raises where vLLM refuses max_len
     tokens, _ = ku.get_kv_cache_capacity(vc, cfg)
-    mc.max_model_len = 1 << 22
+    mc.max_model_len = 1 << 26  # the search bound of _estimate_max_model_len_from_groups (the tiny pair at TP=2: 8.2M)
     longest = ku._estimate_max_model_len_from_groups(vc, cfg.kv_cache_groups, kv_mem)
     gdn_groups = sum(isinstance(g.kv_cache_spec, MambaSpec) for g in cfg.kv_cache_groups)
     return Layout(tokens, block, cfg.num_blocks, len(cfg.kv_cache_groups), gdn_groups, longest)
@@ -207,11 +225,17 @@ def root(tmp_path_factory):
 
 
 def _plan_layout(plan, geom, draft):
-    """vLLM's layout at the plan's final values (MAX_LEN after caps, KV_MEM, k, prefix, GDN_DEFER)."""
+    """vLLM's layout at the plan's final values (MAX_LEN after caps, KV_MEM, k, prefix, GDN_DEFER;
+    at TP>1 the per-GPU KV bytes the plan predicted from GPU_UTIL, on every rank). DFLASH_RING=1:
+    the drafter's layers hand vLLM no KV-cache spec, and no MTP layer is built."""
     k = int(plan.get("SPEC_K"))
-    return vllm_layout(geom, int(plan.get("KV_MEM")), plan.get("KV"), int(plan.get("MAX_LEN")), k,
+    tp = int(plan.get("TP")) if "TP" in plan.values else 1
+    kv_mem = int(plan.prediction["kv_bytes_per_gpu"]) if tp > 1 else int(plan.get("KV_MEM"))
+    ring = plan.get("DFLASH_RING") == "1"
+    return vllm_layout(geom, kv_mem, plan.get("KV"), int(plan.get("MAX_LEN")), k,
                        plan.get("PREFIX_CACHE") == "1", plan.get("GDN_DEFER") == "1" and k > 0,
-                       draft if plan.get("SPEC") == "dflash2" else None)
+                       draft if plan.get("SPEC") == "dflash2" and not ring else None,
+                       mtp=False if ring else None, tp=tp)
 
 
 def _pred(plan) -> memory.PoolPrediction:
@@ -328,3 +352,140 @@ def test_tiny_drafter_shape_is_what_the_plan_uses(tiny):
 
     assert (t.layers, t.kv_heads, t.head_dim) == tiny[1]
     assert json.loads(json.dumps(_tiny_configs()[1]))["num_key_value_heads"] == t.kv_heads
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+#
+# At --tensor-parallel-size N every rank holds the same layers with 1/N of the KV and GDN heads
+# (the DFlash2 drafter runs at the target's TP: SpeculativeConfig._verify_and_get_draft_tp), and
+# get_kv_cache_configs lays the pool out from the N per-rank spec dicts. The plan sizes each rank's
+# pool from GPU_UTIL (memory.predict_tp); vLLM's layout below is computed at that per-rank figure.
+# What the CPU cannot reproduce, and so is not checked here: the per-rank KV bytes themselves
+# (vLLM profiles each rank's free memory; the plan's kv_bytes_per_gpu is an estimate from 3090
+# reserves, and its weights per GPU count only the target's tensors); the per-rank head counts
+# come from ModelConfig.get_num_kv_heads (the expression the attention layers' __init__ use), not
+# from instantiating the models (that needs an initialised TP group); nothing here has booted
+# SPEC=dflash2 at TP>1 on GPUs.
+
+TP_ENV = {"TP": "2", "CUDA_VISIBLE_DEVICES": "0,1"}
+TP_TABLE = [(f"{s}-{kv}-pc{pc}-defer{d}", {**knobs, "KV": kv, "PREFIX_CACHE": pc, "GDN_DEFER": d})
+            for s, knobs in SPECS for kv in ("bf16", INT8) for pc in ("0", "1")
+            for d in (("0",) if s == "off" else ("0", "1"))]
+
+
+def test_drafter_runs_at_the_target_tp_and_rank_heads():
+    """The launcher's --speculative-config names no draft_tensor_parallel_size, so vLLM runs the
+    drafter at the target's TP; memory.rank_kv_heads is vLLM's per-rank KV heads (replicated, one
+    a rank, below TP) and refuses exactly where the attention layers' assert would fail."""
+    assert SpeculativeConfig._verify_and_get_draft_tp(NS(tensor_parallel_size=2), None, NS(model_type="qwen3")) == 2
+    for total in (1, 2, 3, 4, 8, 16):
+        for tp in (1, 2, 4, 8):
+            ok = total % tp == 0 if total >= tp else tp % total == 0
+            if ok:
+                assert memory.rank_kv_heads(total, tp) == rank_heads(total, tp), (total, tp)
+            else:
+                with pytest.raises(ValueError, match=f"TP={tp} does not split the {total}"):
+                    memory.rank_kv_heads(total, tp)
+
+
+@pytest.mark.parametrize("name,knobs", TP_TABLE, ids=[n for n, _ in TP_TABLE])
+def test_27b_tp2_table(name, knobs, features, drafter_27b, root):
+    """The 27B geometry at CTX=long TP=2 (the pool from GPU_UTIL on each 24 GiB card), every SPEC x
+    KV x prefix caching x GDN_DEFER (an explicit 1; auto is 0 at TP>1): the plan's per-rank
+    prediction is vLLM's layout from the per-rank specs (SPEC=dflash2: the drafter's 5 layers of 4
+    KV heads x 128 per rank in a bucket of their own, group size 5, no MTP layer)."""
+    env = {"CTX": "long", "MODEL": str(root / "models" / "qwen38-27b"), "DRAFT": str(drafter_27b),
+           **TP_ENV, **knobs}
+    plan = P.make_plan(env, root, "python3")
+    assert plan.get("TP") == 2 and plan.prediction["tp"] == 2
+    pred = _pred(plan)
+    assert_same(pred, _plan_layout(plan, G, (5, 8, 128)))
+    if knobs["SPEC"] == "dflash2":
+        assert pred.group_size == 5 and pred.attn_groups == ((4, pred.block_size), (1, pred.block_size))
+
+
+def test_27b_tp2_gdn_defer_auto_is_0(features, drafter_27b, root):
+    """GDN_DEFER=auto at TP>1 is 0 (not yet run on two GPUs), and that plan too is vLLM's layout."""
+    env = {"CTX": "long", "SPEC": "dflash2", "MODEL": str(root / "models" / "qwen38-27b"),
+           "DRAFT": str(drafter_27b), **TP_ENV}
+    plan = P.make_plan(env, root, "python3")
+    assert plan.get("GDN_DEFER") == "0" and plan.values["GDN_DEFER"].source == "profile"
+    assert_same(_pred(plan), _plan_layout(plan, G, (5, 8, 128)))
+    assert any(n.startswith("GDN_DEFER=1 (available, not yet run on two GPUs) would hold 20 instead of 90 ")
+               for n in plan.notes)
+
+
+@pytest.mark.parametrize("defer,old,new", [("0", 556_755, 406_585), ("1", 688_128, 472_164)])
+def test_27b_tp2_dflash2_old_prediction_was_the_mtp_layout(defer, old, new, features, drafter_27b, root):
+    """The bug this pins: at TP>1 predict_tp was given no drafter, so CTX=long SPEC=dflash2 TP=2 was
+    predicted as vLLM's pool with the MTP layer in the target's bucket (17 attention layers, group
+    size 17, 3 GDN groups) instead of the drafter's 5 layers (group size 5, 10 GDN groups): 37 % /
+    46 % over vLLM's pool at GDN_DEFER 0 / 1."""
+    env = {"CTX": "long", "SPEC": "dflash2", "GDN_DEFER": defer, "MODEL": str(root / "models" / "qwen38-27b"),
+           "DRAFT": str(drafter_27b), **TP_ENV}
+    plan = P.make_plan(env, root, "python3")
+    kv_gpu, max_len = plan.prediction["kv_bytes_per_gpu"], int(plan.get("MAX_LEN"))
+    d = defer == "1"
+    as_mtp = vllm_layout(G, kv_gpu, INT8, max_len, 7, True, defer=d, mtp=True, tp=2)
+    bare = memory.predict_tp(G, 2, None, INT8, max_len, 7, True, kv_bytes_per_gpu=kv_gpu, gdn_defer=d).pool
+    assert as_mtp.tokens == bare.pool_tokens == old and (as_mtp.gdn_groups, bare.group_size) == (3, 17)
+    real = vllm_layout(G, kv_gpu, INT8, max_len, 7, True, defer=d, draft=(5, 8, 128), tp=2)
+    assert real.tokens == plan.prediction["pool_tokens"] == new and real.gdn_groups == 10
+
+
+def test_27b_tp2_dflash_ring(features, drafter_27b, root):
+    """DFLASH_RING=1 at TP=2: the drafter's layers stay out of the pool (and no MTP layer), as at TP=1."""
+    env = {"CTX": "long", "SPEC": "dflash2", "DFLASH_RING": "1", "MODEL": str(root / "models" / "qwen38-27b"),
+           "DRAFT": str(drafter_27b), **TP_ENV}
+    plan = P.make_plan(env, root, "python3")
+    pred = _pred(plan)
+    assert_same(pred, _plan_layout(plan, G, (5, 8, 128)))
+    assert pred.group_size == 16 and len(pred.attn_groups) == 1
+
+
+@pytest.mark.parametrize("kv_heads,ok", [(1, True), (2, True), (3, False)])
+def test_27b_tp2_drafter_kv_heads(kv_heads, ok, features, drafter_27b, root, tmp_path):
+    """A drafter of 1 KV head at TP=2 is replicated (one head a rank, as vLLM does); 3 heads (of 24
+    query heads) do not split over 2 ranks (vLLM's assert at model init): refused by the plan."""
+    d = tmp_path / "drafter"
+    d.mkdir()
+    cfg = json.loads((drafter_27b / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": kv_heads,
+                                               "num_attention_heads": 24 if kv_heads == 3 else 32}))
+    env = {"CTX": "long", "SPEC": "dflash2", "MODEL": str(root / "models" / "qwen38-27b"), "DRAFT": str(d), **TP_ENV}
+    if not ok:
+        with pytest.raises(P.PlanError, match=r"TP=2 does not split the 3 KV heads of the DFlash2 drafter"):
+            P.make_plan(env, root, "python3")
+        return
+    plan = P.make_plan(env, root, "python3")
+    assert_same(_pred(plan), _plan_layout(plan, G, (5, kv_heads, 128)))
+
+
+@pytest.fixture(scope="module")
+def tiny_on_disk(tmp_path_factory):
+    """The tiny checkpoint and its tiny DFlash2 drafter on disk (MODEL=tiny has no weights to size
+    a TP>1 pool from GPU_UTIL, so the plan gets the built directories)."""
+    from onecard.dflash.tiny_drafter import build_tiny_drafter
+    from onecard.prepare.tiny import build_tiny_model
+
+    base = tmp_path_factory.mktemp("tinytp")
+    model = build_tiny_model(base / "tiny")
+    return model, build_tiny_drafter(model, base / "tiny-drafter")
+
+
+@pytest.mark.parametrize("k", ["7", "15"])
+@pytest.mark.parametrize("kv", ["bf16", INT8])
+@pytest.mark.parametrize("defer", ["0", "1"])
+def test_tiny_tp2_dflash2(k, kv, defer, tiny, tiny_on_disk, features, root):
+    """The tiny pair at TP=2 (job 75's knobs, MAX_LEN 4096): per rank 1 KV head x 256 for the target
+    and the drafter's 2 x 64 split to 1 x 64, GDN 1 key / 3 value heads; the plan's per-rank pool
+    is vLLM's."""
+    geom, draft = tiny
+    model, drafter = tiny_on_disk
+    env = {**spec_kv_sweep.COMMON, "MODEL": str(model), "DRAFT": str(drafter), "CTX": "long", "MAX_LEN": "4096",
+           "SPEC": "dflash2", "DFLASH_TOKENS": k, "KV": kv, "GDN_DEFER": defer, "PORT": "8000", **TP_ENV}
+    env.pop("KV_MEM")
+    plan = P.make_plan(env, root, "python3", None, geom)
+    pred = _pred(plan)
+    assert_same(pred, _plan_layout(plan, geom, draft))
+    assert pred.group_size == 2 and len(pred.attn_groups) == 2
