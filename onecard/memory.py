@@ -311,6 +311,7 @@ DFLASH2_27B_HIDDEN = 5120
 DFLASH2_27B_Q_WIDTH = 32 * 128
 DFLASH2_27B_INTERMEDIATE = 17408
 DFLASH2_27B_FC_IN = 5 * 5120
+DFLASH2_27B_VOCAB = 248_320
 
 
 @dataclass
@@ -547,7 +548,10 @@ FAST_DFLASH_KV_MEM = kv_mem_for_pool(PUBLIC_3090, 68_605, "bf16", 65_536, 7, Tru
 # rank_geometry(). vLLM takes the smallest per-rank block count (kv_cache_utils).
 # A DFlash2 drafter runs at the target's TP (SpeculativeConfig._verify_and_get_draft_tp): each rank
 # holds all its attention layers with their KV heads split the same way (rank_pool_kw; below TP
-# they are replicated, one a rank), so its bucket and the group size are the TP=1 ones.
+# they are replicated, one a rank), so its bucket and the group size are the TP=1 ones; its
+# weights per GPU: dflash_drafter_vram(tp=N) (drafter_rank_tensor says what is split and what not).
+# The pool each GPU gets from GPU_UTIL: card x util less the one-GPU budget's terms at one GPU's
+# share (onecard.preflight._tp_vram; the target's weights by target_tp_weights).
 
 TP_SIZES = (1, 2, 4, 8)
 
@@ -609,12 +613,13 @@ def rank_geometry(geom: ModelGeometry, tp: int) -> ModelGeometry:
 
 def _tp_class(name: str) -> str:
     """'skip' (vision tower: --language-model-only), 'vocab' (vocab-parallel rows), 'replicated'
-    (RMSNorm weights, compressed-tensors weight_shape) or 'sharded' (split by heads / columns)."""
+    (RMSNorm weights, also the MTP module's pre_fc_norm_embedding / pre_fc_norm_hidden; the
+    compressed-tensors weight_shape) or 'sharded' (split by heads / columns)."""
     if name.startswith(("model.visual.", "visual.")) or ".visual." in name:
         return "skip"
     if "embed_tokens." in name or name.startswith("lm_head.") or ".lm_head." in name:
         return "vocab"
-    if name.endswith(("norm.weight", ".weight_shape")):
+    if name.endswith(".weight_shape") or (name.endswith(".weight") and "norm" in name.rsplit(".", 2)[-2]):
         return "replicated"
     return "sharded"
 
@@ -637,11 +642,21 @@ class TPWeights:
 
 
 def tp_weight_bytes(tensors, tp: int, source: str = "") -> TPWeights:
-    """Per-GPU weight bytes from (name, bytes) pairs (a checkpoint's tensors)."""
+    """Per-GPU weight bytes from (name, bytes) pairs (a checkpoint's tensors), every tensor
+    counted (target_tp_weights keeps only what the served plan loads)."""
     acc = {"sharded": 0, "vocab": 0, "replicated": 0, "skip": 0}
     for name, nbytes in tensors:
         acc[_tp_class(name)] += int(nbytes)
     return TPWeights(tp, acc["sharded"], acc["vocab"], acc["replicated"], source)
+
+
+def target_tp_weights(tensors: list[tuple[str, int]], tp: int, source: str, spec_method: str | None,
+                      embed_host: bool = False) -> TPWeights:
+    """The target's weights per GPU at tensor parallel ``tp`` by the same rule as target_weights
+    (one GPU): mtp.* only with SPEC=mtp (vLLM builds the MTP module for no other method), without
+    the target's embed_tokens with EMBED_HOST=1 (patch 0013 moves each rank's vocab shard of it to
+    pinned host memory), the vision tower skipped (tp_weight_bytes' 'skip')."""
+    return tp_weight_bytes([(n, b) for n, b in tensors if _target_on_gpu(n, spec_method, embed_host)], tp, source)
 
 
 def checkpoint_tensors(model_dir: str | os.PathLike) -> list[tuple[str, int]]:
@@ -784,9 +799,80 @@ def _header_fp8_saving(draft_dir: Path) -> int:
     return saved
 
 
+# The DFlash2 drafter per GPU at tensor parallel N. vLLM 0.27.1 runs it at the target's TP
+# (SpeculativeConfig._verify_and_get_draft_tp) and builds it as (qwen3_dflash.py + patch 0080's
+# qwen3_dflash2.py):
+# * per layer: qkv_proj QKVParallelLinear (query heads / N; KV heads by rank_kv_heads, replicated
+#   one a rank below N), o_proj RowParallelLinear (input / N), the MLP (Qwen3MLP) gate_up
+#   MergedColumnParallelLinear (output / N) and down_proj RowParallelLinear (input / N);
+#   input/post_attention_layernorm, q_norm, k_norm RMSNorm: on every GPU;
+# * fc ReplicatedLinear (5 x hidden -> hidden, 0.24 GiB bf16 for the 27B drafter): whole on every GPU;
+# * the DFlash2 convs (base_kernel nn.Parameter, kernel_projection ReplicatedLinear) and the
+#   candidate selector (hidden_projection ReplicatedLinear, two [vocab, rank] codebooks as
+#   nn.Parameter, 0.24 GiB for the 27B drafter): whole on every GPU;
+# * hidden_norm / norm RMSNorm, mask_embedding, d2t: whole on every GPU;
+# * embed_tokens VocabParallelEmbedding, lm_head ParallelLMHead: rows / N, and only when the
+#   checkpoint ships them: without them (the published drafters) the proposer shares the target's
+#   (llm_base_proposer._maybe_share_embeddings / _maybe_share_lm_head), already in its weights;
+# * the bf16 K/V copy of _build_context_kv_buffers: torch.cat of each layer's
+#   qkv_proj.weight[q_size:], the rank's own KV rows (fused_kv_copy_bytes at rank_kv_heads).
+# DRAFT_QUANT=fp8 quantizes each rank's shard (fp8_block_bytes at the rank's [out, in]).
+# A tensor this list does not name (and k/v without the drafter's KV head count) is counted whole.
+_DRAFTER_COLUMN = re.compile(r"(?:^|\.)layers\.\d+\.(?:self_attn\.q_proj|mlp\.(?:gate|up|gate_up)_proj)\.(?:weight|bias)$")
+_DRAFTER_KV = re.compile(r"(?:^|\.)layers\.\d+\.self_attn\.[kv]_proj\.(?:weight|bias)$")
+_DRAFTER_ROW = re.compile(r"(?:^|\.)layers\.\d+\.(?:self_attn\.o_proj|mlp\.down_proj)\.weight$")
+_DRAFTER_SINK = re.compile(r"(?:^|\.)layers\.\d+\.self_attn\.attention_sink_bias$")
+_DRAFTER_VOCAB = re.compile(r"^(?:(?:model|dflash)\.)?(?:embed_tokens|lm_head)\.")
+
+
+def drafter_rank_tensor(name: str, shape: tuple[int, ...], nbytes: int, tp: int,
+                        kv_heads: int | None) -> tuple[int, tuple[int, ...]]:
+    """(bytes, shape) one GPU holds of the drafter tensor ``name`` (as stored, prefix or not) at
+    tensor parallel ``tp`` (the list above); ``kv_heads``: the drafter's KV heads (None: unknown,
+    k/v counted whole)."""
+    shape = tuple(int(x) for x in shape)
+    if tp <= 1:
+        return nbytes, shape
+    if _DRAFTER_COLUMN.search(name) or _DRAFTER_SINK.search(name) or _DRAFTER_VOCAB.search(name):
+        return cdiv(nbytes, tp), (cdiv(shape[0], tp),) + shape[1:]
+    if _DRAFTER_KV.search(name) and kv_heads:
+        rank = rank_kv_heads(kv_heads, tp, "KV heads of the DFlash2 drafter")
+        return nbytes * rank // kv_heads, (shape[0] * rank // kv_heads,) + shape[1:]
+    if _DRAFTER_ROW.search(name) and len(shape) == 2:
+        return cdiv(nbytes, tp), (shape[0], cdiv(shape[1], tp))
+    return nbytes, shape
+
+
+def _drafter_bytes(tensors, tp: int, kv_heads: int | None, fp8: bool) -> int:
+    """One GPU's bytes of the drafter's tensors [(name, shape, bytes)] at tensor parallel ``tp``,
+    less DRAFT_QUANT=fp8's saving on each rank's shard of the tensors DRAFT_FP8_TENSOR names."""
+    total = 0
+    for name, shape, nbytes in tensors:
+        rank_bytes, rank_shape = drafter_rank_tensor(name, shape, nbytes, tp, kv_heads)
+        if fp8 and DRAFT_FP8_TENSOR.search(name) and len(rank_shape) == 2:
+            rank_bytes = fp8_block_bytes(*rank_shape)
+        total += rank_bytes
+    return total
+
+
+def published_27b_drafter_config():
+    """The published 27B DFlash2 drafter's config (the DFLASH2_27B_* figures; drafter_param_count
+    of it = DFLASH2_27B_PARAMS), for a DRAFT with neither safetensors nor a config that parses."""
+    from onecard.dflash.config import DrafterConfig
+
+    return DrafterConfig(
+        version=2, hidden_size=DFLASH2_27B_HIDDEN, num_layers=DFLASH2_27B_LAYERS,
+        num_heads=DFLASH2_27B_Q_WIDTH // DFLASH2_27B_HEAD_DIM, num_kv_heads=DFLASH2_27B_KV_HEADS,
+        head_dim=DFLASH2_27B_HEAD_DIM, intermediate_size=DFLASH2_27B_INTERMEDIATE, rms_norm_eps=1e-6,
+        rope_theta=1e7, vocab_size=DFLASH2_27B_VOCAB, block_size=8, mask_token_id=248070,
+        target_layer_ids=(5, 19, 33, 47, 61), target_hidden_size=DFLASH2_27B_HIDDEN,
+        layer_types=("sliding_attention",) * DFLASH2_27B_LAYERS, sliding_window=2048,
+        conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16)
+
+
 @dataclass
 class DrafterVRAM:
-    weight_bytes: int
+    weight_bytes: int  # on one GPU (at tensor parallel N: that GPU's share, dflash_drafter_vram's tp)
     attn_layers: int  # attention layers whose KV lives in the same pool (the pin); 0 in ring mode
     # (DFLASH_RING=1: their K/V sit in rings beside the pin, sized by dflash2_ring_bytes from the
     # plan's ring geometry, not from this record)
@@ -800,13 +886,18 @@ class DrafterVRAM:
                 "draft_kv_heads": self.kv_heads, "draft_head_dim": self.head_dim}
 
 
-def dflash_drafter_vram(draft_dir: str | os.PathLike | None, ring: bool = False, fp8: bool = False) -> DrafterVRAM:
+def dflash_drafter_vram(draft_dir: str | os.PathLike | None, ring: bool = False, fp8: bool = False,
+                        tp: int = 1) -> DrafterVRAM:
     """The DFlash2 drafter's weights and KV layers: safetensors headers of DRAFT when it has them
     (as the target's), else its config's shape in bf16, else the published 27B drafter.
 
     ``fp8`` (DRAFT_QUANT=fp8): less what FP8 saves on its fc, o_proj and MLP (fp8_saving).
     Both include ``fused_kv_copy_bytes``: the bf16 copy of every layer's K/V projection rows that
     0.27.1's DFlash keeps for its context precompute.
+
+    ``tp`` (TP>1): the bytes one GPU holds when vLLM runs the drafter at the target's tensor
+    parallel size (drafter_rank_tensor: linear layers split, fc / convs / selector / norms whole
+    on every GPU; the K/V copy of the rank's KV heads).
 
     ``ring`` (DFLASH_RING=1, docs/dflash2-huge.md section 3): the drafter's layers hand vLLM no
     KV-cache spec, so none of them shares the pool (``attn_layers`` 0); their K/V take
@@ -819,7 +910,7 @@ def dflash_drafter_vram(draft_dir: str | os.PathLike | None, ring: bool = False,
     the target's 16 attention layers take 4 groups, the 48 GDN layers 10; predict_pool). The
     top-level ``use_sliding_window`` of the published config is not honoured by 0.27.1
     (docs/dflash2.md), so they hold KV for the whole context."""
-    from onecard.dflash.config import DrafterConfig, DrafterConfigError
+    from onecard.dflash.config import DrafterConfig, DrafterConfigError, tensor_shapes
 
     cfg, why = None, "no DRAFT"
     d = Path(draft_dir) if draft_dir not in (None, "") else None
@@ -831,25 +922,27 @@ def dflash_drafter_vram(draft_dir: str | os.PathLike | None, ring: bool = False,
     layers = 0 if ring else cfg.num_layers if cfg else DFLASH2_27B_LAYERS
     shape = {"kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim} if cfg else {}
     q8 = ", fc/o_proj/MLP in FP8 (DRAFT_QUANT=fp8)" if fp8 else ""
-    # (weights without a config that parses: no shape to size the copy by; the launcher refuses them)
-    kv_copy = fused_kv_copy_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size) if cfg else 0
-    if d is not None and d.is_dir() and any(d.glob("*.safetensors")):
-        saved = _header_fp8_saving(d) if fp8 else 0
-        return DrafterVRAM(weight_bytes(d) - saved + kv_copy, layers,
-                           f"weights from safetensors headers{q8}{_kv_copy_words(kv_copy)}", **shape)
-    if cfg is not None:
-        from onecard.dflash.config import tensor_shapes
+    per_gpu = (f", per GPU at TP={tp} (q/k/v, o_proj, MLP split; fc, convs, selector, norms on every GPU)"
+               if tp > 1 else "")
 
-        saved = fp8_saving([shape for name, shape in tensor_shapes(cfg).items()
-                            if DRAFT_FP8_TENSOR.search(name)]) if fp8 else 0
-        return DrafterVRAM(drafter_param_count(cfg) * 2 - saved + kv_copy, layers,
-                           f"weights bf16 by config.json{q8}{_kv_copy_words(kv_copy)}", **shape)
-    saved = fp8_saving(drafter_fp8_linears(DFLASH2_27B_HIDDEN, DFLASH2_27B_Q_WIDTH, DFLASH2_27B_INTERMEDIATE,
-                                           DFLASH2_27B_FC_IN, DFLASH2_27B_LAYERS)) if fp8 else 0
-    kv_copy = fused_kv_copy_bytes(DFLASH2_27B_LAYERS, DFLASH2_27B_KV_HEADS, DFLASH2_27B_HEAD_DIM, DFLASH2_27B_HIDDEN)
-    return DrafterVRAM(DFLASH2_27B_PARAMS * 2 - saved + kv_copy, layers,
-                       f"estimate: the published 27B DFlash2 drafter, weights bf16{q8}{_kv_copy_words(kv_copy)} "
-                       f"({why})")
+    def kv_copy(c) -> int:
+        return fused_kv_copy_bytes(c.num_layers, rank_kv_heads(c.num_kv_heads, tp, "KV heads of the DFlash2 drafter"),
+                                   c.head_dim, c.hidden_size)
+
+    if d is not None and d.is_dir() and any(d.glob("*.safetensors")):
+        # (weights without a config that parses: no shape to size the copy by; the launcher refuses them)
+        copy = kv_copy(cfg) if cfg else 0
+        tensors = [(n, tuple(m["shape"]), m["data_offsets"][1] - m["data_offsets"][0])
+                   for n, m in tensor_headers(d).items()]
+        return DrafterVRAM(_drafter_bytes(tensors, tp, cfg.num_kv_heads if cfg else None, fp8) + copy, layers,
+                           f"weights from safetensors headers{q8}{_kv_copy_words(copy)}{per_gpu}", **shape)
+    src = "weights bf16 by config.json" if cfg is not None else "estimate: the published 27B DFlash2 drafter, weights bf16"
+    c = cfg if cfg is not None else published_27b_drafter_config()
+    copy = kv_copy(c)
+    tensors = [(n, s, math.prod(s) * 2) for n, s in tensor_shapes(c).items()]
+    return DrafterVRAM(_drafter_bytes(tensors, tp, c.num_kv_heads, fp8) + copy, layers,
+                       f"{src}{q8}{_kv_copy_words(copy)}{per_gpu}" + ("" if cfg is not None else f" ({why})"),
+                       **shape)
 
 
 @dataclass(frozen=True)
@@ -873,13 +966,16 @@ def ring_drafter(cfg, raw: dict, source: str) -> RingDrafter:
     return RingDrafter(cfg.num_layers, ring.window_from_config(raw), cfg.num_kv_heads, cfg.head_dim, source)
 
 
-def dflash2_ring_bytes(drafter: RingDrafter, max_seqs: int, k_max: int) -> int:
+def dflash2_ring_bytes(drafter: RingDrafter, max_seqs: int, k_max: int, tp: int = 1) -> int:
     """VRAM of the drafter's K/V rings beside the KV pin (DFLASH_RING=1): every drafter layer's bf16
     ring of ``max_seqs`` request slots of window + k_max + 1 rows (onecard.dflash.ring; 84,869,120 B
-    for the published 27B drafter at MAX_SEQS 2, DFLASH_TOKENS 7)."""
+    for the published 27B drafter at MAX_SEQS 2, DFLASH_TOKENS 7). On one GPU at tensor parallel
+    ``tp``: patch 0080's DFlash2Proposer.initialize_attn_backend shapes each ring by the attention
+    layer's own num_kv_heads, the rank's (rank_kv_heads; half the bytes at TP=2 for 8 KV heads)."""
     from onecard.dflash import ring
 
-    return ring.ring_bytes(drafter.layers, max_seqs, drafter.window, k_max, drafter.kv_heads, drafter.head_dim)
+    heads = rank_kv_heads(drafter.kv_heads, tp, "KV heads of the DFlash2 drafter") if tp > 1 else drafter.kv_heads
+    return ring.ring_bytes(drafter.layers, max_seqs, drafter.window, k_max, heads, drafter.head_dim)
 
 
 def draft_vocab_file(model_dir: str | os.PathLike, draft_vocab_env: str | None) -> Path | None:
@@ -954,6 +1050,12 @@ def target_embed_bytes(tensors: list[tuple[str, int]] | None) -> int:
     return sum(b for n, b in tensors or () if is_target_embed(n) and _tp_class(n) != "skip")
 
 
+def _target_on_gpu(name: str, spec_method: str | None, embed_host: bool) -> bool:
+    """Whether the target's tensor ``name`` is loaded onto the GPU (the vision tower aside, which
+    _tp_class skips): mtp.* only with SPEC=mtp, the target's embed_tokens not with EMBED_HOST=1."""
+    return (spec_method == "mtp" or not name.startswith("mtp.")) and not (embed_host and is_target_embed(name))
+
+
 def target_weights(tensors: list[tuple[str, int]] | None, source: str, spec_method: str | None,
                    embed_host: bool = False) -> tuple[int | None, str]:
     """The target's weights on one GPU from target_tensors' answer: the vision tower skipped
@@ -962,9 +1064,7 @@ def target_weights(tensors: list[tuple[str, int]] | None, source: str, spec_meth
     host memory)."""
     if tensors is None:
         return None, source
-    keep_mtp = spec_method == "mtp"
-    total = sum(b for n, b in tensors if _tp_class(n) != "skip" and (keep_mtp or not n.startswith("mtp."))
-                and not (embed_host and is_target_embed(n)))
+    total = sum(b for n, b in tensors if _tp_class(n) != "skip" and _target_on_gpu(n, spec_method, embed_host))
     if embed_host:
         source = ("27B layout, int8 lm_head/MTP, embed in host memory" if source == TARGET_LAYOUT_SOURCE
                   else source + ", embed_tokens in host memory")

@@ -14,7 +14,10 @@ Checks, in order:
    the prediction is per GPU (onecard.memory.predict_tp) on 24 GiB cards, with the same layers in
    the pool as at TP=1 (SPEC=dflash2: the drafter's attention layers, no MTP layer; none with
    DFLASH_RING=1), every KV / GDN head count split per rank as vLLM splits it (a drafter whose KV
-   heads TP does not split is refused).
+   heads TP does not split is refused). Each GPU's pool is card x GPU_UTIL less step 9's terms at
+   one GPU's share (_tp_vram: the target's weights as loaded, mtp.* only with SPEC=mtp; the
+   DFlash2 drafter's split and replicated parts, DRAFT_QUANT=fp8; the draft head, KVarN stage,
+   rings, lane, GDN_DEFER scratch; the reserves), into plan.prediction["vram"] (per_gpu) and a note.
 2. ``--dtype float16`` with speculation is refused (drafters and GDN state run in bf16).
 3. k > 7 (DFlash2 DFLASH_TOKENS 8..15): CUDA-graph sizes capped to multiples of 1+k and
    max_len capped to 65,536.
@@ -125,10 +128,69 @@ def _tp_checks(plan: ServePlan, geom: memory.ModelGeometry, tp: int) -> None:
 
 
 def _tp_weights(plan: ServePlan, geom: memory.ModelGeometry, tp: int) -> memory.TPWeights | None:
-    """Per-GPU weights: the checkpoint's safetensors headers when MODEL is on disk, else the
-    prepared 27B layout when the geometry is the 27B one, else unknown."""
+    """The target's weights per GPU: the checkpoint's safetensors headers when MODEL is on disk,
+    else the prepared 27B layout when the geometry is the 27B one, else unknown (None); what the
+    plan loads only, as at TP=1 (memory.target_tp_weights: mtp.* only with SPEC=mtp, no
+    embed_tokens with EMBED_HOST=1)."""
     tensors, source = memory.target_tensors(str(plan.get("MODEL")), geom)
-    return None if tensors is None else memory.tp_weight_bytes(tensors, tp, source)
+    if tensors is None:
+        return None
+    if plan.get("EMBED_HOST") == "1":
+        source += ", embed_tokens in host memory"
+    return memory.target_tp_weights(tensors, tp, source, plan.get("SPEC"), embed_host=plan.get("EMBED_HOST") == "1")
+
+
+def _tp_vram(plan: ServePlan, geom: memory.ModelGeometry, tp: int, weights: memory.TPWeights,
+             attn_layers: int, environ) -> tuple[dict, str]:
+    """TP>1: what one GPU holds beside its KV pool, the TP=1 budget's terms (_vram) each at one
+    GPU's share, as vLLM 0.27.1 splits them (the drafter runs at the target's TP):
+    the target's weights (_tp_weights); SPEC=dflash2's drafter (memory.dflash_drafter_vram at tp:
+    linear layers split, fc / convs / selector / norms whole, DRAFT_QUANT=fp8 on each shard);
+    SPEC=mtp's draft_lm_head of patch 0012 (a ParallelLMHead: vocab rows / TP); CTX=huge's KVarN
+    stage and prefill scratch (allocated per layer with the layer's own, the rank's, KV and query
+    heads: kvarn_reserve_bytes at the rank's geometry); DFLASH_RING=1's rings (the rank's KV heads,
+    memory.dflash2_ring_bytes at tp); the DFlash2 lookup lane's history (every rank's proposer keeps
+    the whole one: counted whole); GDN_DEFER=1's verify scratch (the rank's GDN heads); the
+    reserves (3090 single-card estimates; their split at TP is not known from code: whole on every
+    GPU, PREFILL_CHUNK's activation growth included). Returns (memory.vram_budget at kv_pin 0,
+    the terms as one line)."""
+    spec = plan.get("SPEC")
+    head, hsrc = 0, ""
+    if spec == "mtp":
+        head, hsrc = memory.draft_lm_head_bytes(str(plan.get("MODEL")), (environ or {}).get("ONECARD_DRAFT_VOCAB"))
+        head = memory.cdiv(head, tp) if head else 0  # ParallelLMHead (patch 0012): vocab-parallel rows
+    drafter = _drafter(plan, fp8=plan.get("DRAFT_QUANT") == "fp8", tp=tp)
+    kv = str(plan.get("KV"))
+    stage = 0
+    if memory.kvarn_preset(kv) is not None:
+        stage = memory.kvarn_reserve_bytes(memory.rank_geometry(geom, tp), kv, int(plan.get("MAX_SEQS")), attn_layers,
+                                           int(plan.get("KVARN_WINDOW")) if "KVARN_WINDOW" in plan.values else None,
+                                           int(plan.get("KVARN_SINKS")) if "KVARN_SINKS" in plan.values else None)
+    ring = _ring_bytes(plan, tp)
+    lane = _lane_bytes(plan)
+    scratch = _defer_scratch(plan, geom, tp)
+    chunk = int(plan.get("PREFILL_CHUNK")) if "PREFILL_CHUNK" in plan.values else memory.PREFILL_CHUNK
+    b = memory.vram_budget(0, weights.per_gpu, drafter.weight_bytes if drafter else 0, head, stage,
+                           reserves=memory.reserves(chunk), card_bytes=memory.CARD_24G, dflash2_ring_bytes=ring,
+                           dflash2_lane_bytes=lane, gdn_defer_scratch=scratch)
+    b["sources"] = {"weights": weights.source, "drafter_weights": drafter.source if drafter else "",
+                    "draft_lm_head": hsrc}
+    parts = [f"target weights {_gib(weights.per_gpu)} ({weights.source})"]
+    if drafter:
+        parts.append(f"DFlash2 drafter {_gib(drafter.weight_bytes)} ({drafter.source})")
+    if head:
+        parts.append(f"MTP draft_lm_head {_gib(head)} ({hsrc}, / {tp})")
+    if stage:
+        parts.append(f"KVarN fp16 stage + prefill scratch {_gib(stage)} (MAX_SEQS={plan.get('MAX_SEQS')})")
+    if ring:
+        parts.append(f"DFlash2 drafter K/V rings {_gib(ring)} (DFLASH_RING=1, MAX_SEQS={plan.get('MAX_SEQS')}, "
+                     f"DFLASH_TOKENS={plan.get('SPEC_K')})")
+    if lane >= memory.GiB // 100:
+        parts.append(f"DFlash2 lookup lane history {_gib(lane)} (whole on every GPU)")
+    if scratch:
+        parts.append(f"GDN_DEFER=1 verify scratch {_gib(scratch)}")
+    parts.append(f"reserves {_gib(b['reserves'])} (3090 single-card estimates)")
+    return b, " + ".join(parts)
 
 
 def _prefix_cache_spec_note(plan: ServePlan, geom: memory.ModelGeometry, k: int) -> None:
@@ -173,13 +235,14 @@ def _ring(plan: ServePlan) -> bool:
     return plan.ring_geometry is not None
 
 
-def _drafter(plan: ServePlan) -> memory.DrafterVRAM | None:
-    """SPEC=dflash2's drafter (weights, KV layers); None otherwise and for the tiny drafter."""
+def _drafter(plan: ServePlan, fp8: bool = False, tp: int = 1) -> memory.DrafterVRAM | None:
+    """SPEC=dflash2's drafter (weights, KV layers; at tensor parallel ``tp`` one GPU's share of its
+    weights); None otherwise and for the tiny drafter."""
     from onecard.plan import TINY_DRAFT
 
     if plan.get("SPEC") != "dflash2" or str(plan.get("DRAFT")) == TINY_DRAFT:
         return None
-    return memory.dflash_drafter_vram(str(plan.get("DRAFT")), ring=_ring(plan))
+    return memory.dflash_drafter_vram(str(plan.get("DRAFT")), ring=_ring(plan), fp8=fp8, tp=tp)
 
 
 def _pool_drafter(plan: ServePlan, drafter: memory.DrafterVRAM | None) -> memory.DrafterVRAM | None:
@@ -249,12 +312,12 @@ def _draft_quant(plan: ServePlan, geom: memory.ModelGeometry, drafter: memory.Dr
     return fp8
 
 
-def _ring_bytes(plan: ServePlan) -> int:
+def _ring_bytes(plan: ServePlan, tp: int = 1) -> int:
     """DFLASH_RING=1: the drafter's K/V rings beside the pin (memory.dflash2_ring_bytes) at the
-    plan's MAX_SEQS and DFLASH_TOKENS; 0 otherwise."""
+    plan's MAX_SEQS and DFLASH_TOKENS, on one GPU at tensor parallel ``tp``; 0 otherwise."""
     if not _ring(plan):
         return 0
-    return memory.dflash2_ring_bytes(plan.ring_geometry, int(plan.get("MAX_SEQS")), int(plan.get("SPEC_K")))
+    return memory.dflash2_ring_bytes(plan.ring_geometry, int(plan.get("MAX_SEQS")), int(plan.get("SPEC_K")), tp)
 
 
 def _lane_bytes(plan: ServePlan) -> int:
@@ -546,7 +609,7 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
     if tp > 1:
         # the DFlash2 drafter's layers in the pool (none with DFLASH_RING=1; no MTP layer) as at TP=1,
         # their KV heads split per rank (memory.rank_pool_kw, inside predict_tp)
-        _, pool_kw, _ = _pool_layers(plan, geom, _drafter(plan), k)
+        _, pool_kw, attn_layers = _pool_layers(plan, geom, _drafter(plan), k)
         try:
             rank_kw = memory.rank_pool_kw(pool_kw, tp)
         except ValueError as e:
@@ -558,14 +621,27 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
             return plan
         prefix = plan.get("PREFIX_CACHE") == "1"
         util = float(plan.get("GPU_UTIL"))
-        # GDN_DEFER=1's verify scratch (per GPU) comes out of what GPU_UTIL leaves for the pool
-        scratch = _defer_scratch(plan, geom, tp)
-        kv_gpu = max(memory.kv_mem_from_util(memory.CARD_24G, util, weights.per_gpu) - scratch, 0)
+        # what GPU_UTIL leaves for the pool on each GPU: card x util less every term the TP=1 budget
+        # counts beside the pin, at one GPU's share (_tp_vram); with the target's weights alone this is
+        # memory.kv_mem_from_util. Terms vLLM allocates after its memory profile (the DFLASH_RING=1
+        # rings, in the proposer's initialize_attn_backend) do not shrink the pool vLLM sizes itself:
+        # counting them keeps the prediction on the safe side of the GPU_UTIL budget.
+        b, line = _tp_vram(plan, geom, tp, weights, attn_layers, environ)
+        kv_gpu = max(int(memory.CARD_24G * util) - b["total"], 0)
         pred = memory.predict_tp(geom, tp, weights, plan.get("KV"), int(plan.get("MAX_LEN")), k, prefix, util,
                                  kv_bytes_per_gpu=kv_gpu, gdn_defer=_defer(plan), **pool_kw)
         plan.prediction = pred.as_dict()
-        if scratch:
-            plan.prediction["gdn_defer_scratch_bytes"] = scratch
+        b.update(kv_pin=kv_gpu, total=b["total"] + kv_gpu, per_gpu=True)
+        b["fits"] = b["total"] <= b["card_bytes"]
+        b["certain"] = b["total"] - b["reserves"] + memory.CUDA_CONTEXT  # as _vram's (verify.py reads it)
+        plan.prediction["vram"] = b
+        if b["gdn_defer_scratch"]:
+            plan.prediction["gdn_defer_scratch_bytes"] = b["gdn_defer_scratch"]
+        if b["dflash2_ring_bytes"]:
+            plan.prediction["dflash2_ring_bytes"] = b["dflash2_ring_bytes"]
+        plan.notes.append(f"TP={tp}: per GPU, GPU_UTIL {util} x {memory.CARD_24G // memory.GiB} GiB = "
+                          f"{_gib(int(memory.CARD_24G * util))} GiB: {line}; the KV pool gets the rest, "
+                          f"{_gib(kv_gpu)} GiB")
         _gdn_defer_note(plan, memory.rank_geometry(geom, tp), pred.pool, k, prefix, rank_kw, tp=tp)
         one_seq = pred.pool.one_sequence_tokens()
         if one_seq < int(plan.get("MAX_LEN")):

@@ -362,7 +362,7 @@ def test_tiny_drafter_shape_is_what_the_plan_uses(tiny):
 # pool from GPU_UTIL (memory.predict_tp); vLLM's layout below is computed at that per-rank figure.
 # What the CPU cannot reproduce, and so is not checked here: the per-rank KV bytes themselves
 # (vLLM profiles each rank's free memory; the plan's kv_bytes_per_gpu is an estimate from 3090
-# reserves, and its weights per GPU count only the target's tensors); the per-rank head counts
+# reserves and the per-GPU weights, drafter included: tests/test_tp_budget.py); the per-rank head counts
 # come from ModelConfig.get_num_kv_heads (the expression the attention layers' __init__ use), not
 # from instantiating the models (that needs an initialised TP group); nothing here has booted
 # SPEC=dflash2 at TP>1 on GPUs.
@@ -415,12 +415,14 @@ def test_27b_tp2_gdn_defer_auto_is_0(features, drafter_27b, root):
                for n in plan.notes)
 
 
-@pytest.mark.parametrize("defer,old,new", [("0", 556_755, 406_585), ("1", 688_128, 472_164)])
+@pytest.mark.parametrize("defer,old,new", [("0", 468_973, 342_360), ("1", 579_397, 397_483)])
 def test_27b_tp2_dflash2_old_prediction_was_the_mtp_layout(defer, old, new, features, drafter_27b, root):
     """The bug this pins: at TP>1 predict_tp was given no drafter, so CTX=long SPEC=dflash2 TP=2 was
     predicted as vLLM's pool with the MTP layer in the target's bucket (17 attention layers, group
     size 17, 3 GDN groups) instead of the drafter's 5 layers (group size 5, 10 GDN groups): 37 % /
-    46 % over vLLM's pool at GDN_DEFER 0 / 1."""
+    46 % over vLLM's pool at GDN_DEFER 0 / 1. (Figures at the plan's per-GPU KV bytes, 10.38 / 10.37
+    GiB since the TP budget counts the drafter's weights and no MTP weights, tests/test_tp_budget.py;
+    at the earlier 12.33 / 12.32 GiB they read 556,755 -> 406,585 and 688,128 -> 472,164.)"""
     env = {"CTX": "long", "SPEC": "dflash2", "GDN_DEFER": defer, "MODEL": str(root / "models" / "qwen38-27b"),
            "DRAFT": str(drafter_27b), **TP_ENV}
     plan = P.make_plan(env, root, "python3")
