@@ -135,6 +135,18 @@ def fake_features(tmp_path) -> Path:
 
 
 @pytest.fixture(scope="module")
+def drafter_27b(tmp_path_factory) -> Path:
+    """The published 27B DFlash2 drafter's config.json (5 layers, 32 q / 8 KV heads x 128,
+    use_sliding_window, window 2048), no weights; built once per module, read-only (a test that
+    edits it copies it first)."""
+    from onecard.dflash.tiny_drafter import build_geometry_drafter
+
+    d = tmp_path_factory.mktemp("d27") / "drafter-27b"
+    build_geometry_drafter(d, config_only=True, log=lambda *a, **k: None)
+    return d
+
+
+@pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     """The tiny Qwen3.5 target and its tiny DFlash2 drafter, built once per module."""
     from onecard.dflash.tiny_drafter import build_tiny_drafter

@@ -24,16 +24,6 @@ SCRATCH_27B = 32 * 48 * 20_864  # MAX_SEQS 4 x (1 + 7) positions x 48 GDN layers
 
 
 @pytest.fixture
-def drafter_27b(tmp_path):
-    """The published 27B drafter's config.json (5 layers, 8 x 128), no weights."""
-    from onecard.dflash.tiny_drafter import build_geometry_drafter
-
-    d = tmp_path / "drafter-27b"
-    build_geometry_drafter(d, config_only=True, log=lambda *a, **k: None)
-    return d
-
-
-@pytest.fixture
 def mk(tmp_path, fake_features, drafter_27b):
     """make_plan with DFlash2 'installed', the 27B drafter's config in DRAFT and no checkpoint (the
     memory model's prepared 27B layout), as scripts/profile_table.py builds its plans."""

@@ -21,16 +21,6 @@ def features(fake_features):
     return fake_features
 
 
-@pytest.fixture
-def drafter_27b(tmp_path):
-    """The published 27B drafter's config (5 layers, 8 x 128, use_sliding_window, window 2048)."""
-    from onecard.dflash.tiny_drafter import build_geometry_drafter
-
-    d = tmp_path / "drafter-27b"
-    build_geometry_drafter(d, config_only=True, log=lambda *a, **k: None)
-    return d
-
-
 def _edit(src: Path, dst: Path, **over) -> Path:
     dst.mkdir()
     cfg = json.loads((src / "config.json").read_text())

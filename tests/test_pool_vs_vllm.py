@@ -210,16 +210,6 @@ def features(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def drafter_27b(tmp_path_factory):
-    """The published 27B drafter's config.json (5 layers, 8 x 128), no weights."""
-    from onecard.dflash.tiny_drafter import build_geometry_drafter
-
-    d = tmp_path_factory.mktemp("d27") / "drafter-27b"
-    build_geometry_drafter(d, config_only=True, log=lambda *a, **k: None)
-    return d
-
-
-@pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("root")
 

@@ -32,16 +32,6 @@ def features(tmp_path_factory):
         yield d
 
 
-@pytest.fixture(scope="module")
-def drafter_27b(tmp_path_factory):
-    """The published 27B drafter's config.json (5 layers, 32 q / 8 KV heads x 128), no weights."""
-    from onecard.dflash.tiny_drafter import build_geometry_drafter
-
-    d = tmp_path_factory.mktemp("d27") / "drafter-27b"
-    build_geometry_drafter(d, config_only=True, log=lambda *a, **k: None)
-    return d
-
-
 @pytest.fixture
 def plan_tp(features, drafter_27b, tmp_path):
     """A CTX=long TP=2 plan of the 27B layout (no checkpoint on disk) with the published drafter."""
