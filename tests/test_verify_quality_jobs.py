@@ -230,7 +230,7 @@ def test_job31_budget_and_drafter_skips(tmp_path):
     r = subprocess.run(["bash", str(REPO / "gpu/jobs/31-verify-e2e.sh")], env=env, capture_output=True,
                        text=True, timeout=60, cwd=str(tmp_path))
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "off skipped:" in r.stdout and "< ARM_MIN_S=110s" in r.stdout
+    assert "off skipped:" in r.stdout and "< 110s for a 27B boot" in r.stdout and "ARM_MIN_S=110" in r.stdout
     assert "arms skipped: off(time) mtp-wide1(time) d2k7(no-drafter) d2k15(no-drafter) mtp-wide0(time)" in r.stdout
     assert "booting" not in r.stdout and "| depth | off ms/step |" in r.stdout
     (models / "qwen38-27b-geom-dflash2").mkdir()

@@ -26,7 +26,8 @@
 # step yields ~one token; what is compared is the cost of one step.
 # Time budget: the job stops starting work at JOB_BUDGET_S (default 1000 s, under the 1020 s
 # timeout, so the table is always printed; the job runs detached, past one call's 10 minutes).
-# An arm starts only when >= ARM_MIN_S (110 s) are left; its boot may wait up to BOOT_WAIT_S
+# An arm starts only when >= ARM_MIN_S (110 s) are left, and no less than the longest boot so far
+# + MEASURE_S; a boot cut short by the budget counts as skipped for time. Its boot may wait up to BOOT_WAIT_S
 # (330 s) but never into the MEASURE_S (60 s) kept for measuring. Skipped arms are named in the
 # summary. Measured 2026-12-03 on a fresh H200: the `off` boot took 187 s (torch.compile 50 s,
 # vLLM's profiling run 93 s: the FLA GDN kernels autotune at every boot) and a dflash2 boot
@@ -238,6 +239,7 @@ status=0
 ran=""
 skipped=""
 failed=""
+max_boot=0  # the longest boot so far (s): a later arm needs at least that much + MEASURE_S
 # run_arm LABEL SPEC WIDE_VERIFY DFLASH_TOKENS REQUIRED: boot, measure, stop; rc 0 measured,
 # 1 not valid, 2 skipped (time or drafter)
 run_arm() {
@@ -259,15 +261,24 @@ run_arm() {
     say "($label skipped: no drafter at $D (job 20 builds it))"; skipped="$skipped $label(no-drafter)"; return 2
   fi
   left=$((JOB_BUDGET_S - $(elapsed)))
-  if [ "$left" -lt "$ARM_MIN_S" ]; then
-    say "($label skipped: ${left}s left of the ${JOB_BUDGET_S}s budget < ARM_MIN_S=${ARM_MIN_S}s for a 27B boot + measurement)"
+  # an arm needs a boot as long as the longest one so far (2026-12-05, cold H100: off booted in 243 s,
+  # then mtp got 57 s of a 430 s budget and was counted a failed boot)
+  need=$ARM_MIN_S; [ $((max_boot + MEASURE_S)) -gt "$need" ] && need=$((max_boot + MEASURE_S))
+  if [ "$left" -lt "$need" ]; then
+    say "($label skipped: ${left}s left of the ${JOB_BUDGET_S}s budget < ${need}s for a 27B boot + measurement (ARM_MIN_S=${ARM_MIN_S}, longest boot so far ${max_boot}s))"
     skipped="$skipped $label(time)"; return 2
   fi
   wait=$((left - MEASURE_S)); [ "$wait" -gt "$BOOT_WAIT_S" ] && wait=$BOOT_WAIT_S
   say "[$(elapsed)s] booting $label (SPEC=$spec WIDE_VERIFY=$wv$([ "$k" != - ] && echo " DFLASH_TOKENS=$k")${extra:+ $extra}; boot may take ${wait}s)"
+  local t_boot=$(elapsed)
   if ! boot_server "$label" "$wait" env "${envargs[@]}" python3 -m onecard.launch; then
+    if [ "$wait" -lt "$BOOT_WAIT_S" ]; then  # cut short by the job budget, not a boot failure
+      say "$label: not healthy within ${wait}s (the budget's remainder; BOOT_WAIT_S=${BOOT_WAIT_S}): skipped for time"
+      skipped="$skipped $label(time)"; return 2
+    fi
     say "$label: boot failed or not healthy within ${wait}s"; failed="$failed $label(boot)"; return 1
   fi
+  t_boot=$(( $(elapsed) - t_boot )); [ "$t_boot" -gt "$max_boot" ] && max_boot=$t_boot
   grep -E "attention block size|GPU KV cache size|Maximum concurrency|Model loading took" \
     "$JOB_OUT/server-$label.log" | tail -4 | tee -a "$summary"
   mt=$((JOB_BUDGET_S - $(elapsed) - 15)); [ "$mt" -gt 150 ] && mt=150; [ "$mt" -lt 20 ] && mt=20
