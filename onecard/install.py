@@ -241,6 +241,8 @@ class Installer:
         from onecard.prepare.model import launcher_default_model
 
         env = []
+        if self.venv.absolute() != (REPO / "venv").absolute():
+            env.append(f"VENV={self.venv.absolute()}")  # start_qwen.sh looks in ./venv otherwise
         if self.model_dir and self.model_dir != (REPO / launcher_default_model()).absolute():
             env.append(f"MODEL={self.model_dir}")
         if self.drafter_dir and self.drafter_dir != launcher_default_draft().absolute():
@@ -284,7 +286,11 @@ class Installer:
 
             spec = "SPEC=dflash2 " + ("" if self.drafter_dir == launcher_default_draft().absolute()
                                       else f"DRAFT={self.drafter_dir} ")
-        print(f"venv: {self.venv}   next: {model}CTX=long {spec}./start_qwen.sh   (./start_qwen.sh --dry-run shows the plan)")
+        venv = ""
+        if self.venv.absolute() != (REPO / "venv").absolute():
+            venv = f"VENV={self.venv.absolute()} "  # start_qwen.sh / verify.sh look in ./venv otherwise
+        print(f"venv: {self.venv}   next: {venv}{model}CTX=long {spec}./start_qwen.sh   "
+              f"({venv}./start_qwen.sh --dry-run shows the plan)")
         return 0
 
 

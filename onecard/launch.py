@@ -48,6 +48,12 @@ def run(args: argparse.Namespace) -> int:
     from onecard import memory
     from onecard.plan import PlanError, format_table, make_plan, read_dotenv
 
+    from onecard import profiles
+
+    if not (args.dry_run or args.json) and not profiles.vllm_importable():
+        # before MODEL=tiny is built and before any plan: the exec would end in ModuleNotFoundError
+        print(f"onecard launch: {profiles.no_vllm_message()}", file=sys.stderr)
+        return 2
     try:
         env = dict(os.environ)
         # MODEL as the plan resolves it (environment over .env), so the preflight sees its config

@@ -261,6 +261,8 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
     ctx = profiles.CTX_PROFILES[plan.get("CTX")]
     spec = profiles.SPEC_PROFILES[plan.get("SPEC")]
     for feat in (ctx.needs, spec.needs):
+        if feat and not profiles.vllm_importable():
+            raise PlanError(f"{'CTX=huge' if feat == 'kvarn' else 'SPEC=dflash2'}: {profiles.no_vllm_message()}")
         if feat and not profiles.feature_installed(feat):
             which = "CTX=huge" if feat == "kvarn" else "SPEC=dflash2"
             # what this vLLM can serve now, by the features that are installed
@@ -691,6 +693,8 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     from onecard import preflight
 
     environ = dict(os.environ if environ is None else environ)
+    if check_paths and not profiles.vllm_importable():  # a real launch would exec into ModuleNotFoundError
+        raise PlanError(profiles.no_vllm_message())
     plan = resolve(environ, root, check_paths and model_path is None, probe_gpus=check_paths)
     preflight.run_checks(plan, geometry or memory.QWEN38_27B, environ)
     plan.argv = build_argv(plan, python, model_path)

@@ -276,6 +276,25 @@ def _feature_marker(name: str):
     return next((Path(p) / marker for p in spec.submodule_search_locations if (Path(p) / marker).is_file()), None)
 
 
+def vllm_importable() -> bool:
+    """Whether this Python finds a ``vllm`` package at all (importlib.util.find_spec; not imported)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return False
+    return spec is not None
+
+
+def no_vllm_message() -> str:
+    """The one-line refusal when this Python has no vLLM: which Python, and how to point at one."""
+    import sys
+
+    return (f"no vLLM is installed for {sys.executable or 'python3'}: run ./install.sh (it makes ./venv, which "
+            "./start_qwen.sh uses), or set VENV=DIR for a venv made with ./install.sh --venv DIR")
+
+
 def feature_installed(name: str) -> bool:
     """A later feature (KVarN, DFlash2) is present when its installer left the marker file
     ``vllm/<name>_installed.txt`` inside the installed vllm package (kvarn/install.sh writes

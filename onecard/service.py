@@ -27,7 +27,9 @@ REPO = Path(__file__).resolve().parent.parent
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 SECRET_KEYS = ("VLLM_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 # variables beside the launcher's knobs that a service may need (which GPU, where the Hub cache is)
-PASS_THROUGH = ("CUDA_VISIBLE_DEVICES", "HF_HOME", "HF_HUB_OFFLINE", "VLLM_LOGGING_LEVEL")
+# VENV: read by start_qwen.sh itself (which Python runs the launcher), for a venv made with
+# ./install.sh --venv DIR
+PASS_THROUGH = ("CUDA_VISIBLE_DEVICES", "HF_HOME", "HF_HUB_OFFLINE", "VLLM_LOGGING_LEVEL", "VENV")
 
 
 class ServiceError(ValueError):

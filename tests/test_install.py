@@ -110,3 +110,43 @@ def test_kvarn_installed_before_is_kept_up_to_date(tmp_path, monkeypatch):
     other.step_kvarn()
     assert other.calls == [] and other.summary[-1][1] == "skipped"
     assert not Recorder(tmp_path / "nope").kvarn_present()   # no venv python: not installed
+
+
+def test_next_line_names_a_venv_made_elsewhere(tmp_path, capsys, monkeypatch):
+    """./start_qwen.sh and ./verify.sh look in ./venv unless VENV is set: an install with --venv
+    DIR must say VENV=DIR in its "next:" line (session 23: the launcher ran the system python3)."""
+    for venv, want in ((tmp_path / "venv", f"VENV={tmp_path / 'venv'} "), (install.REPO / "venv", None)):
+        inst = Recorder(venv, have=PINNED, verify=False)
+        monkeypatch.setattr(inst, "step_python", lambda: None)
+        monkeypatch.setattr(inst, "step_venv", lambda: None)
+        monkeypatch.setattr(inst, "step_companions", lambda: None)
+        monkeypatch.setattr(inst, "step_patches", lambda: None)
+        monkeypatch.setattr(inst, "step_kvarn", lambda: None)
+        assert inst.run() == 0
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        assert "next:" in line
+        if want:
+            assert f"next: {want}CTX=long" in line and f"({want}./start_qwen.sh --dry-run" in line
+        else:
+            assert "VENV=" not in line
+
+
+@pytest.mark.parametrize("script", ["start_qwen.sh", "verify.sh"])
+def test_scripts_use_venv_and_refuse_a_missing_one(tmp_path, script):
+    import os
+
+    venv = tmp_path / "elsewhere"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    base = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    args = ["--dry-run"] if script == "start_qwen.sh" else ["--help"]
+    r = subprocess.run(["bash", str(install.REPO / script), *args], capture_output=True, text=True, timeout=120,
+                       env={**base, "VENV": str(venv), "CTX": "long"})
+    assert r.returncode == 0, r.stderr
+    if script == "start_qwen.sh":
+        assert f"argv: {venv / 'bin' / 'python'} -m vllm" in r.stdout
+    r = subprocess.run(["bash", str(install.REPO / script), *args], capture_output=True, text=True, timeout=60,
+                       env={**base, "VENV": str(tmp_path / "missing")})
+    err = r.stderr.strip()
+    assert r.returncode == 2 and "\n" not in err and f"VENV={tmp_path / 'missing'} has no bin/python" in err
+    assert not os.path.exists(tmp_path / "missing")

@@ -99,3 +99,21 @@ def test_cli_registry():
     from onecard.cli import COMMANDS
 
     assert COMMANDS["launch"][0] == "onecard.launch"
+
+
+def test_real_launch_without_vllm_refuses_before_anything(tmp_path, monkeypatch, capsys):
+    """No vLLM for this Python: one line naming VENV, exit 2 (the unit's no-restart code), before
+    MODEL=tiny is built, the warm-up forked or anything exec'd; a dry run still prints the plan."""
+    import importlib.util
+
+    from onecard import launch
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(launch, "_tiny_model_path", lambda: pytest.fail("built the tiny model"))
+    monkeypatch.setattr(os, "execvpe", lambda *a: pytest.fail("exec'd"))
+    monkeypatch.setenv("MODEL", "tiny")
+    assert launch.run(SimpleNamespace(dry_run=False, json=False, root=str(tmp_path))) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("onecard launch: no vLLM is installed for") and "VENV=DIR" in err and "\n" not in err
+    assert launch.run(SimpleNamespace(dry_run=True, json=False, root=str(tmp_path))) == 0

@@ -1,4 +1,5 @@
 """env -> ServePlan: golden argv per CTX x SPEC, bad inputs, sources, API key handling."""
+import importlib.machinery
 import importlib.util
 import os
 import shlex
@@ -121,13 +122,31 @@ def test_key_from_dotenv_and_file(root):
     assert plan.api_key == "fromfile" and plan.values["VLLM_API_KEY"].source == "api_key.txt"
 
 
-def test_feature_refusals(root, monkeypatch):
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+def test_feature_refusals(root, monkeypatch, tmp_path):
+    # a vLLM without the optional features' markers
+    bare = tmp_path / "barevllm" / "vllm"
+    bare.mkdir(parents=True)
+    spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
+    spec.submodule_search_locations = [str(bare)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "vllm" else None)
     with pytest.raises(P.PlanError, match="is not (installed into|applied to) this vLLM") as e:
         mk({"CTX": "huge"}, root)
     assert "\n" not in str(e.value)
     with pytest.raises(P.PlanError, match="is not (installed into|applied to) this vLLM"):
         mk({"SPEC": "dflash2"}, root)
+
+
+def test_no_vllm_at_all_is_named_not_blamed_on_a_patch(root, monkeypatch):
+    # session 23: a venv made with ./install.sh --venv DIR, started without VENV, ran the system
+    # python3: SPEC=dflash2 said "patch 0080 is not applied", SPEC=off exec'd into ModuleNotFoundError
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    for env in ({"CTX": "huge"}, {"SPEC": "dflash2"}):
+        with pytest.raises(P.PlanError, match="no vLLM is installed for .*VENV=DIR") as e:
+            mk(env, root)
+        assert "\n" not in str(e.value) and "patch" not in str(e.value)
+    assert mk({"SPEC": "off"}, root).argv  # a dry run stays machine-independent
+    with pytest.raises(P.PlanError, match="no vLLM is installed for"):
+        P.make_plan({"SPEC": "off", "MODEL": str(root)}, root, python="python3", check_paths=True)
 
 
 BAD = [

@@ -90,10 +90,13 @@ def test_onecard_service_cli_and_install_flag(home):
 def test_install_step_passes_model_and_drafter_placed_elsewhere(tmp_path):
     from onecard.install import Installer
 
+    from onecard.install import REPO as CHECKOUT
+
+    assert Installer(CHECKOUT / "venv", service=True).service_env() == []   # the default venv
     inst = Installer(tmp_path / "venv", service=True)
-    assert inst.service_env() == []
+    assert inst.service_env() == [f"VENV={tmp_path / 'venv'}"]   # start_qwen.sh reads VENV
     inst.model_dir, inst.drafter_dir = tmp_path / "m", tmp_path / "d"
-    assert inst.service_env() == [f"MODEL={tmp_path / 'm'}", f"DRAFT={tmp_path / 'd'}"]
+    assert inst.service_env() == [f"VENV={tmp_path / 'venv'}", f"MODEL={tmp_path / 'm'}", f"DRAFT={tmp_path / 'd'}"]
     calls = []
     inst.sh = lambda step, cmd, fix, env=None: calls.append([str(c) for c in cmd])
     inst.step_service()
