@@ -1082,6 +1082,16 @@ RESERVES = CUDA_GRAPH_RESERVE + ACTIVATION_HEADROOM + CUDA_CONTEXT
 PREFILL_CHUNK = 2048   # the launcher's default --max-num-batched-tokens (ACTIVATION_HEADROOM's chunk)
 
 
+# Measured against RESERVES (H200, 2026-12-05, session 19, job 41; docs/measurements.md): 27B
+# servers at the 3090 pins held more than the memory model by (after the H200's larger CUDA
+# context, 612 against 512 MiB) 1,103 MiB (long-off), 1,381 (long-mtp), 1,644 (fast-dflash2) and
+# 1,881 (long-dflash2): per SPEC the largest. They prefilled in vLLM's 8,192-token chunks (4x
+# PREFILL_CHUNK; at that chunk reserves() now counts 3.75 GiB more, which covers it); at 2,048 it
+# is not yet measured, so the preflight names the figure beside a plan whose spare is smaller.
+RESERVES_MEASURED_EXCESS = {"off": 1103 * MiB, "mtp": 1381 * MiB, "dflash2": 1881 * MiB}
+RESERVES_MEASURED_CHUNK = 8192
+
+
 def reserves(prefill_chunk: int = PREFILL_CHUNK) -> int:
     """The estimated reserves at a prefill chunk (PREFILL_CHUNK): the activation headroom grows
     linearly with a chunk above 2048 tokens (a prefill step's activations are per token); a

@@ -307,8 +307,9 @@ def _draft_quant(plan: ServePlan, geom: memory.ModelGeometry, drafter: memory.Dr
     plan.notes.append(f"DRAFT_QUANT=auto -> fp8: with a bf16 drafter the plan needs {_gib(b['total'])} GiB of the "
                       f"{card}; FP8 weights for the drafter's fc, o_proj and MLP (quantized while it loads) save "
                       f"{_gib(saved)} GiB. The target verifies every token, so FP8 changes speed, not the output "
-                      f"distribution; acceptance with FP8 weights is not yet measured, and the FP8 drafter is "
-                      f"CPU-tested only, not yet run on any GPU (DRAFT_QUANT=bf16 keeps bf16)")
+                      f"distribution (on an H200 the FP8 drafter's greedy output equalled SPEC=off on the tiny "
+                      f"model, job 70, 2026-12-05); its acceptance with the real drafter's weights is not yet "
+                      f"measured (DRAFT_QUANT=bf16 keeps bf16)")
     return fp8
 
 
@@ -474,7 +475,7 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
     card = _card_name(plan)
     line = f"VRAM on one GPU: {line}"
     if b["fits"]:
-        plan.notes.append(f"{line}: fits a {card}")
+        plan.notes.append(f"{line}: fits a {card}" + _measured_excess(plan, b, kv_mem))
         return
     # blame the fewest added terms, largest first, whose absence makes the plan fit (a 32 MB
     # GDN_DEFER scratch is not named beside a 2 GiB drafter that alone decides it)
@@ -497,12 +498,42 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
     if _card(plan)[1] and b["certain"] <= b["card_bytes"]:
         fix += (f"; without the estimated graph/activation reserves it is {_gib(b['certain'])} GiB, so the pin "
                 f"stays: if the boot runs out of GPU memory, set that KV_MEM")
+        if (excess := _excess(plan)) and b["kv_max"] - excess > 0:
+            fix += (f" (or KV_MEM={(b['kv_max'] - excess) // memory.MiB}M, which leaves room for the up to "
+                    f"{_gib(excess)} GiB that 27B servers with SPEC={plan.get('SPEC')} measured above these "
+                    f"estimates: {_EXCESS_WHERE})")
     alt = plan.prediction.get("gdn_defer") or {}
     pin = alt.get("kv_mem_same_pool")
     if pin and (total := b["total"] - (kv_mem - pin) + alt["scratch_bytes"]) <= b["card_bytes"]:
         fix += (f"; or GDN_DEFER=1 with KV_MEM={pin // memory.MiB}M (the same {plan.prediction['pool_tokens']:,}-token "
                 f"pool, no GDN state per draft position: {_gib(total)} GiB; the default with speculation on one GPU)")
     plan.notes.append(f"{line}: {why}; {fix} (or use a larger card; the reserves are 3090 estimates)")
+
+
+def _measured_excess(plan: ServePlan, b: dict, kv_mem: int) -> str:
+    """For a plan that fits by the estimated reserves with less spare than 27B servers of its SPEC
+    measured above them (memory.RESERVES_MEASURED_EXCESS, at an 8,192-token prefill chunk): the
+    figure and the KV_MEM that leaves room for it. Empty otherwise."""
+    excess = _excess(plan)
+    spare = b["card_bytes"] - b["total"]
+    if not excess or spare >= excess:
+        return ""
+    safe = max(kv_mem - (excess - spare), 0) // memory.MiB
+    return (f", {_gib(spare)} GiB to spare by the estimated reserves; but 27B servers with SPEC={plan.get('SPEC')} "
+            f"measured up to {_gib(excess)} GiB above those estimates ({_EXCESS_WHERE}), so this plan may run out "
+            f"of GPU memory at boot or at its first long prefill: if it does, KV_MEM={safe}M leaves room for that")
+
+
+_EXCESS_WHERE = "H200, job 41, 2026-12-05, at an 8,192-token prefill chunk; not yet measured at 2,048; docs/measurements.md"
+
+
+def _excess(plan: ServePlan) -> int:
+    """memory.RESERVES_MEASURED_EXCESS for the plan's SPEC, or 0 where it does not apply (a prefill
+    chunk of 8,192 or more, whose reserves() already cover it)."""
+    chunk = int(plan.get("PREFILL_CHUNK")) if "PREFILL_CHUNK" in plan.values else memory.PREFILL_CHUNK
+    if chunk >= memory.RESERVES_MEASURED_CHUNK:
+        return 0
+    return memory.RESERVES_MEASURED_EXCESS.get(str(plan.get("SPEC")), 0)
 
 
 def _ring_note(plan: ServePlan) -> None:

@@ -171,7 +171,8 @@ launcher's knobs, preflight and prediction; `--dry-run` prints every value, note
   out: int8 lm_head/embed/MTP) and the published 27B DFlash2 drafter in `DRAFT` (its config's
   shape, bf16 weights; "FP8 drafter": `DRAFT_QUANT=auto` quantizes its fc, o_proj and MLP to FP8
   while it loads, because with bf16 the plan does not fit the card: weights 3.58 -> 2.14 GiB, plus
-  DFlash's 0.10 GiB bf16 K/V copy either way; not yet run on any GPU). **`SPEC=dflash2` needs that
+  DFlash's 0.10 GiB bf16 K/V copy either way; on an H200 it loaded 2.33 GiB against the 2.24 predicted and its greedy
+  output equalled `SPEC=off` on the tiny model, job 70; acceptance with the real weights not yet measured). **`SPEC=dflash2` needs that
   drafter checkpoint**: `./install.sh --drafter` (or `onecard prepare drafter`) fetches it into
   `models/dflash2-drafter` (`DRAFT=DIR` points elsewhere); without one the launcher refuses
   `SPEC=dflash2`.
