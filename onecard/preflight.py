@@ -519,6 +519,7 @@ def _measured_excess(plan: ServePlan, b: dict, kv_mem: int) -> str:
     if not excess or spare >= excess:
         return ""
     safe = max(kv_mem - (excess - spare), 0) // memory.MiB
+    b["measured_excess"], b["kv_mem_room"] = excess, safe * memory.MiB   # for ./verify.sh's plan line
     return (f", {_gib(spare)} GiB to spare by the estimated reserves; but 27B servers with SPEC={plan.get('SPEC')} "
             f"measured up to {_gib(excess)} GiB above those estimates ({_EXCESS_WHERE}), so this plan may run out "
             f"of GPU memory at boot or at its first long prefill: if it does, KV_MEM={safe}M leaves room for that")
