@@ -110,8 +110,12 @@ def vllm_layout(geom: memory.ModelGeometry, kv_mem: int, kv: str, max_len: int, 
     by _align_hybrid_block_size at that parallel config."""
     from vllm.model_executor.models import ModelRegistry
 
-    cache_dtype = memory.KV_DTYPES[kv].name
+    cache_dtype = memory.KV_DTYPES[kv].name if kv in memory.KV_DTYPES else kv
     bf16 = torch.bfloat16
+    backend = TritonAttentionBackend
+    if cache_dtype.startswith("kvarn_"):  # only in a vLLM with kvarn/install.sh applied (a child process)
+        from vllm.v1.attention.backends.kvarn_attn import KvarnAttentionBackend as backend, bytes_per_token_head
+        from vllm.v1.kv_cache_interface import TQFullAttentionSpec
     kv_dtype = bf16 if cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
     quant = get_kv_quant_mode(cache_dtype)
     mode = "align" if prefix else "none"
@@ -132,7 +136,7 @@ def vllm_layout(geom: memory.ModelGeometry, kv_mem: int, kv: str, max_len: int, 
             scheduler_config=NS(disable_hybrid_kv_cache_manager=False), max_in_flight_tokens=None)
     ModelRegistry.resolve_model_cls = lambda arch, model_config: (_Qwen35, arch)  # instance attribute
     try:
-        Platform._align_hybrid_block_size(vc, TritonAttentionBackend)
+        Platform._align_hybrid_block_size(vc, backend)
     finally:
         del ModelRegistry.resolve_model_cls
     if cc.mamba_block_size is None:  # mode none: VllmConfig sets max_model_len (not used for sizing)
@@ -140,6 +144,10 @@ def vllm_layout(geom: memory.ModelGeometry, kv_mem: int, kv: str, max_len: int, 
     block = cc.block_size
 
     def attn(heads: int, head_dim: int, **kw) -> FullAttentionSpec:
+        if backend is not TritonAttentionBackend:   # KVarN: the spec its patched Attention layer returns
+            return TQFullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head_dim, head_size_v=head_dim,
+                                       dtype=kv_dtype, kv_quant_mode=quant,
+                                       tq_slot_size=bytes_per_token_head(cache_dtype, head_dim))
         # indexes_kv_by_block_stride: what the GPU runner asks TRITON_ATTN / FLASH_ATTN (NHD: True)
         return FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head_dim, dtype=kv_dtype,
                                  kv_quant_mode=quant, indexes_kv_by_block_stride=True, **kw)
@@ -481,3 +489,61 @@ def test_tiny_tp2_dflash2(k, kv, defer, tiny, tiny_on_disk, features, root):
     pred = _pred(plan)
     assert_same(pred, _plan_layout(plan, geom, draft))
     assert pred.group_size == 2 and len(pred.attn_groups) == 2
+
+
+# ----------------------------------------------------------------------------- CTX=huge (KVarN)
+
+# Measured "GPU KV cache size" (27B geometry, H200, 3090 pin): off 358,107 and stock-GDN MTP
+# 296,827 (docs/measurements.md, sessions 3, 11, 14, 17). GDN_DEFER=auto (1 with SPEC=mtp, the
+# default since session 22) is not yet run with KVarN: its row is the CPU layout only.
+HUGE = [("huge-off", {"SPEC": "off"}, 358_107), ("huge-mtp-gd0", {"SPEC": "mtp", "GDN_DEFER": "0"}, 296_827),
+        ("huge-mtp", {"SPEC": "mtp"}, None), ("huge-mtp-pc0", {"SPEC": "mtp", "PREFIX_CACHE": "0"}, None),
+        ("huge-k4v4-mtp", {"SPEC": "mtp", "KVARN_PRESET": "k4v4_g128"}, None)]
+
+_HUGE_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import test_pool_vs_vllm as T
+from onecard import memory
+out = {}
+for name, (kv_mem, kv, max_len, k, prefix, defer) in json.loads(sys.argv[2]).items():
+    out[name] = T.dataclasses.asdict(T.vllm_layout(memory.QWEN38_27B, kv_mem, kv, max_len, k, prefix, defer))
+print("JSON" + json.dumps(out))
+"""
+
+
+def test_27b_ctx_huge_kvarn(vllm_dir, tmp_path, features, root):
+    """CTX=huge: the plan's pool against vLLM's own functions in a vLLM with KVarN installed
+    (kvarn/install.sh into a view: TQFullAttentionSpec pages, KVARN's block-size alignment), for
+    SPEC=off / mtp with and without GDN_DEFER, and the measured pools where a row was measured."""
+    import os
+    import subprocess
+
+    from onecard import patching
+    from onecard.kvarn import installer as kin
+
+    also = tuple({p for patch in patching.read_series(kin.SERIES) for p in patch.paths} | set(kin.sources())
+                 | {kin.MARKER})
+    site = patching.overlay(vllm_dir, tmp_path / "site", also=also)
+    assert kin.main(["--vllm-dir", str(site / "vllm")]) == 0
+    plans, args = {}, {}
+    for name, knobs, _ in HUGE:
+        plan = P.make_plan({"CTX": "huge", "MODEL": str(root / "models" / "qwen38-27b"), **knobs}, root, "python3")
+        k = int(plan.get("SPEC_K"))
+        plans[name] = plan
+        args[name] = (int(plan.get("KV_MEM")), plan.get("KV"), int(plan.get("MAX_LEN")), k,
+                      plan.get("PREFIX_CACHE") == "1", plan.get("GDN_DEFER") == "1" and k > 0)
+    repo = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", _HUGE_CHILD, str(repo / "tests"), json.dumps(args)],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": f"{site}:{repo}"})
+    line = [x for x in r.stdout.splitlines() if x.startswith("JSON")]
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    got = json.loads(line[0][4:])
+    for name, _, measured in HUGE:
+        lay = Layout(**got[name])
+        assert_same(_pred(plans[name]), lay)
+        if measured is not None:
+            assert lay.tokens == measured
+    # GDN_DEFER's gain at the huge pin, as the profile table says (docs/profiles.md)
+    assert got["huge-mtp"]["tokens"] == 336_112 and got["huge-mtp-gd0"]["tokens"] == 296_827
