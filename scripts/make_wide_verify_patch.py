@@ -4,7 +4,7 @@
 The patch ships onecard/kernels/wide_verify.py as vllm/v1/attention/ops/onecard_wide_verify.py
 (tests/test_wide_verify_patch.py checks the two are identical). After editing the kernel run:
 
-  python3 scripts/make_wide_verify_patch.py patches/0070-wide-verify-triton-attn.patch
+  python3 scripts/make_wide_verify_patch.py [PATCH_FILE] [--check]
 
 It rewrites only the hunk that creates the kernel file; the header and the triton_attn.py hunks
 stay as they are. The file is replaced atomically.
@@ -30,18 +30,41 @@ def new_file_diff(text: str) -> str:
     return "".join(out)
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print(__doc__.strip().splitlines()[0], file=sys.stderr)
-        print("usage: make_wide_verify_patch.py PATCH_FILE", file=sys.stderr)
-        return 2
-    path = Path(argv[0])
-    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+DEFAULT = REPO / "patches" / "0070-wide-verify-triton-attn.patch"
+
+
+def render(path: Path) -> str:
+    """The patch text with its kernel hunk regenerated from KERNEL; the rest of the file kept."""
+    text = path.read_text(encoding="utf-8")
     marker = "--- /dev/null\n+++ b/" + TARGET
     keep = text.split(marker)[0] if marker in text else text
     if keep and not keep.endswith("\n"):
         keep += "\n"
-    body = keep + new_file_diff(KERNEL.read_text(encoding="utf-8"))
+    return keep + new_file_diff(KERNEL.read_text(encoding="utf-8"))
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    ap.add_argument("patch", nargs="?", default=str(DEFAULT),
+                    help="the wide-verify patch to rewrite (default: %(default)s)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the patch is out of date; write nothing")
+    args = ap.parse_args(argv)
+    path = Path(args.patch)
+    # an existing patch with its header only: a mistyped path must not become a new file
+    if not path.is_file() or "Applies-To:" not in path.read_text(encoding="utf-8"):
+        print(f"make_wide_verify_patch: {path} is not valid; valid: an existing patch file with its header "
+              f"(default {DEFAULT.relative_to(REPO)})", file=sys.stderr)
+        return 2
+    body = render(path)
+    if args.check:
+        if path.read_text(encoding="utf-8") != body:
+            print(f"{path}: out of date with {KERNEL.relative_to(REPO)}: run python3 scripts/make_wide_verify_patch.py",
+                  file=sys.stderr)
+            return 1
+        print(f"{path}: up to date")
+        return 0
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(body)

@@ -547,7 +547,7 @@ def default_launch(mode: int, block_m: int, head_dim: int, device: torch.device)
     every vLLM page size (multiples of 16; 784 bf16 / 1584 int8 on the 27B), which keeps int8 /
     int4 on the per-tile address path (``PAGE_TILES``); tile 32 would not divide 1584. Older GPUs
     (sm_80/86, 99-163 KiB; mma.sync keeps Q in registers, so everything spills a little at 128
-    rows): bf16 tile 32 / 2 stages as before; int8 tile 16 / 2 stages (332 B spills vs 644 B at
+    rows): bf16 tile 32 / 2 stages as before, 1 stage at 128 query rows x 256 (below); int8 tile 16 / 2 stages (332 B spills vs 644 B at
     tile 32); int4 tile 16 / 1 stage (ptxas caps the pipelined int4 kernel at 128 registers on
     sm_86: ~4 KB spills; unpipelined 255 registers, 160 B). Compiler figures only on sm_86; no
     3090 timing yet. Evidence: docs/wide-verify.md ("int8 / int4 tile loop").
@@ -562,6 +562,14 @@ def default_launch(mode: int, block_m: int, head_dim: int, device: torch.device)
     cap = (torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0)
     if cap >= 9:
         return (32, warps, 4) if mode == 0 else (16, warps, 4)
+    if mode == 0 and block_m * head_dim > 64 * 256:
+        # 128 query rows x 256 (a verify block of 9..16 tokens, bf16 KV): 2 stages take 104 KiB of
+        # shared memory (Triton 3.9, sm_86), over the 99 KiB (101,376 B) a block may have on an
+        # RTX 3090 / 4090, where the launch fails; 1 stage takes 88 KiB at the same per-key loop
+        # (1,599 vs 1,640 instructions per 32 keys). With 2 stages the copies of the next tile are
+        # issued only after this tile's dots (docs/wide-verify.md), so the stage bought little.
+        # tests/test_wide_verify_compile.py holds every default under 101,376 B.
+        return (32, warps, 1)
     return {0: (32, warps, 2), 2: (16, warps, 2), 4: (16, warps, 1)}[mode]
 
 
