@@ -312,6 +312,22 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
     if plan.values["LOOKUP_LANE"].source != "default" and spec.name != "dflash2":
         raise PlanError(f"LOOKUP_LANE={plan.get('LOOKUP_LANE')} needs SPEC=dflash2 (the DFlash2 lookup lane); "
                         "valid otherwise: leave LOOKUP_LANE unset")
+    if ctx.needs == "kvarn" and spec.name != "off" and 1 + int(plan.get("SPEC_K")) > KVARN_SMALL_VERIFY_ROWS:
+        # KVarN's verify kernel at 9..16 query tokens (128 query rows x 256) needs 152 KiB of shared
+        # memory per block (Triton 3.9, compiled for sm_86 on the CPU, session 23); none of its
+        # launch settings fits the 99 KiB of an RTX 3090 / 4090 block (143-156 KiB, and ptxas caps
+        # it at 128 registers with ~9-13 KB of spills there). Up to 8 query tokens: 86 KiB.
+        k = int(plan.get("SPEC_K"))
+        cap, why = card_capability(environ, probe=probe_gpus)
+        need = (f"KVarN's verify kernel at {k + 1} query tokens needs {KVARN_WIDE_VERIFY_SHARED_KIB} KiB of "
+                f"shared memory per block (an H100 / H200 or A100 has it; an RTX 3090 / 4090 has 99 KiB)")
+        have = SHARED_KIB_PER_BLOCK.get(cap) if cap else None
+        if have is not None and have < KVARN_WIDE_VERIFY_SHARED_KIB:
+            raise PlanError(f"DFLASH_TOKENS={k} with CTX=huge: {need}, and this GPU ({why}) has {have} KiB; "
+                            f"valid: DFLASH_TOKENS=7 with CTX=huge, or DFLASH_TOKENS={k} with CTX=long|fast")
+        if have is None:
+            plan.notes.append(f"DFLASH_TOKENS={k} with CTX=huge: {need}; a real launch on a card with less refuses "
+                              f"it ({why})")
     if spec.name == "dflash2" and int(plan.get("SPEC_K")) > DFLASH2_DRAFTER_ROWS and plan.get("LOOKUP") == "0":
         plan.notes.append(f"DFLASH_TOKENS={plan.get('SPEC_K')} with LOOKUP=0: positions {DFLASH2_DRAFTER_ROWS + 1}.."
                           f"{plan.get('SPEC_K')} repeat the last draft (verified, rarely accepted); LOOKUP=1 fills them")
@@ -515,6 +531,8 @@ def _tp_in_extra(extra: list[str]) -> int | None:
 
 
 DFLASH2_DRAFTER_ROWS = 7  # the published DFlash2 drafters: block_size 8 = anchor + 7 drafts
+KVARN_SMALL_VERIFY_ROWS = 8       # KVarN verify blocks up to 8 tokens fit 99 KiB of shared memory
+KVARN_WIDE_VERIFY_SHARED_KIB = 152  # 155,648 B at 9..16 tokens (onecard.kvarn.kernels, sm_86)
 TINY_DRAFT = "tiny"  # DRAFT value: the tiny drafter beside the tiny model (MODEL=tiny)
 
 
@@ -626,6 +644,37 @@ def card_memory(environ: Mapping[str, str], probe: bool = True) -> tuple[int | N
                               f"({small[0]}: {small[2] // memory.MiB:,} MiB)")
         pick = match[0]
     return pick[2], f"nvidia-smi: GPU {pick[0]}, {pick[2] // memory.MiB:,} MiB"
+
+
+# Shared memory a thread block may opt into, KiB, by compute capability (CUDA C++ Programming
+# Guide, "Technical Specifications per Compute Capability"): what a Triton kernel's launch needs
+# to fit. 8.6 / 8.9 / 12.x: RTX 30 / 40 / 50 series.
+SHARED_KIB_PER_BLOCK = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99, (9, 0): 227,
+                        (10, 0): 227, (10, 3): 227, (12, 0): 99, (12, 1): 99}
+
+
+def card_capability(environ: Mapping[str, str], probe: bool = True) -> tuple[tuple[int, int] | None, str]:
+    """((major, minor) compute capability of the first GPU this process would use, how that was
+    found); None = unknown (never a failure). ``nvidia-smi --query-gpu=index,uuid,compute_cap``
+    only when ``probe`` (a real launch); the GPU picked as card_memory picks it."""
+    if not probe:
+        return None, "not asked in a dry run"
+    out, why = _nvidia_smi(["--query-gpu=index,uuid,compute_cap", "--format=csv,noheader"])
+    if out is None:
+        return None, why
+    gpus = []
+    for ln in out.splitlines():
+        parts = [x.strip() for x in ln.split(",")]
+        major, _, minor = parts[2].partition(".") if len(parts) == 3 else ("", "", "")
+        if major.isdigit() and minor.isdigit():
+            gpus.append((parts[0], parts[1], (int(major), int(minor))))
+    if not gpus:
+        return None, "nvidia-smi listed no compute capability"
+    first = (environ.get("CUDA_VISIBLE_DEVICES") or "").split(",")[0].strip()
+    match = [g for g in gpus if not first or g[0] == first or (first.startswith("GPU-") and g[1].startswith(first))]
+    if not match:
+        return None, f"nvidia-smi: CUDA_VISIBLE_DEVICES={first!r} not matched"
+    return match[0][2], f"nvidia-smi: GPU {match[0][0]}, compute capability {match[0][2][0]}.{match[0][2][1]}"
 
 
 def build_argv(plan: ServePlan, python: str = sys.executable, model_path: str | None = None) -> list[str]:

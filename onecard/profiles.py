@@ -85,7 +85,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("CTX", "fast", "fast|long|huge", "context profile (KV dtype, max_len, MAX_SEQS, KV_MEM pin)", tuple(CTX_PROFILES)),
     Knob("SPEC", "mtp", "off|mtp|dflash2", "speculative decoding method", tuple(SPEC_PROFILES)),
     Knob("SPEC_K", "", "1..7 (mtp)", "draft tokens per step; default per profile (mtp 4 fast / 3 long+huge)"),
-    Knob("DFLASH_TOKENS", "", "7..15", "DFlash2 block size (draft tokens), default 7"),
+    Knob("DFLASH_TOKENS", "", "7..15", "DFlash2 block size (draft tokens), default 7; with CTX=huge, 8..15 "
+         "needs 152 KiB of shared memory per block for KVarN's verify kernel (H100 / H200 / A100; an RTX 3090 "
+         "/ 4090 has 99 KiB, and a real launch there refuses it)"),
     Knob("LOOKUP", "1", "0|1", "DFlash2 lookup lane: with DFLASH_TOKENS 8..15, positions past the drafter's 7 "
          "come from suffix matches in prompt + generated text (0: the last draft repeated)", BOOL),
     Knob("LOOKUP_LANE", "device", "device|host", "where the lookup lane's suffix match runs: device (the GPU, "

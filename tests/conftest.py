@@ -104,6 +104,7 @@ def gen(request):
 from onecard import plan as _plan  # noqa: E402
 
 REAL_CARD_MEMORY = _plan.card_memory  # tests/test_preflight.py tests the real one
+REAL_CARD_CAPABILITY = _plan.card_capability  # and this one
 
 
 @pytest.fixture(autouse=True)
@@ -111,6 +112,7 @@ def _no_gpu_probe(monkeypatch):
     """The preflight's card (plan.card_memory asks nvidia-smi at a real launch) is unknown in every
     test, so a developer's GPU does not change the plans tests check; tests set CARD_GIB instead."""
     monkeypatch.setattr(_plan, "card_memory", lambda environ, probe=True: (None, "tests: no GPU probe"))
+    monkeypatch.setattr(_plan, "card_capability", lambda environ, probe=True: (None, "tests: no GPU probe"))
 
 
 @pytest.fixture(autouse=True)

@@ -179,3 +179,33 @@ def test_tiny_drafter_ring_bytes(tmp_path, features, tiny_pair):
     assert tiny.get("DRAFT") == "tiny" and tiny.prediction["dflash2_ring_bytes"] == want
     shape = lambda r: (r.layers, r.window, r.kv_heads, r.head_dim)  # noqa: E731
     assert shape(P.ring_drafter("tiny")) == shape(P.ring_drafter(str(drafter))) == (2, 64, 2, 64)
+
+
+def test_huge_verify_of_more_than_8_tokens_needs_more_shared_memory_than_a_3090(tmp_path, features, drafter_27b,
+                                                                               monkeypatch):
+    """KVarN's verify kernel at 9..16 query tokens needs 152 KiB of shared memory per block
+    (tests/test_kvarn_compile.py): a real launch on a card of 99 KiB (RTX 3090 / 4090) refuses
+    DFLASH_TOKENS > 7 with CTX=huge before the boot, one line naming what is valid; Hopper plans it;
+    a dry run (no probe) notes it; DFLASH_TOKENS=7 and CTX=long are not affected."""
+    env = {"CTX": "huge", "SPEC": "dflash2", "DRAFT": str(drafter_27b), "DFLASH_TOKENS": "15"}
+    asked = []
+
+    def cap(c):
+        return lambda environ, probe=True: (asked.append(probe) or (c if probe else None),
+                                             f"nvidia-smi: GPU 0, compute capability {c[0]}.{c[1]}")
+
+    monkeypatch.setattr(P, "card_capability", cap((8, 6)))
+    with pytest.raises(P.PlanError) as e:
+        P.resolve(env, tmp_path, probe_gpus=True)
+    msg = str(e.value)
+    assert msg.startswith("DFLASH_TOKENS=15 with CTX=huge: KVarN's verify kernel at 16 query tokens needs 152 KiB")
+    assert "has 99 KiB" in msg and "valid: DFLASH_TOKENS=7 with CTX=huge" in msg and "\n" not in msg
+    monkeypatch.setattr(P, "card_capability", cap((9, 0)))
+    assert P.resolve(env, tmp_path, probe_gpus=True).get("SPEC_K") == 15
+    dry = mk(env, tmp_path)   # no probe: a note
+    assert any(n.startswith("DFLASH_TOKENS=15 with CTX=huge: KVarN's verify kernel") for n in dry.notes)
+    monkeypatch.setattr(P, "card_capability", cap((8, 6)))
+    for ok in ({**env, "DFLASH_TOKENS": "7"}, {**env, "CTX": "long"}):
+        plan = P.resolve(ok, tmp_path, probe_gpus=True)
+        assert not any("KVarN's verify kernel" in n for n in plan.notes)
+    assert True in asked

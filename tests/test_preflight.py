@@ -404,3 +404,19 @@ def test_fit_with_less_spare_than_measured_names_the_excess(tmp_path, drafter_27
     plan, note = vnote({"CTX": "fast", "SPEC": "dflash2", "DRAFT": str(drafter_27b)})
     b = plan.prediction["vram"]
     assert not b["fits"] and f"KV_MEM={(b['kv_max'] - excess) // memory.MiB}M, which leaves room" in note
+
+
+def test_card_capability_reads_nvidia_smi_for_the_visible_gpu(monkeypatch):
+    from tests.conftest import REAL_CARD_CAPABILITY as card_capability
+
+    out = "0, GPU-aaaa1111, 8.6\n1, GPU-bbbb2222, 9.0\n"
+    monkeypatch.setattr(P, "_nvidia_smi", lambda args: (out, "") if "compute_cap" in args[0] else (None, "x"))
+    assert card_capability({}) == ((8, 6), "nvidia-smi: GPU 0, compute capability 8.6")
+    assert card_capability({"CUDA_VISIBLE_DEVICES": "1"})[0] == (9, 0)
+    assert card_capability({"CUDA_VISIBLE_DEVICES": "GPU-bbbb"})[0] == (9, 0)
+    assert card_capability({"CUDA_VISIBLE_DEVICES": "7"})[0] is None
+    assert card_capability({}, probe=False) == (None, "not asked in a dry run")
+    monkeypatch.setattr(P, "_nvidia_smi", lambda args: ("0, GPU-aaaa, [N/A]\n", ""))
+    assert card_capability({})[0] is None
+    monkeypatch.setattr(P, "_nvidia_smi", lambda args: (None, "no nvidia-smi"))
+    assert card_capability({}) == (None, "no nvidia-smi")

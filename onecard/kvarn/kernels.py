@@ -449,6 +449,9 @@ def kvarn_attention(
         tiles_per_page=tiles_per_page, **kw)
 
 
+WIDE_VERIFY_SHARED = 155_648   # kvarn_attention_rows at 9..16 query tokens (128 rows x 256), sm_86
+
+
 def kvarn_attention_rows(
     q: torch.Tensor, cache: torch.Tensor, rows_k: torch.Tensor, rows_v: torch.Tensor,
     out: torch.Tensor, *, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
@@ -503,6 +506,15 @@ def kvarn_attention_rows(
         num_warps = 8 if block_q * group_pad * d >= 64 * 256 else 4
     if num_stages is None:
         num_stages = 2
+    if q.device.type == "cuda" and block_q * group_pad * d > 64 * 256:
+        # 128 query rows x 256 take 155,648 B of shared memory (Triton 3.9, sm_86): more than an
+        # RTX 3090 / 4090 block may have, where Triton's launch would fail with OutOfResources. The
+        # launcher refuses DFLASH_TOKENS > 7 with CTX=huge on such a card before the boot (plan.py).
+        have = torch.cuda.get_device_properties(q.device).shared_memory_per_multiprocessor - 1024
+        if have < WIDE_VERIFY_SHARED:
+            raise ValueError(f"KVarN verify of {max_query_len} query tokens needs {WIDE_VERIFY_SHARED:,} B of shared "
+                             f"memory per block; this GPU has {have:,}; valid: verify blocks of at most 8 tokens "
+                             f"(DFLASH_TOKENS <= 7 with CTX=huge)")
 
     if prev_rows is None:
         prev_rows = torch.full_like(tail_rows, -1)
@@ -748,6 +760,24 @@ def _prefix(rows) -> list[int]:
     return out
 
 
+def prefill_launch(head_dim: int, capability: tuple[int, int] | None) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) of kvarn_prefill's kernels when the caller gives
+    none; ``capability`` None: the CPU interpreter (small blocks). On a GPU, 64 query rows per
+    program and 32 keys per step at head_dim 256 (64 below it). Compute capability 8.x (an RTX
+    3090 / 4090 block may have 99 KiB = 101,376 B of shared memory): 16 keys per step at head_dim
+    256, because the own-chunk kernel took 102,400 B at 64 / 32 / 2 stages (Triton 3.9, sm_86;
+    67,584 B at 16 keys, the window kernel 51,200 B), so its launch failed there and every CTX=huge
+    prefill with it (session 23; tests/test_kvarn_compile.py holds every default under the limit)."""
+    if capability is None:
+        block_m, block_n = 32, 32
+    else:
+        block_m = 64
+        block_n = 32 if head_dim >= 256 else 64
+        if capability[0] < 9 and head_dim >= 256:
+            block_n = 16
+    return block_m, block_n, 8 if block_m * head_dim >= 64 * 256 else 4, 2 if head_dim >= 256 else 3
+
+
 def kvarn_prefill(
     q: torch.Tensor, cache: torch.Tensor, rows_k: torch.Tensor, rows_v: torch.Tensor,
     out: torch.Tensor, *, block_table_row: torch.Tensor, ctx_len: int, seq_len: int,
@@ -829,14 +859,11 @@ def kvarn_prefill(
     prev0, prev1 = (prevs + [-1, -1])[:2]
     sink0, sink1 = (sinks + [-1, -1])[:2]
     cuda = q.device.type == "cuda"
-    if block_m is None:
-        block_m = 64 if cuda else 32
-    if block_n is None:
-        block_n = (32 if d >= 256 else 64) if cuda else 32
-    if num_warps is None:
-        num_warps = 8 if block_m * d >= 64 * 256 else 4
-    if num_stages is None:
-        num_stages = 2 if d >= 256 else 3
+    d_m, d_n, d_w, d_s = prefill_launch(d, torch.cuda.get_device_capability(q.device) if cuda else None)
+    block_m = d_m if block_m is None else block_m
+    block_n = d_n if block_n is None else block_n
+    num_warps = (8 if block_m * d >= 64 * 256 else 4) if num_warps is None else num_warps
+    num_stages = d_s if num_stages is None else num_stages
     query_group = max(1, int(query_group))
     hn = _hadamard(d, q.device)
     rows_per = max(1, 4096 // hq)  # rotate / un-rotate in slices (bounded fp32 temporaries)
