@@ -1,4 +1,5 @@
-"""Patch 0085's Triton kernels compile for the RTX 3090 (sm_86) down to a cubin, on the CPU.
+"""Patch 0085's Triton kernels compile for the RTX 3090 (sm_86) down to a cubin, within its 99 KiB
+of shared memory per block, on the CPU.
 
 The interpreter tests (tests/test_gdn_defer_kernels.py) check the arithmetic but not that the
 kernels lower through Triton's real compiler (types across branches, pointer casts, constexpr
@@ -34,7 +35,8 @@ shape = dict(H=16, HV=48, K=128, V=128, BK=128, BV=32)
 def build(fn, sig, **const):
     k = triton.compile(ASTSource(fn, sig, constexprs={**shape, **const}), target=tgt, options=opts)
     assert k.asm.get("cubin"), fn.__name__
-    print("OK", fn.__name__, sorted(const.items()))
+    assert k.metadata.shared <= 101_376, (fn.__name__, k.metadata.shared)  # an sm_86 block's shared memory
+    print("OK", fn.__name__, sorted(const.items()), k.metadata.shared)
 
 
 build(g._gdn_defer_verify_kernel,
