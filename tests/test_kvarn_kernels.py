@@ -333,6 +333,26 @@ def test_prefill_matches_dequantized_reference(name, window, gen):
         print(f"{name}[{s}]: max err vs float64 on dequantized K/V {err:.2e}")
 
 
+@inproc
+@pytest.mark.parametrize("window", [1, 2])
+def test_prefill_at_the_sm8x_gpu_launch(window, gen):
+    """The launch kvarn_prefill takes on an RTX 3090 / 4090 (prefill_launch(.., (8, x)): 64 query
+    rows, 16 keys per step; session 23, to fit 99 KiB of shared memory) is exact like the others."""
+    bm, bn, _, _ = K.prefill_launch(256, (8, 6))
+    assert (bm, bn) == (64, 16) and K.prefill_launch(256, (9, 0))[:2] == (64, 32)
+    preset, runs, (hq, hkv), tpp, win, grp, sink = PREFILL_CASES["several-tiles-windows-and-groups"]
+    T = fmt.get_preset(preset).tile
+    case = R.make_case(q_lens=[a for a, _ in runs], seq_lens=[b for _, b in runs],
+                       num_q_heads=hq, num_kv_heads=hkv, head_dim=D, preset=preset,
+                       packed_tiles=[b // T for _, b in runs], tiles_per_page=tpp, generator=gen)
+    for s in range(len(runs)):
+        out = _prefill(case, s, sink=sink, window=window, window_tokens=win, query_group=grp,
+                       block_m=bm, block_n=bn)
+        ref = _prefill_reference(case, s, sink, window)
+        err = (out.double() - ref).abs().max().item()
+        assert not torch.isnan(out).any() and err <= TOL * max(1.0, ref.abs().max().item()), (s, err)
+
+
 def test_prefill_window_merge_reference(gen):
     """The windowed / grouped LSE merge (the kernel's algorithm, float64) is exact attention."""
     q = torch.randn(37, 6, 16, generator=gen)
