@@ -339,6 +339,16 @@ def prefill_row(chunk, prefix, *, device, gen, with_old=True, with_sdpa=True) ->
         row["kvarn_ms"] = kv.bench_ms(new, device)
     except Exception as exc:  # noqa: BLE001
         row["kvarn_error"] = repr(exc)[:300]
+    # the launch an RTX 3090 / 4090 gets (K.prefill_launch on compute capability 8.x: 16 keys per
+    # step, to fit 99 KiB of shared memory; session 23), timed on this GPU beside its own default
+    bm, bn, nw, ns = K.prefill_launch(d, (8, 6))
+    try:
+        row["kvarn_sm8x_ms"] = kv.bench_ms(lambda: K.kvarn_prefill(
+            c.q, c.cache, rows_k, rows_v, out, block_table_row=bt_row, ctx_len=prefix, seq_len=seq,
+            packed_tiles=packed, sink_row=0, tail_row=T, ring=2 * T, softmax_scale=c.softmax_scale,
+            preset=c.preset, new_k=nk, new_v=nv, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns), device)
+    except Exception as exc:  # noqa: BLE001
+        row["kvarn_sm8x_error"] = repr(exc)[:300]
     if with_old:  # the chunk as pseudo-sequences of 16 (stage.py without prefill jobs)
         i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
         n16 = -(-chunk // 16)
@@ -393,6 +403,8 @@ def fmt_prefill(rows) -> str:
             f"{(r['flops'] / (k * 1e-3) / 1e12 if k else nan):>8.1f} "
             f"{(r['chunk'] / (k * 1e-3) if k else nan):>8.0f} {(o or nan):>9.2f} "
             f"{(o / k if k and o else nan):>6.1f} {(sd or nan):>12.2f}"
+            + (f"  sm8x launch {r['kvarn_sm8x_ms']:.2f} ms ({r['kvarn_sm8x_ms'] / k:.2f}x)"
+               if k and r.get("kvarn_sm8x_ms") else "")
             + "".join(f"  {key}={r[key][:60]}" for key in r if key.endswith("_error")))
     return "\n".join(lines)
 
