@@ -16,60 +16,19 @@ The child process (no TRITON_INTERPRET) calls the real wrappers on CPU tensors o
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-SM86_SHARED = 101_376
+from tests.sm86 import SM86_SHARED, compile_rows
 
-_CHILD = r'''
-import json, sys
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-sys.path.insert(0, "scripts")
-import wide_verify_sass as W          # the launch capture and Triton's JIT specialization
+_BODY = r'''
 import onecard.kvarn.kernels as K
 from onecard.kvarn import format as fmt
 from onecard.kvarn import reference as R
 
-tgt = GPUTarget("cuda", 86, 32)
-NAMES = ["_kvarn_pack_kernel", "_kvarn_attn_split_kernel", "_kvarn_reduce_kernel", "_kvarn_dequant_kernel",
-         "_kvarn_prefill_kernel", "_kvarn_prefill_own_kernel"]
-kernels = {n: getattr(K, n) for n in NAMES}
-seen = set()
+NAMES = ("_kvarn_pack_kernel", "_kvarn_attn_split_kernel", "_kvarn_reduce_kernel", "_kvarn_dequant_kernel",
+         "_kvarn_prefill_kernel", "_kvarn_prefill_own_kernel")
 gen = torch.Generator().manual_seed(0)
 BM, BN, WARPS, STAGES = K.prefill_launch(256, (8, 6))
-
-
-def compile_calls(label, fn):
-    caps = {n: W._Capture(k) for n, k in kernels.items()}
-    for n, c in caps.items():
-        setattr(K, n, c)
-    try:
-        fn()
-    finally:
-        for n, k in kernels.items():
-            setattr(K, n, k)
-    for n, c in caps.items():
-        for grid, args, kwargs in c.calls:
-            kw = {**kwargs, "DOT_F32": False} if "DOT_F32" in kwargs else kwargs
-            sig, constexprs, attrs, launch = W._specialize(kernels[n], args, kw)
-            key = (n, tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in constexprs.items())),
-                   tuple(sorted(launch.items())))
-            if key in seen:
-                continue
-            seen.add(key)
-            k = triton.compile(ASTSource(kernels[n], sig, constexprs, attrs), target=tgt, options=launch)
-            assert k.asm.get("cubin"), (label, n)
-            print("ROW" + json.dumps({"case": label, "kernel": n, "launch": launch, "shared": k.metadata.shared}),
-                  flush=True)
-
 
 for preset in fmt.PRESETS:
     p = fmt.get_preset(preset)
@@ -78,13 +37,13 @@ for preset in fmt.PRESETS:
         case = R.make_case(q_lens=[q_len], seq_lens=[3 * T + q_len], num_q_heads=24, num_kv_heads=4,
                            head_dim=256, preset=p, q_dtype=torch.bfloat16, generator=gen)
         out = torch.empty_like(case.q)
-        compile_calls(f"{preset} verify q{q_len}", lambda: K.kvarn_attention(
+        compile_calls(f"{preset} verify q{q_len}", K, NAMES, lambda: K.kvarn_attention(
             case.q, case.cache, case.stage_k, case.stage_v, out, cu_seqlens_q=case.cu_seqlens_q,
             seq_lens=case.seq_lens, packed_tiles=case.packed_tiles, stage_slot=case.stage_slot,
             block_table=case.block_table, max_query_len=case.max_query_len, softmax_scale=case.softmax_scale,
-            preset=p, tiles_per_page=case.tiles_per_page, sub_n=min(T, 32)))
+            preset=p, tiles_per_page=case.tiles_per_page, sub_n=min(T, 32)))    # sub_n: the CUDA default
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
-    compile_calls(f"{preset} pack", lambda: K.kvarn_pack_tiles(
+    compile_calls(f"{preset} pack", K, NAMES, lambda: K.kvarn_pack_tiles(
         case.stage_k, case.stage_v, case.cache, slots=i32([0]), tiles=i32([1]), blocks=i32([0]), preset=p))
     L, n = 8 * T, 2 * T                        # a chunk of 2 tiles over a packed prefix
     case = R.make_case(q_lens=[n], seq_lens=[L], num_q_heads=24, num_kv_heads=4, head_dim=256, preset=p,
@@ -93,7 +52,7 @@ for preset in fmt.PRESETS:
     new = torch.zeros(n, 4, 256, dtype=torch.float16)
     out = torch.empty_like(case.q)
     for window in (1, 2, 3):
-        compile_calls(f"{preset} prefill w{window}", lambda: K.kvarn_prefill(
+        compile_calls(f"{preset} prefill w{window}", K, NAMES, lambda: K.kvarn_prefill(
             case.q, case.cache, rows, rows.clone(), out, block_table_row=case.block_table[0].contiguous(),
             ctx_len=L - n, seq_len=L, packed_tiles=(L - 1) // T, sink_row=0, tail_row=T, ring=T, new_k=new,
             new_v=new.clone(), fp16_window=window, prev_row=2 * T if window > 1 else -1,
@@ -108,12 +67,7 @@ def test_kvarn_launches_on_an_rtx_3090(tmp_path):
     from onecard import plan as P
     from onecard.kvarn import kernels as K
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(REPO), TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), TRITON_DEFAULT_FP_FUSION="1")
-    p = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=900,
-                       cwd=str(REPO))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    rows = [json.loads(x[3:]) for x in p.stdout.splitlines() if x.startswith("ROW")]
+    rows = compile_rows(_BODY, tmp_path)
     assert {r["kernel"] for r in rows} == {"_kvarn_pack_kernel", "_kvarn_attn_split_kernel", "_kvarn_reduce_kernel",
                                            "_kvarn_dequant_kernel", "_kvarn_prefill_kernel",
                                            "_kvarn_prefill_own_kernel"}
