@@ -516,3 +516,22 @@ def test_prefill_window3_two_sinks(case, gen):
     assert torch.isfinite(out).all()
     err = (out.double() - want).abs().max().item()
     assert err <= TOL * max(1.0, want.abs().max().item()), f"err {err:.3g} seed {gen.initial_seed()}"
+
+
+def test_wide_verify_on_a_small_shared_memory_gpu_is_one_line(monkeypatch):
+    """On a CUDA device whose block may have less than a 9..16-token verify needs (an RTX 3090:
+    101,376 B), kvarn_attention_rows raises one line naming what is valid instead of Triton's
+    OutOfResources at the launch; up to 8 tokens (64 rows x 256) and on Hopper it passes."""
+    from onecard.kvarn import kernels as K
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(K, "_block_shared", lambda device: 101_376)
+    with pytest.raises(ValueError) as e:
+        K._check_block_shared(128, 256, 16, cuda)
+    msg = str(e.value)
+    assert "needs 155,648 B of shared memory per block; this GPU has 101,376" in msg and "DFLASH_TOKENS <= 7" in msg
+    assert "\n" not in msg
+    K._check_block_shared(64, 256, 8, cuda)                       # up to 8 tokens: fits
+    K._check_block_shared(128, 256, 16, torch.device("cpu"))      # the interpreter: not asked
+    monkeypatch.setattr(K, "_block_shared", lambda device: 232_448)
+    K._check_block_shared(128, 256, 16, cuda)                     # Hopper

@@ -395,6 +395,32 @@ def _kvarn_reduce_kernel(
     tl.store(out_ptr + (tok * NUM_Q_HEADS + head) * HEAD_DIM + offs_d, res)
 
 
+def _check_block_shared(rows: int, d: int, max_query_len: int, device: torch.device) -> None:
+    """128 query rows x 256 (a verify of 9..16 tokens at 6 query heads per KV head) take
+    WIDE_VERIFY_SHARED bytes of shared memory (Triton 3.9, sm_86): more than an RTX 3090 / 4090
+    block may have, where Triton's launch would fail with OutOfResources. One line instead; the
+    launcher refuses DFLASH_TOKENS > 7 with CTX=huge on such a card before the boot (plan.py)."""
+    if device.type != "cuda" or rows * d <= 64 * 256:
+        return
+    have = _block_shared(device)
+    if have < WIDE_VERIFY_SHARED:
+        raise ValueError(f"KVarN verify of {max_query_len} query tokens needs {WIDE_VERIFY_SHARED:,} B of shared "
+                         f"memory per block; this GPU has {have:,}; valid: verify blocks of at most 8 tokens "
+                         f"(DFLASH_TOKENS <= 7 with CTX=huge)")
+
+
+_BLOCK_SHARED: dict[int, int] = {}
+
+
+def _block_shared(device: torch.device) -> int:
+    """Shared memory one block may opt into (per multiprocessor less the 1 KiB the driver keeps:
+    101,376 B on sm_86 / sm_89, 232,448 on sm_90), cached per device like _sm_count."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _BLOCK_SHARED:
+        _BLOCK_SHARED[idx] = torch.cuda.get_device_properties(idx).shared_memory_per_multiprocessor - 1024
+    return _BLOCK_SHARED[idx]
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 16
@@ -506,15 +532,7 @@ def kvarn_attention_rows(
         num_warps = 8 if block_q * group_pad * d >= 64 * 256 else 4
     if num_stages is None:
         num_stages = 2
-    if q.device.type == "cuda" and block_q * group_pad * d > 64 * 256:
-        # 128 query rows x 256 take 155,648 B of shared memory (Triton 3.9, sm_86): more than an
-        # RTX 3090 / 4090 block may have, where Triton's launch would fail with OutOfResources. The
-        # launcher refuses DFLASH_TOKENS > 7 with CTX=huge on such a card before the boot (plan.py).
-        have = torch.cuda.get_device_properties(q.device).shared_memory_per_multiprocessor - 1024
-        if have < WIDE_VERIFY_SHARED:
-            raise ValueError(f"KVarN verify of {max_query_len} query tokens needs {WIDE_VERIFY_SHARED:,} B of shared "
-                             f"memory per block; this GPU has {have:,}; valid: verify blocks of at most 8 tokens "
-                             f"(DFLASH_TOKENS <= 7 with CTX=huge)")
+    _check_block_shared(block_q * group_pad, d, max_query_len, q.device)
 
     if prev_rows is None:
         prev_rows = torch.full_like(tail_rows, -1)
