@@ -339,9 +339,9 @@ def prefill_row(chunk, prefix, *, device, gen, with_old=True, with_sdpa=True) ->
         row["kvarn_ms"] = kv.bench_ms(new, device)
     except Exception as exc:  # noqa: BLE001
         row["kvarn_error"] = repr(exc)[:300]
-    # the launch an RTX 3090 / 4090 gets (K.prefill_launch on compute capability 8.x: 16 keys per
+    # the launch an RTX 3090 / 4090 gets (K.prefill_launch under 200 KiB per block: 16 keys per
     # step, to fit 99 KiB of shared memory; session 23), timed on this GPU beside its own default
-    bm, bn, nw, ns = K.prefill_launch(d, (8, 6))
+    bm, bn, nw, ns = K.prefill_launch(d, 101_376)
     try:
         row["kvarn_sm8x_ms"] = kv.bench_ms(lambda: K.kvarn_prefill(
             c.q, c.cache, rows_k, rows_v, out, block_table_row=bt_row, ctx_len=prefix, seq_len=seq,

@@ -5,13 +5,13 @@ An sm_86 / sm_89 block may have 99 KiB (101,376 B) of shared memory; a kernel co
 fails at its launch (Triton's OutOfResources). CTX=huge is a 3090 profile, and every H200 run so far
 had 227 KiB: session 23 found the prefill kernel of a chunk's own tokens at 102,400 B (so every
 CTX=huge prefill would have failed on a 3090) and the verify kernel at 9..16 query tokens at
-155,648 B. The first now takes 16 keys per step on compute capability 8.x
+155,648 B. The first now takes 16 keys per step on a GPU with under 200 KiB per block
 (``kernels.prefill_launch``); the second has no setting that fits, so the launcher refuses
 DFLASH_TOKENS > 7 with CTX=huge on such a card and the kernel raises a one-line error there.
 
 The child process (no TRITON_INTERPRET) calls the real wrappers on CPU tensors of the 27B's shapes
 (24 query / 4 KV heads x 256), with the CUDA defaults the wrappers pick on a GPU (``sub_n`` 32, and
-``prefill_launch(256, (8, 6))``), intercepts every launch and compiles it with Triton's compiler for
+``prefill_launch(256, 101_376)``), intercepts every launch and compiles it with Triton's compiler for
 ``GPUTarget("cuda", 86, 32)``. Nothing runs on a device.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from onecard.kvarn import reference as R
 NAMES = ("_kvarn_pack_kernel", "_kvarn_attn_split_kernel", "_kvarn_reduce_kernel", "_kvarn_dequant_kernel",
          "_kvarn_prefill_kernel", "_kvarn_prefill_own_kernel")
 gen = torch.Generator().manual_seed(0)
-BM, BN, WARPS, STAGES = K.prefill_launch(256, (8, 6))
+BM, BN, WARPS, STAGES = K.prefill_launch(256, 101_376)
 
 for preset in fmt.PRESETS:
     p = fmt.get_preset(preset)

@@ -336,10 +336,10 @@ def test_prefill_matches_dequantized_reference(name, window, gen):
 @inproc
 @pytest.mark.parametrize("window", [1, 2])
 def test_prefill_at_the_sm8x_gpu_launch(window, gen):
-    """The launch kvarn_prefill takes on an RTX 3090 / 4090 (prefill_launch(.., (8, x)): 64 query
+    """The launch kvarn_prefill takes on an RTX 3090 / 4090 (prefill_launch(.., 101_376): 64 query
     rows, 16 keys per step; session 23, to fit 99 KiB of shared memory) is exact like the others."""
-    bm, bn, _, _ = K.prefill_launch(256, (8, 6))
-    assert (bm, bn) == (64, 16) and K.prefill_launch(256, (9, 0))[:2] == (64, 32)
+    bm, bn, _, _ = K.prefill_launch(256, 101_376)
+    assert (bm, bn) == (64, 16) and K.prefill_launch(256, 232_448)[:2] == (64, 32)
     preset, runs, (hq, hkv), tpp, win, grp, sink = PREFILL_CASES["several-tiles-windows-and-groups"]
     T = fmt.get_preset(preset).tile
     case = R.make_case(q_lens=[a for a, _ in runs], seq_lens=[b for _, b in runs],

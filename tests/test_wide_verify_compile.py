@@ -6,7 +6,7 @@ KiB); a kernel compiled for more fails at its launch on the card (Triton's OutOf
 for the verify path means at the server's first speculative step or CUDA-graph capture. Session 23
 found the bf16 default at 128 query rows (a verify block of 9..16 tokens, i.e. DFLASH_TOKENS 8..15
 with CTX=fast's bf16 KV) at 104 KiB. This test calls the real wrapper (``wide_verify_attention``,
-no tile / warps / stages given, so ``default_launch`` decides as on a GPU of capability 8.x) on CPU
+no tile / warps / stages given, so ``default_launch`` decides as on a GPU with under 200 KiB per block) on CPU
 tensors in vLLM's layout, intercepts each launch, and compiles it with Triton's own compiler for
 ``GPUTarget("cuda", 86, 32)`` (tests/sm86.py: a child process without TRITON_INTERPRET). Nothing runs
 on a device.
@@ -74,3 +74,21 @@ def test_default_launches_fit_an_rtx_3090(tmp_path):
     big = [r for r in rows if r["kernel"] == "_wide_verify_split_kernel" and r["case"] == "target"
            and r["kv"] == "bf16" and r["q_len"] >= 9]
     assert big and all(r["launch"]["num_stages"] == 1 for r in big), big
+
+
+def test_default_launch_decides_on_shared_memory_not_architecture(monkeypatch):
+    """Hopper / B200 (232,448 B per block) get the deep pipelines; an RTX 3090 / 4090 / 5090 (101,376
+    B: sm_120 is newer than Hopper but has a 3090's shared memory) and an A100 (166,912) the
+    small launches the test above compiles; the CPU interpreter those too."""
+    torch = pytest.importorskip("torch")
+    from onecard.kernels import wide_verify as wv
+
+    cuda = torch.device("cuda", 0)
+    for shared, deep in ((232_448, True), (166_912, False), (101_376, False)):
+        monkeypatch.setattr(wv, "block_shared", lambda device, s=shared: s)
+        assert wv.default_launch(0, 128, 256, cuda) == ((32, 8, 4) if deep else (32, 8, 1))
+        assert wv.default_launch(2, 128, 256, cuda) == ((16, 8, 4) if deep else (16, 8, 2))
+        assert wv.default_launch(4, 64, 256, cuda) == ((16, 8, 4) if deep else (16, 8, 1))
+    monkeypatch.undo()
+    assert wv.block_shared(torch.device("cpu")) == 0
+    assert wv.default_launch(0, 128, 256, torch.device("cpu")) == (32, 8, 1)

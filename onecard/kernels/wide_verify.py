@@ -497,6 +497,22 @@ def reduce_launch(num_splits: int, head_dim: int) -> tuple[int, int]:
     return pad, (8 if pad * head_dim > 4096 else 4)
 
 
+DEEP_PIPELINE_SHARED = 200 * 1024   # default_launch's Hopper configs take up to 192 KiB
+_BLOCK_SHARED: dict[int, int] = {}
+
+
+def block_shared(device: torch.device) -> int:
+    """Shared memory one block may opt into on ``device``: per multiprocessor less the 1 KiB the
+    driver keeps (232,448 B on sm_90 / sm_100, 166,912 on sm_80, 101,376 on sm_86 / sm_89 /
+    sm_120); 0 on the CPU (the interpreter). Cached per device."""
+    if device.type != "cuda":
+        return 0
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _BLOCK_SHARED:
+        _BLOCK_SHARED[idx] = torch.cuda.get_device_properties(idx).shared_memory_per_multiprocessor - 1024
+    return _BLOCK_SHARED[idx]
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 16
@@ -537,7 +553,7 @@ def _as_words(cache: torch.Tensor) -> torch.Tensor:
 def default_launch(mode: int, block_m: int, head_dim: int, device: torch.device) -> tuple:
     """(tile_n, num_warps, num_stages) when the caller gives none.
 
-    Hopper (sm_90, 227 KiB shared memory per block): >= 3 stages, so the K/V copies of later
+    Hopper / B200 (sm_90 / sm_100, 227 KiB shared memory per block): >= 3 stages, so the K/V copies of later
     tiles are in flight while tile t computes (with 2 stages Triton issues the next tile's copies
     only after this tile's dots: no overlap). bf16, 128 query rows x 256: Q 64 KiB + 4 x 32 KiB
     K/V stages at tile 32 = 192 KiB, 227 registers, no spills (Triton 3.6). int8 / int4: tile 16
@@ -545,8 +561,8 @@ def default_launch(mode: int, block_m: int, head_dim: int, device: torch.device)
     instructions; tile 32 still spills 16-24 B inside the loop, tile 64 ~900 B, 4 warps 2.3-6 KB:
     the unpacked K/V tile is live next to the 128 x 256 fp32 accumulator). Tile 16 also divides
     every vLLM page size (multiples of 16; 784 bf16 / 1584 int8 on the 27B), which keeps int8 /
-    int4 on the per-tile address path (``PAGE_TILES``); tile 32 would not divide 1584. Older GPUs
-    (sm_80/86, 99-163 KiB; mma.sync keeps Q in registers, so everything spills a little at 128
+    int4 on the per-tile address path (``PAGE_TILES``); tile 32 would not divide 1584. GPUs with
+    less shared memory (sm_80 163 KiB; sm_86 / sm_89 / sm_120, RTX 30 / 40 / 50, 99 KiB; mma.sync keeps Q in registers, so everything spills a little at 128
     rows): bf16 tile 32 / 2 stages as before, 1 stage at 128 query rows x 256 (below); int8 tile 16 / 2 stages (332 B spills vs 644 B at
     tile 32); int4 tile 16 / 1 stage (ptxas caps the pipelined int4 kernel at 128 registers on
     sm_86: ~4 KB spills; unpipelined 255 registers, 160 B). Compiler figures only on sm_86; no
@@ -559,8 +575,9 @@ def default_launch(mode: int, block_m: int, head_dim: int, device: torch.device)
     """
     big = block_m * head_dim >= 64 * 256
     warps = 8 if big else 4
-    cap = (torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0)
-    if cap >= 9:
+    # decided by the shared memory a block may have, not the architecture: an RTX 5090 (sm_120)
+    # is newer than Hopper but has a 3090's 99 KiB, where the deep pipelines (up to 192 KiB) fail
+    if block_shared(device) >= DEEP_PIPELINE_SHARED:
         return (32, warps, 4) if mode == 0 else (16, warps, 4)
     if mode == 0 and block_m * head_dim > 64 * 256:
         # 128 query rows x 256 (a verify block of 9..16 tokens, bf16 KV): 2 stages take 104 KiB of

@@ -778,20 +778,21 @@ def _prefix(rows) -> list[int]:
     return out
 
 
-def prefill_launch(head_dim: int, capability: tuple[int, int] | None) -> tuple[int, int, int, int]:
+def prefill_launch(head_dim: int, shared: int | None) -> tuple[int, int, int, int]:
     """(block_m, block_n, num_warps, num_stages) of kvarn_prefill's kernels when the caller gives
-    none; ``capability`` None: the CPU interpreter (small blocks). On a GPU, 64 query rows per
-    program and 32 keys per step at head_dim 256 (64 below it). Compute capability 8.x (an RTX
-    3090 / 4090 block may have 99 KiB = 101,376 B of shared memory): 16 keys per step at head_dim
-    256, because the own-chunk kernel took 102,400 B at 64 / 32 / 2 stages (Triton 3.9, sm_86;
-    67,584 B at 16 keys, the window kernel 51,200 B), so its launch failed there and every CTX=huge
-    prefill with it (session 23; tests/test_kvarn_compile.py holds every default under the limit)."""
-    if capability is None:
+    none; ``shared``: the shared memory a block may have on the GPU (_block_shared), None on the
+    CPU interpreter (small blocks). On a GPU, 64 query rows per program and 32 keys per step at
+    head_dim 256 (64 below it). Under 200 KiB (an RTX 3090 / 4090 / 5090 block may have 99 KiB =
+    101,376 B): 16 keys per step at head_dim 256, because the own-chunk kernel took 102,400 B at 64
+    / 32 / 2 stages (Triton 3.9, sm_86; 67,584 B at 16 keys, the window kernel 51,200 B), so its
+    launch, and every CTX=huge prefill with it, failed there (session 23; tests/test_kvarn_compile.py
+    holds every default under the limit)."""
+    if shared is None:
         block_m, block_n = 32, 32
     else:
         block_m = 64
         block_n = 32 if head_dim >= 256 else 64
-        if capability[0] < 9 and head_dim >= 256:
+        if shared < 200 * 1024 and head_dim >= 256:
             block_n = 16
     return block_m, block_n, 8 if block_m * head_dim >= 64 * 256 else 4, 2 if head_dim >= 256 else 3
 
@@ -877,7 +878,7 @@ def kvarn_prefill(
     prev0, prev1 = (prevs + [-1, -1])[:2]
     sink0, sink1 = (sinks + [-1, -1])[:2]
     cuda = q.device.type == "cuda"
-    d_m, d_n, d_w, d_s = prefill_launch(d, torch.cuda.get_device_capability(q.device) if cuda else None)
+    d_m, d_n, d_w, d_s = prefill_launch(d, _block_shared(q.device) if cuda else None)
     block_m = d_m if block_m is None else block_m
     block_n = d_n if block_n is None else block_n
     num_warps = (8 if block_m * d >= 64 * 256 else 4) if num_warps is None else num_warps
