@@ -11,6 +11,11 @@ Rules this module enforces (DESIGN.md, "Conventions"):
   (later patches see the result of earlier ones); only if every hunk of every patch fits is
   anything written, and a failed write puts back what was written before it.
 * **"Applied" means the reverse patch applies cleanly.** No marker files are trusted.
+* **An update replaces an older series.** When a patch of the series changed since it was
+  applied (a ``git pull``), the old texts are unwound first: the copy :func:`apply` keeps in
+  ``vllm/.onecard-applied/`` (else earlier versions from the checkout's git history), accepted only
+  if the unwound files equal the wheel's ``RECORD`` and every file a patch created is gone; then
+  the whole new series goes on, in the same all-or-nothing write.
 * **Exactly what is installed.** Unwinding the series in memory must give back files whose
   hashes equal the wheel's ``RECORD``; every other ``.py`` file of the package must equal
   ``RECORD`` too (see :func:`audit`).
@@ -294,6 +299,8 @@ class Report:
     vllm_dir: Path
     version: str
     states: list[tuple[str, str, str]] = field(default_factory=list)  # (patch, state, detail)
+    replaced: list[str] = field(default_factory=list)  # apply(): an older series unwound first
+    replaced_from: str = ""
 
     @property
     def all_applied(self) -> bool:
@@ -391,10 +398,26 @@ def apply(vllm_dir: Path, series: Path = DEFAULT_SERIES, dry_run: bool = False) 
     report, _, _ = _analyse(site, patches, vllm_version(vllm_dir))
     bad = [(n, d) for n, s, d in report.states if s == DOES_NOT_FIT]
     if bad:
-        name, detail = bad[0]
-        raise PatchError(f"{name} does not fit vllm {report.version} at {vllm_dir}: {detail}; nothing was written")
+        found = _earlier_series(vllm_dir, series, patches)
+        if found is None:
+            name, detail = bad[0]
+            raise PatchError(f"{name} does not fit vllm {report.version} at {vllm_dir}: {detail}; nothing was written")
+        pristine, old, source = found
+        tree = pristine.copy()
+        for patch in patches:
+            why = _try(tree, patch, reverse=False)
+            if why:
+                raise PatchError(f"{patch.name}: {why} (on the wheel's files, after unwinding the series applied "
+                                 f"before); nothing was written")
+        report.replaced, report.replaced_from = [p.name for p in old], source
+        if not dry_run:
+            _write(site, tree, {p for patch in old + patches for p in patch.paths})
+            save_applied(vllm_dir, series, patches)
+        return report, [p.name for p in patches]
     todo = [p for p, (_, s, _) in zip(patches, report.states) if s == NOT_APPLIED]
     if not todo:
+        if not dry_run and report.all_applied:
+            save_applied(vllm_dir, series, patches)  # installs from before the record existed get one
         return report, []
     # An applied patch that sits after a missing one would be re-stacked: refuse that order.
     first_todo = patches.index(todo[0])
@@ -410,6 +433,7 @@ def apply(vllm_dir: Path, series: Path = DEFAULT_SERIES, dry_run: bool = False) 
             raise PatchError(f"{patch.name}: {why}; nothing was written")
     if not dry_run:
         _write(site, tree, {p for patch in todo for p in patch.paths})
+        save_applied(vllm_dir, series, patches)
     return report, [p.name for p in todo]
 
 
@@ -418,10 +442,138 @@ def revert(vllm_dir: Path, series: Path = DEFAULT_SERIES, dry_run: bool = False)
     patches = read_series(series)
     site = vllm_dir.parent
     report, pristine, _ = _analyse(site, patches, vllm_version(vllm_dir))
+    if any(s == DOES_NOT_FIT for _, s, _ in report.states):
+        found = _earlier_series(vllm_dir, series, patches)   # an older series is on: unwind that one
+        if found is not None:
+            pristine, old, _ = found
+            if not dry_run:
+                _write(site, pristine, {p for patch in old for p in patch.paths})
+                _drop_applied(vllm_dir, series)
+            return [p.name for p in reversed(old)]
     names = [n for n, s, _ in report.states if s == APPLIED]
     if names and not dry_run:
         _write(site, pristine, {p for patch in patches if patch.name in names for p in patch.paths})
+        _drop_applied(vllm_dir, series)
     return list(reversed(names))
+
+
+# --------------------------------------------------------------------------- updates
+
+
+APPLIED_DIR = ".onecard-applied"   # under the vllm package: per series, the texts last applied
+
+
+def applied_dir(vllm_dir: Path, series: Path) -> Path:
+    """Where apply() keeps the texts of ``series`` it applied: vllm/.onecard-applied/<the series
+    file's folder> ("patches" for patches/series, "kvarn" for kvarn/series)."""
+    return vllm_dir / APPLIED_DIR / series.resolve().parent.name
+
+
+def save_applied(vllm_dir: Path, series: Path, patches: list[Patch]) -> None:
+    """Keep the texts of the series just applied (a series file + the patch files), replaced
+    whole; what an update unwinds when one of its patches has changed since."""
+    import shutil
+
+    dest = applied_dir(vllm_dir, series)
+    listing = "".join(p.name + "\n" for p in patches)
+    if (dest / "series").is_file() and (dest / "series").read_text(encoding="utf-8") == listing and all(
+            (dest / p.name).is_file() and (dest / p.name).read_bytes() == p.path.read_bytes() for p in patches):
+        return
+    dest.parent.mkdir(exist_ok=True)
+    tmp, old = dest.with_name(dest.name + ".tmp"), dest.with_name(dest.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for p in patches:
+        shutil.copyfile(p.path, tmp / p.name)
+    (tmp / "series").write_text(listing, encoding="utf-8")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        dest.rename(old)
+    tmp.rename(dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _drop_applied(vllm_dir: Path, series: Path) -> None:
+    import shutil
+
+    dest = applied_dir(vllm_dir, series)
+    shutil.rmtree(dest, ignore_errors=True)
+    try:
+        dest.parent.rmdir()   # the last series reverted: nothing of ours stays in the package
+    except OSError:
+        pass
+
+
+def _git_series(series: Path, limit: int = 40):
+    """Earlier versions of ``series`` from this checkout's git history, newest first: one list of
+    Patch per commit that touched its folder (none outside a git checkout)."""
+    import subprocess
+
+    try:
+        rel = series.resolve().relative_to(REPO.resolve())
+    except ValueError:
+        return
+
+    def git(*args) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, timeout=60)
+
+    try:
+        revs = git("log", f"-n{limit}", "--format=%H", "--", str(rel.parent)).stdout.decode().split()
+    except (OSError, subprocess.SubprocessError):
+        return
+    for rev in revs:
+        with tempfile.TemporaryDirectory() as td:
+            try:
+                listing = git("show", f"{rev}:{rel.as_posix()}")
+                if listing.returncode:
+                    continue
+                (Path(td) / "series").write_bytes(listing.stdout)
+                for raw in listing.stdout.decode().splitlines():
+                    name = raw.split("#", 1)[0].strip()
+                    if name:
+                        (Path(td) / name).parent.mkdir(parents=True, exist_ok=True)
+                        (Path(td) / name).write_bytes(git("show", f"{rev}:{(rel.parent / name).as_posix()}").stdout)
+                yield read_series(Path(td) / "series"), f"git {rev[:8]}"
+            except (OSError, subprocess.SubprocessError, PatchError):
+                continue
+
+
+def _earlier_series(vllm_dir: Path, series: Path, patches: list[Patch]):
+    """(the wheel's files as a tree, the older series that is applied, where it came from), or
+    None: for an install whose patches do not all reverse with today's texts. Candidates: the
+    record apply() kept, then earlier versions in git. One is accepted only if unwinding it leaves
+    every file it or today's series touches equal to the wheel's RECORD (a file only a patch
+    creates: absent)."""
+    site = vllm_dir.parent
+    try:
+        record = _record(vllm_dir)
+    except PatchError:
+        return None
+    touched_now = {p for patch in patches for p in patch.paths}
+
+    def candidates():
+        kept = applied_dir(vllm_dir, series) / "series"
+        if kept.is_file():
+            try:
+                yield read_series(kept), f"vllm/{APPLIED_DIR}/{kept.parent.name}"
+            except PatchError:
+                pass
+        yield from _git_series(series)
+
+    for old, source in candidates():
+        tree = Tree(site)
+        if any(_try(tree, p, reverse=True) is not None for p in reversed(old)):
+            continue
+        ok = True
+        for rel in touched_now | {p for patch in old for p in patch.paths}:
+            lines = tree.get(rel)
+            data = None if lines is None else "".join(lines).encode("utf-8")
+            if (rel in record and (data is None or _digest(data) != record[rel])) or (rel not in record and data is not None):
+                ok = False
+                break
+        if ok:
+            return tree, old, source
+    return None
 
 
 # --------------------------------------------------------------------------- RECORD audit
@@ -540,6 +692,12 @@ def run(args) -> int:
         if args.action in ("apply", "check"):
             dry = args.dry_run or args.action == "check"
             report, names = apply(vllm_dir, series, dry_run=dry)
+            if report.replaced:
+                verb = "would update" if dry else "updated"
+                print(f"{verb}: unwound the {len(report.replaced)} patches applied before ({report.replaced_from}; "
+                      f"the files equal the wheel's RECORD after it), then applied all {len(names)} of {series.name} "
+                      f"to {vllm_dir}")
+                return 0
             if not names:
                 print(f"already applied: all {len(report.states)} patches of {series.name} are on {vllm_dir}; nothing to do")
             else:

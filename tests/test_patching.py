@@ -196,6 +196,109 @@ def test_new_patch_added_to_an_applied_series(tmp_path):
     assert states(vllm, series) == [APPLIED, APPLIED]
 
 
+P2B = P2.replace("+a2 = 200", "+a2 = 300").replace("+y = 2", "+y = 3")   # P2, changed by an update
+
+
+def _fresh_v2(tmp_path) -> dict[str, bytes]:
+    """What the updated series gives on a fresh wheel."""
+    vllm = make_pkg(tmp_path / "fresh")
+    patching.apply(vllm, make_series(tmp_path / "fresh", ("0001-one.patch", P1), ("0002-two.patch", P2B)))
+    return snapshot(vllm.parent)
+
+
+@pytest.fixture
+def updated(tmp_path, monkeypatch):
+    """site with v1 (P1, P2) applied; the series files now say v2 (P1, P2B); no git history."""
+    monkeypatch.setattr(patching, "_git_series", lambda series, limit=40: iter(()))
+    vllm = make_pkg(tmp_path)
+    series = make_series(tmp_path, ("0001-one.patch", P1), ("0002-two.patch", P2))
+    patching.apply(vllm, series)
+    assert (patching.applied_dir(vllm, series) / "0002-two.patch").read_text() == P2   # the record of v1
+    make_series(tmp_path, ("0001-one.patch", P1), ("0002-two.patch", P2B))
+    return vllm, series
+
+
+def test_changed_patch_is_updated_from_the_kept_record(updated, tmp_path, capsys):
+    """A git pull changed a patch: apply unwinds the texts it kept at the last apply (checked
+    against the wheel's RECORD), then applies the whole new series in one write."""
+    vllm, series = updated
+    assert DOES_NOT_FIT in states(vllm, series)   # P2's new text neither unwinds nor applies
+    report, names = patching.apply(vllm, series)
+    assert report.replaced == ["0001-one.patch", "0002-two.patch"] and names == report.replaced
+    assert report.replaced_from == f"vllm/{patching.APPLIED_DIR}/patches"
+    want = _fresh_v2(tmp_path)
+    assert snapshot(vllm.parent) == {k: v for k, v in want.items()}
+    assert states(vllm, series) == [APPLIED, APPLIED] and patching.audit(vllm, series) == []
+    assert (patching.applied_dir(vllm, series) / "0002-two.patch").read_text() == P2B
+    assert sorted(x.name for x in (vllm / patching.APPLIED_DIR).iterdir()) == ["patches"]   # no .tmp / .old left
+    # the CLI says what it did
+    import argparse
+
+    args = argparse.Namespace(action="apply", vllm_dir=str(vllm), series=str(series), dry_run=False, also_series=[])
+    assert patching.run(args) == 0 and "already applied" in capsys.readouterr().out
+
+
+def test_update_without_record_or_history_is_refused_and_writes_nothing(updated):
+    vllm, series = updated
+    import shutil
+
+    shutil.rmtree(patching.applied_dir(vllm, series))
+    before = snapshot(vllm.parent)
+    with pytest.raises(PatchError, match="does not fit.*nothing was written"):
+        patching.apply(vllm, series)
+    assert snapshot(vllm.parent) == before
+
+
+def test_record_that_does_not_unwind_to_the_wheel_is_not_used(updated):
+    """A hand edit outside every hunk: the old series still unwinds, but not to the wheel's bytes."""
+    vllm, series = updated
+    with open(vllm / "b.py", "a") as fh:
+        fh.write("# hand edit\n")
+    before = snapshot(vllm.parent)
+    with pytest.raises(PatchError, match="does not fit"):
+        patching.apply(vllm, series)
+    assert snapshot(vllm.parent) == before
+
+
+def test_dry_run_update_and_revert_of_an_older_series(updated, tmp_path):
+    vllm, series = updated
+    before = snapshot(vllm.parent)
+    report, _ = patching.apply(vllm, series, dry_run=True)
+    assert report.replaced and snapshot(vllm.parent) == before
+    assert patching.revert(vllm, series) == ["0002-two.patch", "0001-one.patch"]
+    assert snapshot(vllm.parent) == snapshot(make_pkg(tmp_path / "wheel").parent)
+    assert not (vllm / patching.APPLIED_DIR).exists()
+
+
+def test_update_finds_the_older_series_in_git_history(tmp_path, monkeypatch):
+    """An install from before the record existed: the older series comes from the checkout's git
+    history (newest first; a version that does not unwind to the wheel is skipped)."""
+    import shutil
+    import subprocess
+
+    repo = tmp_path / "repo"
+
+    def git(*a):
+        subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True,
+                       env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                            "GIT_COMMITTER_EMAIL": "t@t"})
+
+    repo.mkdir()
+    git("init", "-q")
+    for i, text in enumerate((P2, P2.replace("+a2 = 200", "+a2 = 250"), P2B)):   # v1, a v1.5 never applied, v2
+        series = make_series(repo, ("0001-one.patch", P1), ("0002-two.patch", text))
+        git("add", "-A")
+        git("commit", "-qm", f"v{i}")
+    monkeypatch.setattr(patching, "REPO", repo)
+    vllm = make_pkg(tmp_path / "inst")
+    v1 = make_series(tmp_path / "inst", ("0001-one.patch", P1), ("0002-two.patch", P2))
+    patching.apply(vllm, v1)
+    shutil.rmtree(patching.applied_dir(vllm, v1))   # installed before the record existed
+    report, _ = patching.apply(vllm, series)
+    assert report.replaced_from.startswith("git ") and report.replaced == ["0001-one.patch", "0002-two.patch"]
+    assert snapshot(vllm.parent) == _fresh_v2(tmp_path)
+
+
 def test_hand_edit_is_caught_by_audit(pkg):
     vllm, series = pkg
     patching.apply(vllm, series)
