@@ -310,6 +310,9 @@ class Report:
         out = [f"vllm {self.version} at {self.vllm_dir}"]
         for name, state, detail in self.states:
             out.append(f"  {state:<13} {name}" + (f"  ({detail})" if detail else ""))
+        if self.replaced:
+            out.append(f"an older version of the series is applied ({len(self.replaced)} patches, "
+                       f"{self.replaced_from}): `onecard patches apply` (./install.sh) replaces it")
         return out
 
 
@@ -339,7 +342,12 @@ def _analyse(site: Path, patches: list[Patch], version: str) -> tuple[Report, Tr
 
 def status(vllm_dir: Path, series: Path = DEFAULT_SERIES) -> Report:
     patches = read_series(series)
-    return _analyse(vllm_dir.parent, patches, vllm_version(vllm_dir))[0]
+    report = _analyse(vllm_dir.parent, patches, vllm_version(vllm_dir))[0]
+    if any(s == DOES_NOT_FIT for _, s, _ in report.states):
+        found = _earlier_series(vllm_dir, series, patches)   # an update: say that apply replaces it
+        if found is not None:
+            report.replaced, report.replaced_from = [p.name for p in found[1]], found[2]
+    return report
 
 
 def _write(site: Path, tree: Tree, touched: set[str]) -> None:

@@ -223,6 +223,7 @@ def test_changed_patch_is_updated_from_the_kept_record(updated, tmp_path, capsys
     against the wheel's RECORD), then applies the whole new series in one write."""
     vllm, series = updated
     assert DOES_NOT_FIT in states(vllm, series)   # P2's new text neither unwinds nor applies
+    assert "an older version of the series is applied (2 patches" in patching.status(vllm, series).lines()[-1]
     report, names = patching.apply(vllm, series)
     assert report.replaced == ["0001-one.patch", "0002-two.patch"] and names == report.replaced
     assert report.replaced_from == f"vllm/{patching.APPLIED_DIR}/patches"
