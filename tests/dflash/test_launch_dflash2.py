@@ -30,8 +30,14 @@ def _sc(plan) -> dict:
 
 
 def test_refused_until_the_marker_exists(tmp_path, monkeypatch):
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    bare = tmp_path / "barevllm"   # a vLLM without patch 0080's marker
+    bare.mkdir()
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: types.SimpleNamespace(submodule_search_locations=[str(bare)]))
     with pytest.raises(P.PlanError, match="is not (installed into|applied to) this vLLM"):
+        P.make_plan({"SPEC": "dflash2", "MODEL": "tiny"}, tmp_path, python="python3")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)   # no vLLM at all: said so
+    with pytest.raises(P.PlanError, match="no vLLM is installed for"):
         P.make_plan({"SPEC": "dflash2", "MODEL": "tiny"}, tmp_path, python="python3")
 
 
