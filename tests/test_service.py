@@ -31,13 +31,14 @@ def home(tmp_path, monkeypatch):
 
 def test_install_writes_the_unit_once_and_reloads(home):
     out = io.StringIO()
-    env = service.parse_env(["CTX=long", "SPEC=dflash2", "CUDA_VISIBLE_DEVICES=1"])
+    env = service.parse_env(["CTX=long", "SPEC=dflash2", "CUDA_VISIBLE_DEVICES=1", "VENV=/opt/onecard-venv"])
     assert service.install("onecard", env, out=out) == 0
     unit = home / "config" / "systemd" / "user" / "onecard.service"
     text = unit.read_text()
     assert f"ExecStart={REPO / 'start_qwen.sh'}" in text and f"WorkingDirectory={REPO}" in text
     assert 'Environment="CTX=long"' in text and 'Environment="SPEC=dflash2"' in text
     assert 'Environment="CUDA_VISIBLE_DEVICES=1"' in text   # which GPU: not a knob, passed through
+    assert 'Environment="VENV=/opt/onecard-venv"' in text    # read by start_qwen.sh (install --venv DIR)
     assert "RestartPreventExitStatus=2" in text and "Restart=on-failure" in text and "WantedBy=default.target" in text
     assert "written" in out.getvalue() and "systemctl --user enable --now onecard" in out.getvalue()
     assert (home / "systemctl.log").read_text().splitlines() == ["--user daemon-reload"]
