@@ -341,12 +341,12 @@ def prefill_row(chunk, prefix, *, device, gen, with_old=True, with_sdpa=True) ->
         row["kvarn_error"] = repr(exc)[:300]
     # the launch an RTX 3090 / 4090 gets (K.prefill_launch under 200 KiB per block: 16 keys per
     # step, to fit 99 KiB of shared memory; session 23), timed on this GPU beside its own default
-    bm, bn, nw, ns = K.prefill_launch(d, 101_376)
+    bm, bn, ns = K.prefill_launch(d, 101_376)
     try:
         row["kvarn_sm8x_ms"] = kv.bench_ms(lambda: K.kvarn_prefill(
             c.q, c.cache, rows_k, rows_v, out, block_table_row=bt_row, ctx_len=prefix, seq_len=seq,
             packed_tiles=packed, sink_row=0, tail_row=T, ring=2 * T, softmax_scale=c.softmax_scale,
-            preset=c.preset, new_k=nk, new_v=nv, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns), device)
+            preset=c.preset, new_k=nk, new_v=nv, block_m=bm, block_n=bn, num_stages=ns), device)
     except Exception as exc:  # noqa: BLE001
         row["kvarn_sm8x_error"] = repr(exc)[:300]
     if with_old:  # the chunk as pseudo-sequences of 16 (stage.py without prefill jobs)

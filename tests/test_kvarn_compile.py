@@ -28,7 +28,7 @@ from onecard.kvarn import reference as R
 NAMES = ("_kvarn_pack_kernel", "_kvarn_attn_split_kernel", "_kvarn_reduce_kernel", "_kvarn_dequant_kernel",
          "_kvarn_prefill_kernel", "_kvarn_prefill_own_kernel")
 gen = torch.Generator().manual_seed(0)
-BM, BN, WARPS, STAGES = K.prefill_launch(256, 101_376)
+BM, BN, STAGES = K.prefill_launch(256, 101_376)   # num_warps: kvarn_prefill derives it from BM
 
 for preset in fmt.PRESETS:
     p = fmt.get_preset(preset)
@@ -57,7 +57,7 @@ for preset in fmt.PRESETS:
             ctx_len=L - n, seq_len=L, packed_tiles=(L - 1) // T, sink_row=0, tail_row=T, ring=T, new_k=new,
             new_v=new.clone(), fp16_window=window, prev_row=2 * T if window > 1 else -1,
             softmax_scale=case.softmax_scale, preset=p, tiles_per_page=case.tiles_per_page,
-            block_m=BM, block_n=BN, num_warps=WARPS, num_stages=STAGES))
+            block_m=BM, block_n=BN, num_stages=STAGES))
 '''
 
 

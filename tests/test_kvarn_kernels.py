@@ -338,7 +338,7 @@ def test_prefill_matches_dequantized_reference(name, window, gen):
 def test_prefill_at_the_sm8x_gpu_launch(window, gen):
     """The launch kvarn_prefill takes on an RTX 3090 / 4090 (prefill_launch(.., 101_376): 64 query
     rows, 16 keys per step; session 23, to fit 99 KiB of shared memory) is exact like the others."""
-    bm, bn, _, _ = K.prefill_launch(256, 101_376)
+    bm, bn, _ = K.prefill_launch(256, 101_376)
     assert (bm, bn) == (64, 16) and K.prefill_launch(256, 232_448)[:2] == (64, 32)
     preset, runs, (hq, hkv), tpp, win, grp, sink = PREFILL_CASES["several-tiles-windows-and-groups"]
     T = fmt.get_preset(preset).tile

@@ -33,6 +33,11 @@ import triton.language as tl
 from .format import (EPS, FP16_WINDOWS, PREFILL_QUERY_GROUP, PREFILL_WINDOW_TOKENS, Preset,
                      get_preset)
 
+try:  # inside vLLM (kvarn/install.sh): patch 0070's copy of onecard/kernels/wide_verify.py
+    from ..onecard_wide_verify import block_shared as _block_shared
+except ImportError:  # onecard's own tree
+    from ..kernels.wide_verify import block_shared as _block_shared
+
 MAX_QUERY_LEN = 16
 _LOG2E = 1.4426950408889634
 _SM_COUNT: dict[int, int] = {}
@@ -409,18 +414,6 @@ def _check_block_shared(rows: int, d: int, max_query_len: int, device: torch.dev
                          f"(DFLASH_TOKENS <= 7 with CTX=huge)")
 
 
-_BLOCK_SHARED: dict[int, int] = {}
-
-
-def _block_shared(device: torch.device) -> int:
-    """Shared memory one block may opt into (per multiprocessor less the 1 KiB the driver keeps:
-    101,376 B on sm_86 / sm_89, 232,448 on sm_90), cached per device like _sm_count."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _BLOCK_SHARED:
-        _BLOCK_SHARED[idx] = torch.cuda.get_device_properties(idx).shared_memory_per_multiprocessor - 1024
-    return _BLOCK_SHARED[idx]
-
-
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 16
@@ -778,8 +771,8 @@ def _prefix(rows) -> list[int]:
     return out
 
 
-def prefill_launch(head_dim: int, shared: int | None) -> tuple[int, int, int, int]:
-    """(block_m, block_n, num_warps, num_stages) of kvarn_prefill's kernels when the caller gives
+def prefill_launch(head_dim: int, shared: int | None) -> tuple[int, int, int]:
+    """(block_m, block_n, num_stages) of kvarn_prefill's kernels when the caller gives
     none; ``shared``: the shared memory a block may have on the GPU (_block_shared), None on the
     CPU interpreter (small blocks). On a GPU, 64 query rows per program and 32 keys per step at
     head_dim 256 (64 below it). Under 200 KiB (an RTX 3090 / 4090 / 5090 block may have 99 KiB =
@@ -794,7 +787,7 @@ def prefill_launch(head_dim: int, shared: int | None) -> tuple[int, int, int, in
         block_n = 32 if head_dim >= 256 else 64
         if shared < 200 * 1024 and head_dim >= 256:
             block_n = 16
-    return block_m, block_n, 8 if block_m * head_dim >= 64 * 256 else 4, 2 if head_dim >= 256 else 3
+    return block_m, block_n, 2 if head_dim >= 256 else 3
 
 
 def kvarn_prefill(
@@ -878,7 +871,7 @@ def kvarn_prefill(
     prev0, prev1 = (prevs + [-1, -1])[:2]
     sink0, sink1 = (sinks + [-1, -1])[:2]
     cuda = q.device.type == "cuda"
-    d_m, d_n, d_w, d_s = prefill_launch(d, _block_shared(q.device) if cuda else None)
+    d_m, d_n, d_s = prefill_launch(d, _block_shared(q.device) if cuda else None)
     block_m = d_m if block_m is None else block_m
     block_n = d_n if block_n is None else block_n
     num_warps = (8 if block_m * d >= 64 * 256 else 4) if num_warps is None else num_warps
