@@ -235,14 +235,17 @@ class Installer:
         self.sh("verify", ["bash", REPO / "verify.sh", "--no-server"], "fix the FAIL lines above, then ./verify.sh --no-server", env=env)
         self.note("verify", "passed")
 
+    def venv_word(self) -> str:
+        """``VENV=DIR`` for a venv other than ./venv (start_qwen.sh and verify.sh look there
+        otherwise), else empty."""
+        return f"VENV={self.venv.absolute()}" if self.venv.absolute() != (REPO / "venv").absolute() else ""
+
     def service_env(self) -> list[str]:
         """MODEL / DRAFT for the service when this install put them elsewhere than the launcher's defaults."""
         from onecard.prepare.drafter import launcher_default_draft
         from onecard.prepare.model import launcher_default_model
 
-        env = []
-        if self.venv.absolute() != (REPO / "venv").absolute():
-            env.append(f"VENV={self.venv.absolute()}")  # start_qwen.sh looks in ./venv otherwise
+        env = [self.venv_word()] if self.venv_word() else []
         if self.model_dir and self.model_dir != (REPO / launcher_default_model()).absolute():
             env.append(f"MODEL={self.model_dir}")
         if self.drafter_dir and self.drafter_dir != launcher_default_draft().absolute():
@@ -286,9 +289,7 @@ class Installer:
 
             spec = "SPEC=dflash2 " + ("" if self.drafter_dir == launcher_default_draft().absolute()
                                       else f"DRAFT={self.drafter_dir} ")
-        venv = ""
-        if self.venv.absolute() != (REPO / "venv").absolute():
-            venv = f"VENV={self.venv.absolute()} "  # start_qwen.sh / verify.sh look in ./venv otherwise
+        venv = self.venv_word() + " " if self.venv_word() else ""
         print(f"venv: {self.venv}   next: {venv}{model}CTX=long {spec}./start_qwen.sh   "
               f"({venv}./start_qwen.sh --dry-run shows the plan)")
         return 0

@@ -974,7 +974,7 @@ def dflash2_ring_bytes(drafter: RingDrafter, max_seqs: int, k_max: int, tp: int 
     layer's own num_kv_heads, the rank's (rank_kv_heads; half the bytes at TP=2 for 8 KV heads)."""
     from onecard.dflash import ring
 
-    heads = rank_kv_heads(drafter.kv_heads, tp, "KV heads of the DFlash2 drafter") if tp > 1 else drafter.kv_heads
+    heads = rank_kv_heads(drafter.kv_heads, tp, "KV heads of the DFlash2 drafter")   # all of them at TP=1
     return ring.ring_bytes(drafter.layers, max_seqs, drafter.window, k_max, heads, drafter.head_dim)
 
 

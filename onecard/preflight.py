@@ -169,7 +169,7 @@ def _tp_vram(plan: ServePlan, geom: memory.ModelGeometry, tp: int, weights: memo
     ring = _ring_bytes(plan, tp)
     lane = _lane_bytes(plan)
     scratch = _defer_scratch(plan, geom, tp)
-    chunk = int(plan.get("PREFILL_CHUNK")) if "PREFILL_CHUNK" in plan.values else memory.PREFILL_CHUNK
+    chunk = _chunk(plan)
     b = memory.vram_budget(0, weights.per_gpu, drafter.weight_bytes if drafter else 0, head, stage,
                            reserves=memory.reserves(chunk), card_bytes=memory.CARD_24G, dflash2_ring_bytes=ring,
                            dflash2_lane_bytes=lane, gdn_defer_scratch=scratch)
@@ -386,7 +386,7 @@ def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: mem
     lane = _lane_bytes(plan)
     scratch = _defer_scratch(plan, geom)
     card, _ = _card(plan)
-    chunk = int(plan.get("PREFILL_CHUNK")) if "PREFILL_CHUNK" in plan.values else memory.PREFILL_CHUNK
+    chunk = _chunk(plan)
     b = memory.vram_budget(kv_mem, weights, drafter.weight_bytes if drafter else 0, head, stage, card_bytes=card,
                            dflash2_ring_bytes=ring, dflash2_lane_bytes=lane, reserves=memory.reserves(chunk),
                            gdn_defer_scratch=scratch)
@@ -510,6 +510,11 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
     plan.notes.append(f"{line}: {why}; {fix} (or use a larger card; the reserves are 3090 estimates)")
 
 
+def _chunk(plan: ServePlan) -> int:
+    """The plan's prefill chunk (PREFILL_CHUNK; memory.PREFILL_CHUNK in plans made without it)."""
+    return int(plan.get("PREFILL_CHUNK")) if "PREFILL_CHUNK" in plan.values else memory.PREFILL_CHUNK
+
+
 def _measured_excess(plan: ServePlan, b: dict, kv_mem: int) -> str:
     """For a plan that fits by the estimated reserves with less spare than 27B servers of its SPEC
     measured above them (memory.RESERVES_MEASURED_EXCESS, at an 8,192-token prefill chunk): the
@@ -531,7 +536,7 @@ _EXCESS_WHERE = "H200, job 41, 2026-12-05, at an 8,192-token prefill chunk; not 
 def _excess(plan: ServePlan) -> int:
     """memory.RESERVES_MEASURED_EXCESS for the plan's SPEC, or 0 where it does not apply (a prefill
     chunk of 8,192 or more, whose reserves() already cover it)."""
-    chunk = int(plan.get("PREFILL_CHUNK")) if "PREFILL_CHUNK" in plan.values else memory.PREFILL_CHUNK
+    chunk = _chunk(plan)
     if chunk >= memory.RESERVES_MEASURED_CHUNK:
         return 0
     return memory.RESERVES_MEASURED_EXCESS.get(str(plan.get("SPEC")), 0)
