@@ -160,18 +160,9 @@ def _tp_vram(plan: ServePlan, geom: memory.ModelGeometry, tp: int, weights: memo
         head, hsrc = memory.draft_lm_head_bytes(str(plan.get("MODEL")), (environ or {}).get("ONECARD_DRAFT_VOCAB"))
         head = memory.cdiv(head, tp) if head else 0  # ParallelLMHead (patch 0012): vocab-parallel rows
     drafter = _drafter(plan, fp8=plan.get("DRAFT_QUANT") == "fp8", tp=tp)
-    kv = str(plan.get("KV"))
-    stage = 0
-    if memory.kvarn_preset(kv) is not None:
-        stage = memory.kvarn_reserve_bytes(memory.rank_geometry(geom, tp), kv, int(plan.get("MAX_SEQS")), attn_layers,
-                                           int(plan.get("KVARN_WINDOW")) if "KVARN_WINDOW" in plan.values else None,
-                                           int(plan.get("KVARN_SINKS")) if "KVARN_SINKS" in plan.values else None)
-    ring = _ring_bytes(plan, tp)
-    lane = _lane_bytes(plan)
-    scratch = _defer_scratch(plan, geom, tp)
-    chunk = _chunk(plan)
+    stage, ring, lane, scratch, reserves = _beside_pin(plan, geom, attn_layers, tp)
     b = memory.vram_budget(0, weights.per_gpu, drafter.weight_bytes if drafter else 0, head, stage,
-                           reserves=memory.reserves(chunk), card_bytes=memory.CARD_24G, dflash2_ring_bytes=ring,
+                           reserves=reserves, card_bytes=memory.CARD_24G, dflash2_ring_bytes=ring,
                            dflash2_lane_bytes=lane, gdn_defer_scratch=scratch)
     b["sources"] = {"weights": weights.source, "drafter_weights": drafter.source if drafter else "",
                     "draft_lm_head": hsrc}
@@ -367,6 +358,23 @@ def _weights(plan: ServePlan, geom: memory.ModelGeometry, environ) -> tuple:
     return weights, wsrc, head, hsrc, memory.target_embed_bytes(tensors)
 
 
+def _beside_pin(plan: ServePlan, geom: memory.ModelGeometry, attn_layers: int,
+                tp: int = 1) -> tuple[int, int, int, int, int]:
+    """The terms one GPU holds beside the KV pool and the weights, at tensor parallel ``tp``
+    (_vram's at 1, _tp_vram's above): CTX=huge's KVarN fp16 stage and prefill scratch (at the
+    rank's heads), DFLASH_RING=1's rings, the DFlash2 lookup lane's history, GDN_DEFER=1's verify
+    scratch, and the estimated reserves at the plan's prefill chunk."""
+    kv = str(plan.get("KV"))
+    stage = 0
+    if memory.kvarn_preset(kv) is not None:
+        stage = memory.kvarn_reserve_bytes(memory.rank_geometry(geom, tp) if tp > 1 else geom, kv,
+                                           int(plan.get("MAX_SEQS")), attn_layers,
+                                           int(plan.get("KVARN_WINDOW")) if "KVARN_WINDOW" in plan.values else None,
+                                           int(plan.get("KVARN_SINKS")) if "KVARN_SINKS" in plan.values else None)
+    return (stage, _ring_bytes(plan, tp), _lane_bytes(plan), _defer_scratch(plan, geom, tp),
+            memory.reserves(_chunk(plan)))
+
+
 def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: memory.DrafterVRAM | None,
           weights: tuple, attn_layers: int) -> tuple[dict | None, str, dict]:
     """Everything one GPU holds at the KV_MEM pin, against the card: (budget, the sum as one line,
@@ -376,19 +384,10 @@ def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: mem
     weights, wsrc, head, hsrc, _ = weights
     if weights is None:
         return None, f"target weights {wsrc}", {}
-    kv = str(plan.get("KV"))
-    stage = 0
-    if memory.kvarn_preset(kv) is not None:
-        stage = memory.kvarn_reserve_bytes(geom, kv, int(plan.get("MAX_SEQS")), attn_layers,
-                                           int(plan.get("KVARN_WINDOW")) if "KVARN_WINDOW" in plan.values else None,
-                                           int(plan.get("KVARN_SINKS")) if "KVARN_SINKS" in plan.values else None)
-    ring = _ring_bytes(plan)
-    lane = _lane_bytes(plan)
-    scratch = _defer_scratch(plan, geom)
+    stage, ring, lane, scratch, reserves = _beside_pin(plan, geom, attn_layers)
     card, _ = _card(plan)
-    chunk = _chunk(plan)
     b = memory.vram_budget(kv_mem, weights, drafter.weight_bytes if drafter else 0, head, stage, card_bytes=card,
-                           dflash2_ring_bytes=ring, dflash2_lane_bytes=lane, reserves=memory.reserves(chunk),
+                           dflash2_ring_bytes=ring, dflash2_lane_bytes=lane, reserves=reserves,
                            gdn_defer_scratch=scratch)
     b["certain"] = b["total"] - b["reserves"] + memory.CUDA_CONTEXT
     b["sources"] = {"weights": wsrc, "drafter_weights": drafter.source if drafter else "",
