@@ -1082,14 +1082,20 @@ RESERVES = CUDA_GRAPH_RESERVE + ACTIVATION_HEADROOM + CUDA_CONTEXT
 PREFILL_CHUNK = 2048   # the launcher's default --max-num-batched-tokens (ACTIVATION_HEADROOM's chunk)
 
 
-# Measured against RESERVES (H200, 2026-12-05, session 19, job 41; docs/measurements.md): 27B
-# servers at the 3090 pins held more than the memory model by (after the H200's larger CUDA
-# context, 612 against 512 MiB) 1,103 MiB (long-off), 1,381 (long-mtp), 1,644 (fast-dflash2) and
-# 1,881 (long-dflash2): per SPEC the largest. They prefilled in vLLM's 8,192-token chunks (4x
-# PREFILL_CHUNK; at that chunk reserves() now counts 3.75 GiB more, which covers it); at 2,048 it
-# is not yet measured, so the preflight names the figure beside a plan whose spare is smaller.
-RESERVES_MEASURED_EXCESS = {"off": 1103 * MiB, "mtp": 1381 * MiB, "dflash2": 1881 * MiB}
-RESERVES_MEASURED_CHUNK = 8192
+# Reserves as measured for the profiles job 41 ran at the launcher's own prefill chunk (H100 80GB,
+# 2026-12-05, session 24; docs/measurements.md): each server's peak (nvidia-smi, its processes)
+# less every predicted term but the reserves, with the H100's bare CUDA context (612 MiB) swapped
+# for CUDA_CONTEXT; its torch caching allocator capped at a 24 GiB card's share, W4A16 / FP8 GEMMs
+# on Marlin (a 3090's kernels), a MAX_LEN/2 prefill and a MAX_SEQS batch after boot. The estimate
+# RESERVES is 2,560 MiB. Keyed by what sizes them: (CTX, SPEC, SPEC_K, MAX_SEQS, GDN_DEFER,
+# PREFILL_CHUNK, DRAFT_QUANT); one GPU only. (Session 19's 1.1-1.9 GiB above RESERVES was measured
+# at vLLM's 8,192-token H200 chunk, where reserves() counts 3.75 GiB more; at 2,048 it is gone.)
+RESERVES_MEASURED = {
+    ("long", "dflash2", 7, 4, "1", 2048, "fp8"): 2519 * MiB,
+    ("huge", "dflash2", 7, 2, "1", 2048, "fp8"): 1983 * MiB,
+    ("long", "dflash2", 7, 4, "0", 2048, "fp8"): 2257 * MiB,
+}
+RESERVES_MEASURED_WHERE = "measured for this profile: H100, job 41, 2026-12-05, 3090 context estimated"
 
 
 def reserves(prefill_chunk: int = PREFILL_CHUNK) -> int:

@@ -298,8 +298,9 @@ def _draft_quant(plan: ServePlan, geom: memory.ModelGeometry, drafter: memory.Dr
     plan.notes.append(f"DRAFT_QUANT=auto -> fp8: with a bf16 drafter the plan needs {_gib(b['total'])} GiB of the "
                       f"{card}; FP8 weights for the drafter's fc, o_proj and MLP (quantized while it loads) save "
                       f"{_gib(saved)} GiB. The target verifies every token, so FP8 changes speed, not the output "
-                      f"distribution (on an H200 the FP8 drafter's greedy output equalled SPEC=off on the tiny "
-                      f"model, job 70, 2026-12-05); its acceptance with the real drafter's weights is not yet "
+                      f"distribution (on the tiny model, job 70, 2026-12-05: the FP8 drafter's greedy output equalled "
+                      f"SPEC=off on an H200, and its sampled output passed a chi-square test against it on an "
+                      f"H100); its acceptance with the real drafter's weights is not yet "
                       f"measured (DRAFT_QUANT=bf16 keeps bf16)")
     return fp8
 
@@ -372,7 +373,22 @@ def _beside_pin(plan: ServePlan, geom: memory.ModelGeometry, attn_layers: int,
                                            int(plan.get("KVARN_WINDOW")) if "KVARN_WINDOW" in plan.values else None,
                                            int(plan.get("KVARN_SINKS")) if "KVARN_SINKS" in plan.values else None)
     return (stage, _ring_bytes(plan, tp), _lane_bytes(plan), _defer_scratch(plan, geom, tp),
-            memory.reserves(_chunk(plan)))
+            _reserves(plan, tp) or memory.reserves(_chunk(plan)))
+
+
+def _reserve_key(plan: ServePlan) -> tuple:
+    """The plan's key into memory.RESERVES_MEASURED: what sizes its graph / activation / sampler
+    reserves (CTX, SPEC, SPEC_K, MAX_SEQS, GDN_DEFER, PREFILL_CHUNK, DRAFT_QUANT)."""
+    return (str(plan.get("CTX")), str(plan.get("SPEC")), int(plan.get("SPEC_K")), int(plan.get("MAX_SEQS")),
+            str(plan.get("GDN_DEFER")), _chunk(plan), str(plan.get("DRAFT_QUANT")))
+
+
+def _reserves(plan: ServePlan, tp: int = 1) -> int | None:
+    """The reserves job 41 measured for exactly this profile (memory.RESERVES_MEASURED), on one
+    GPU; None where none was measured (the estimate, memory.reserves, applies)."""
+    if tp != 1:
+        return None
+    return memory.RESERVES_MEASURED.get(_reserve_key(plan))
 
 
 def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: memory.DrafterVRAM | None,
@@ -415,7 +431,8 @@ def _vram(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: mem
         parts.append(f"GDN_DEFER=1 verify scratch {_gib(scratch)} ({geom.num_gdn} GDN layers x MAX_SEQS="
                      f"{plan.get('MAX_SEQS')} x {1 + int(plan.get('SPEC_K'))} positions)")
         added["the GDN_DEFER=1 verify scratch"] = scratch
-    parts += [f"reserves {_gib(b['reserves'])}", f"KV pin {_gib(kv_mem)}"]
+    measured = " (" + memory.RESERVES_MEASURED_WHERE + ")" if _reserves(plan) else ""
+    parts += [f"reserves {_gib(b['reserves'])}{measured}", f"KV pin {_gib(kv_mem)}"]
     return b, f"{' + '.join(parts)} = {_gib(b['total'])} GiB", added
 
 
@@ -474,7 +491,7 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
     card = _card_name(plan)
     line = f"VRAM on one GPU: {line}"
     if b["fits"]:
-        plan.notes.append(f"{line}: fits a {card}" + _measured_excess(plan, b, kv_mem))
+        plan.notes.append(f"{line}: fits a {card}")
         return
     # blame the fewest added terms, largest first, whose absence makes the plan fit (a 32 MB
     # GDN_DEFER scratch is not named beside a 2 GiB drafter that alone decides it)
@@ -497,48 +514,18 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
     if _card(plan)[1] and b["certain"] <= b["card_bytes"]:
         fix += (f"; without the estimated graph/activation reserves it is {_gib(b['certain'])} GiB, so the pin "
                 f"stays: if the boot runs out of GPU memory, set that KV_MEM")
-        if (excess := _excess(plan)) and b["kv_max"] - excess > 0:
-            fix += (f" (or KV_MEM={(b['kv_max'] - excess) // memory.MiB}M, which leaves room for the up to "
-                    f"{_gib(excess)} GiB that 27B servers with SPEC={plan.get('SPEC')} measured above these "
-                    f"estimates: {_EXCESS_WHERE})")
     alt = plan.prediction.get("gdn_defer") or {}
     pin = alt.get("kv_mem_same_pool")
     if pin and (total := b["total"] - (kv_mem - pin) + alt["scratch_bytes"]) <= b["card_bytes"]:
         fix += (f"; or GDN_DEFER=1 with KV_MEM={pin // memory.MiB}M (the same {plan.prediction['pool_tokens']:,}-token "
                 f"pool, no GDN state per draft position: {_gib(total)} GiB; the default with speculation on one GPU)")
-    plan.notes.append(f"{line}: {why}; {fix} (or use a larger card; the reserves are 3090 estimates)")
+    est = "measured on an H100" if _reserves(plan) else "3090 estimates"
+    plan.notes.append(f"{line}: {why}; {fix} (or use a larger card; the reserves are {est})")
 
 
 def _chunk(plan: ServePlan) -> int:
     """The plan's prefill chunk (PREFILL_CHUNK; memory.PREFILL_CHUNK in plans made without it)."""
     return int(plan.get("PREFILL_CHUNK")) if "PREFILL_CHUNK" in plan.values else memory.PREFILL_CHUNK
-
-
-def _measured_excess(plan: ServePlan, b: dict, kv_mem: int) -> str:
-    """For a plan that fits by the estimated reserves with less spare than 27B servers of its SPEC
-    measured above them (memory.RESERVES_MEASURED_EXCESS, at an 8,192-token prefill chunk): the
-    figure and the KV_MEM that leaves room for it. Empty otherwise."""
-    excess = _excess(plan)
-    spare = b["card_bytes"] - b["total"]
-    if not excess or spare >= excess:
-        return ""
-    safe = max(kv_mem - (excess - spare), 0) // memory.MiB
-    b["measured_excess"], b["kv_mem_room"] = excess, safe * memory.MiB   # for ./verify.sh's plan line
-    return (f", {_gib(spare)} GiB to spare by the estimated reserves; but 27B servers with SPEC={plan.get('SPEC')} "
-            f"measured up to {_gib(excess)} GiB above those estimates ({_EXCESS_WHERE}), so this plan may run out "
-            f"of GPU memory at boot or at its first long prefill: if it does, KV_MEM={safe}M leaves room for that")
-
-
-_EXCESS_WHERE = "H200, job 41, 2026-12-05, at an 8,192-token prefill chunk; not yet measured at 2,048; docs/measurements.md"
-
-
-def _excess(plan: ServePlan) -> int:
-    """memory.RESERVES_MEASURED_EXCESS for the plan's SPEC, or 0 where it does not apply (a prefill
-    chunk of 8,192 or more, whose reserves() already cover it)."""
-    chunk = _chunk(plan)
-    if chunk >= memory.RESERVES_MEASURED_CHUNK:
-        return 0
-    return memory.RESERVES_MEASURED_EXCESS.get(str(plan.get("SPEC")), 0)
 
 
 def _ring_note(plan: ServePlan) -> None:
@@ -557,7 +544,10 @@ def _ring_note(plan: ServePlan) -> None:
         f"without them); their K/V live in bf16 rings beside the KV pin: {rd.layers} layers x "
         f"{dring.ring_total_blocks(seqs, rd.window, k)} blocks of {dring.RING_BLOCK} rows (MAX_SEQS={seqs} slots "
         f"of window {rd.window} + DFLASH_TOKENS {k} + 1, + 1 spare) x {rd.kv_heads} x {rd.head_dim} x K,V = "
-        f"{nbytes:,} B ({nbytes / 1e6:.1f} MB); CPU-tested only, not yet run on a GPU")
+        f"{nbytes:,} B ({nbytes / 1e6:.1f} MB); " + (
+            "run on an H100 with CTX=huge (2026-12-05: the 27B geometry's boot, a 122,880-token prefill and a batch, "
+            "job 41; output equal to SPEC=off on the tiny model, job 63)" if plan.get("CTX") == "huge"
+            else f"with CTX={plan.get('CTX')} not yet run on a GPU"))
 
 
 def _gdn_defer_note(plan: ServePlan, geom: memory.ModelGeometry, pred: memory.PoolPrediction, k: int,

@@ -99,14 +99,16 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          "rings of its sliding window outside vLLM's KV pool (84.9 MB beside the pin for the 27B drafter at "
          "MAX_SEQS 2), so the pool is the target's alone (docs/dflash2-huge.md section 3); needs a drafter whose "
          "layers are all sliding-window; 0: the drafter's layers hold KV for the whole context in the pool; "
-         "auto: 1 with CTX=huge (whose KVarN pool cannot take the drafter's layers), else 0. CPU-tested only, "
-         "not yet run on a GPU. No effect with SPEC=off|mtp. Passed to the server as ONECARD_DFLASH_RING",
+         "auto: 1 with CTX=huge (whose KVarN pool cannot take the drafter's layers), else 0. Run on a GPU with "
+         "CTX=huge (H100, 2026-12-05), not yet with CTX=fast|long. No effect with SPEC=off|mtp. Passed to the server as ONECARD_DFLASH_RING",
          ("auto", "0", "1")),
     Knob("DRAFT_QUANT", "auto", "auto|bf16|fp8", "SPEC=dflash2: bf16 = the drafter's weights as stored; fp8 = its "
          "fc, o_proj and MLP quantized to FP8 while it loads (the published 27B drafter 3.58 -> 2.14 GiB; Marlin "
          "W8A16 on an RTX 3090, a W8A8 kernel on sm_89+ GPUs, untested there); auto = fp8 exactly when the plan with "
          "bf16 does not fit the card (every dflash2 profile on 24 GiB). The target verifies every token: FP8 "
-         "changes speed, not the output distribution. Not yet run on any GPU (docs/dflash2.md, \"FP8 drafter\")",
+         "changes speed, not the output distribution. Run on the tiny model (job 70): greedy output equal to "
+         "SPEC=off (H200), sampled output passing a chi-square test against it (H100, Marlin FP8); acceptance "
+         "with the real drafter not yet measured (docs/dflash2.md, \"FP8 drafter\")",
          ("auto", "bf16", "fp8")),
     Knob("KV", "", "bf16|fp8|int8_per_token_head|int4_per_token_head", "override the profile's KV cache dtype",
          ("bf16", "fp8", "int8_per_token_head", "int4_per_token_head")),

@@ -453,12 +453,6 @@ def check_plan(ctx) -> Result:
         return Result(WARN, "plan", f"{detail}; over this card by the estimated reserves only: it boots at "
                                     f"the pin, and if it runs out of GPU memory, KV_MEM <= {vram['kv_max'] // 2**20}M"
                                     + alt)
-    if card_src and vram and vram.get("fits") and vram.get("measured_excess"):
-        spare = vram["card_bytes"] - vram["total"]
-        return Result(WARN, "plan", f"{detail}; fits by the estimated reserves with {spare / 2**30:.2f} GiB to spare, "
-                                    f"less than the up to {vram['measured_excess'] / 2**30:.2f} GiB that 27B servers "
-                                    f"with SPEC={val.get('SPEC')} measured above them (H200, 8,192-token prefill "
-                                    f"chunk): if it runs out of GPU memory, KV_MEM={vram['kv_mem_room'] // 2**20}M")
     return Result(PASS, "plan", detail)
 
 

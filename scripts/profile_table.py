@@ -155,17 +155,19 @@ launcher's knobs, preflight and prediction; `--dry-run` prints every value, note
 
 - **Every figure is PREDICTED** for a {card} GiB card at the profiles' 3090 `KV_MEM` pins. None was
   measured on an RTX 3090 or any other 24 GB card.
-- What was checked on a GPU (an NVIDIA H200, with the 3090 pins and the 27B geometry): for several
-  of these profiles, vLLM's own KV pool ("GPU KV cache size") against the predicted pool, and the
-  weights, drafter and CUDA-graph memory vLLM logged at boot. Which profiles, when, and how they
-  compared: [measurements.md](measurements.md). The VRAM totals and the fit verdicts below have not
-  been checked on any 24 GB card: the {reserves} GiB of reserves (CUDA graphs, activations, CUDA
-  context) are estimates, and **too low by the first measurement** (H200, 2026-12-05, job 41:
-  every server 1.2-2.0 GiB above these totals; by its 3090 estimate `CTX=long SPEC=dflash2` is
-  about 1.6 GiB over 24 GiB even with the FP8 drafter, `CTX=long SPEC=mtp|off` fit). That run's
-  servers prefilled in vLLM's H200 chunk of 8,192 tokens, four times a 3090's 2,048, which these
-  reserves assume: the launcher now pins `PREFILL_CHUNK` (2,048) on every card, and job 41 with
-  the torch allocator capped at a 24 GiB card's share (`FIT_TORCH_CAP=auto`) is the next measurement.
+- What was checked on a GPU (an NVIDIA H200 or H100, with the 3090 pins and the 27B geometry): for
+  several of these profiles, vLLM's own KV pool ("GPU KV cache size") against the predicted pool,
+  and each server's GPU memory against the VRAM total (job 41). Which profiles, when, and how they
+  compared: [measurements.md](measurements.md). The {reserves} GiB of reserves (CUDA graphs,
+  activations, CUDA context) are estimates, except where job 41 measured the profile at the
+  launcher's 2,048-token prefill chunk with the torch allocator capped at a 24 GiB card's share
+  (H100, 2026-12-05): `CTX=long SPEC=dflash2` (2.46 GiB: the estimate was 0.04 GiB high), the same
+  with `GDN_DEFER=0` (2.20) and `CTX=huge SPEC=dflash2` (1.94). Those plans count the measured
+  reserves (the note says so); each server booted, prefilled MAX_LEN/2 tokens and served its batch
+  under the cap, with 0.23-0.52 GiB to spare by the 3090 estimate (the H100's CUDA context swapped
+  for the 512 MiB estimate; a 3090's own context and kernel modules were not measured). The first
+  measurement (H200, job 41, session 19: 1.2-2.0 GiB above these totals) prefilled in vLLM's H200
+  chunk of 8,192 tokens; at that chunk the estimate now counts 3.75 GiB more.
 - The plans assume what a full install has: KVarN (`./install.sh --kvarn`, for `CTX=huge`), patch
   0080 (`SPEC=dflash2`), the prepared 27B checkpoint (its weights as the memory model lays them
   out: int8 lm_head/embed/MTP) and the published 27B DFlash2 drafter in `DRAFT` (its config's

@@ -69,10 +69,18 @@ def test_huge_dflash2_plans_with_rings(tmp_path, features, drafter_27b):
     assert p["vram"]["kvarn_stage"] == memory.kvarn_reserve_bytes(g, "kvarn", 2, 16, 3, 2)
 
 
-def test_huge_dflash2_on_a_24_gib_card_keeps_the_pin_with_a_note(tmp_path, features, drafter_27b):
-    """By the memory model: over a 24 GiB card with the estimated reserves, under it without the
-    graph/activation part, so the pin stays and one note says what to set if the boot runs out."""
+def test_huge_dflash2_on_a_24_gib_card_fits_by_its_measured_reserves(tmp_path, features, drafter_27b):
+    """By the estimated reserves 24.15 GiB, over a 24 GiB card; job 41 measured this profile's
+    reserves (memory.RESERVES_MEASURED, 1.94 GiB) and the plan counts them: it fits, and the note
+    says where the reserves come from. With an unmeasured MAX_SEQS the estimate applies again: over
+    the card by the reserves only, so the pin stays and the note says what to set."""
     plan = mk({"CTX": "huge", "SPEC": "dflash2", "DRAFT": str(drafter_27b), "CARD_GIB": "24"}, tmp_path)
+    v = plan.prediction["vram"]
+    assert v["fits"] and v["reserves"] == 1983 * memory.MiB and plan.values["KV_MEM"].source == "profile"
+    (note,) = [n for n in plan.notes if n.startswith("VRAM on one GPU")]
+    assert memory.RESERVES_MEASURED_WHERE in note and note.endswith("fits a 24 GiB card (CARD_GIB)")
+    plan = mk({"CTX": "huge", "SPEC": "dflash2", "DRAFT": str(drafter_27b), "CARD_GIB": "24", "MAX_SEQS": "3",
+               "MAX_LEN": "131072"}, tmp_path)
     v = plan.prediction["vram"]
     assert not v["fits"] and v["certain"] <= v["card_bytes"] and plan.values["KV_MEM"].source == "profile"
     (note,) = [n for n in plan.notes if n.startswith("VRAM on one GPU")]
@@ -124,7 +132,7 @@ def test_ring_needs_dflash2(tmp_path, features, spec):
 def test_bad_value_names_the_valid_ones(tmp_path):
     k = profiles.KNOBS["DFLASH_RING"]
     assert k.default == "auto" and k.choices == ("auto", "0", "1")
-    assert "ONECARD_DFLASH_RING" in k.doc and "not yet run on a GPU" in k.doc
+    assert "ONECARD_DFLASH_RING" in k.doc and "Run on a GPU with CTX=huge" in k.doc
     with pytest.raises(P.PlanError, match=r"DFLASH_RING='yes' is not valid; valid: auto\|0\|1"):
         mk({"DFLASH_RING": "yes"}, tmp_path)
 

@@ -175,27 +175,6 @@ def test_plan_check_warns_when_only_the_estimate_is_over(monkeypatch):
     assert res.detail.endswith("KV_MEM <= 3906M, or EMBED_HOST=1 (1.19 GiB less; not yet run on a GPU)")
 
 
-def test_plan_check_warns_when_the_spare_is_below_the_measured_excess(monkeypatch):
-    """A plan that fits by the estimate with less spare than servers of its SPEC measured above it
-    (the preflight's vram "measured_excess" / "kv_mem_room"): WARN naming both and the KV_MEM."""
-    import json as _json
-    import types
-
-    vram = {"fits": True, "total": int(23.82 * 2**30), "certain": int(21.82 * 2**30), "card_bytes": 24 * 2**30,
-            "kv_max": 5250 * 2**20, "measured_excess": 1881 * 2**20, "kv_mem_room": 3371 * 2**20}
-    plan = {"values": {"CTX": {"value": "long"}, "SPEC": {"value": "dflash2"}, "MAX_LEN": {"value": 93696},
-                       "MAX_SEQS": {"value": 4}, "KV_MEM": {"value": 5309988864, "source": "profile", "reason": ""}},
-            "prediction": {"vram": vram}}
-    monkeypatch.setenv("CARD_GIB", "24")
-    monkeypatch.setattr(verify.subprocess, "run", lambda *a, **k: types.SimpleNamespace(
-        returncode=0, stdout=_json.dumps(plan), stderr=""))
-    res = verify.check_plan({})
-    assert res.status == verify.WARN and "0.18 GiB to spare" in res.detail and "up to 1.84 GiB" in res.detail
-    assert res.detail.endswith("KV_MEM=3371M")
-    del vram["measured_excess"]
-    assert verify.check_plan({}).status == verify.PASS
-
-
 def test_no_model_named_checks_the_launchers_default(tmp_path, monkeypatch):
     """Without --model / $MODEL, verify looks where ./start_qwen.sh would (MODEL's default,
     models/qwen38-27b in the repository) and warns, naming the install command, when it is
