@@ -1088,12 +1088,12 @@ PREFILL_CHUNK = 2048   # the launcher's default --max-num-batched-tokens (ACTIVA
 # for CUDA_CONTEXT; its torch caching allocator capped at a 24 GiB card's share, W4A16 / FP8 GEMMs
 # on Marlin (a 3090's kernels), a MAX_LEN/2 prefill and a MAX_SEQS batch after boot. The estimate
 # RESERVES is 2,560 MiB. Keyed by what sizes them: (CTX, SPEC, SPEC_K, MAX_SEQS, GDN_DEFER,
-# PREFILL_CHUNK, DRAFT_QUANT); one GPU only. (Session 19's 1.1-1.9 GiB above RESERVES was measured
+# PREFILL_CHUNK, DRAFT_QUANT, DFLASH_RING); one GPU only. (Session 19's 1.1-1.9 GiB above RESERVES was measured
 # at vLLM's 8,192-token H200 chunk, where reserves() counts 3.75 GiB more; at 2,048 it is gone.)
 RESERVES_MEASURED = {
-    ("long", "dflash2", 7, 4, "1", 2048, "fp8"): 2519 * MiB,
-    ("huge", "dflash2", 7, 2, "1", 2048, "fp8"): 1983 * MiB,
-    ("long", "dflash2", 7, 4, "0", 2048, "fp8"): 2257 * MiB,
+    ("long", "dflash2", 7, 4, "1", 2048, "fp8", "0"): 2519 * MiB,
+    ("huge", "dflash2", 7, 2, "1", 2048, "fp8", "1"): 1983 * MiB,
+    ("long", "dflash2", 7, 4, "0", 2048, "fp8", "0"): 2257 * MiB,
 }
 RESERVES_MEASURED_WHERE = "measured for this profile: H100, job 41, 2026-12-05, 3090 context estimated"
 

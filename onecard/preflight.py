@@ -378,9 +378,9 @@ def _beside_pin(plan: ServePlan, geom: memory.ModelGeometry, attn_layers: int,
 
 def _reserve_key(plan: ServePlan) -> tuple:
     """The plan's key into memory.RESERVES_MEASURED: what sizes its graph / activation / sampler
-    reserves (CTX, SPEC, SPEC_K, MAX_SEQS, GDN_DEFER, PREFILL_CHUNK, DRAFT_QUANT)."""
+    reserves (CTX, SPEC, SPEC_K, MAX_SEQS, GDN_DEFER, PREFILL_CHUNK, DRAFT_QUANT, DFLASH_RING)."""
     return (str(plan.get("CTX")), str(plan.get("SPEC")), int(plan.get("SPEC_K")), int(plan.get("MAX_SEQS")),
-            str(plan.get("GDN_DEFER")), _chunk(plan), str(plan.get("DRAFT_QUANT")))
+            str(plan.get("GDN_DEFER")), _chunk(plan), str(plan.get("DRAFT_QUANT")), "1" if _ring(plan) else "0")
 
 
 def _reserves(plan: ServePlan, tp: int = 1) -> int | None:

@@ -67,7 +67,7 @@ def test_bad_cases_refused_before_any_boot(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [ln for ln in r.stdout.splitlines() if "FIT_CASES" in ln]
     assert lines == ["41-fit: FIT_CASES: 'huge-off' is not a case; valid: long-dflash2 long-dflash2-bf16 fast-dflash2 long-mtp "
-                     "long-off huge-dflash2 huge-mtp long-dflash2-es long-dflash2-eh long-dflash2-gd0, each also with -cap (space- or comma-separated; default: long-dflash2 "
+                     "long-off huge-dflash2 huge-mtp long-dflash2-es long-dflash2-eh long-dflash2-gd0 long-dflash2-ring, each also with -cap (space- or comma-separated; default: long-dflash2 "
                      "fast-dflash2 long-mtp long-off)"], r.stdout
     assert not list(out.glob("server-*.log")) and not (out / "run.txt").exists()
     assert "== 41-fit: FAIL (rc=2)" in r.stdout
@@ -380,8 +380,8 @@ def test_gpu_readme_lists_job_41_and_plans_it():
     text = (REPO / "gpu" / "README.md").read_text()
     assert "- `41-fit`:" in text
     plan = text[text.index("Next lease, in this order"):text.index("Done since and not needed again")]
-    assert "bash gpu/run.sh --detach 20 41 42 70" in plan and "`20` then `41` with `FIT_CASES=" in plan and "-cap" in plan
-    assert "re-fit `onecard.memory` CUDA_GRAPH_RESERVE / ACTIVATION_HEADROOM" in plan
+    assert "`41` with `FIT_CASES=" in plan and "-cap" in plan
+    assert "`onecard.memory.RESERVES_MEASURED`" in plan
 
 
 def test_gemm_choice_runs_the_3090_kernel_by_default(tmp_path):

@@ -391,15 +391,16 @@ def test_measured_reserves_replace_the_estimate_for_exactly_the_measured_profile
         return plan, plan.prediction["vram"], next(n for n in plan.notes if n.startswith("VRAM on one GPU"))
 
     d2 = {"SPEC": "dflash2", "DRAFT": str(drafter_27b)}
-    for env, key in (({"CTX": "long", **d2}, ("long", "dflash2", 7, 4, "1", 2048, "fp8")),
-                     ({"CTX": "long", "GDN_DEFER": "0", **d2}, ("long", "dflash2", 7, 4, "0", 2048, "fp8")),
-                     ({"CTX": "huge", **d2}, ("huge", "dflash2", 7, 2, "1", 2048, "fp8"))):
+    for env, key in (({"CTX": "long", **d2}, ("long", "dflash2", 7, 4, "1", 2048, "fp8", "0")),
+                     ({"CTX": "long", "GDN_DEFER": "0", **d2}, ("long", "dflash2", 7, 4, "0", 2048, "fp8", "0")),
+                     ({"CTX": "huge", **d2}, ("huge", "dflash2", 7, 2, "1", 2048, "fp8", "1"))):
         plan, b, note = vram(env)
         assert b["reserves"] == memory.RESERVES_MEASURED[key], env
         assert f"reserves {b['reserves'] / memory.GiB:.2f} ({memory.RESERVES_MEASURED_WHERE})" in note
         assert b["fits"] and note.endswith("fits a 24 GiB card (CARD_GIB)"), note
         assert "\n" not in note
     for env in ({"CTX": "long", "MAX_SEQS": "2", **d2}, {"CTX": "long", "DFLASH_TOKENS": "15", **d2},
+                {"CTX": "long", "DFLASH_RING": "1", **d2},
                 {"CTX": "long", "PREFILL_CHUNK": "4096", "KV_MEM": "1G", **d2}, {"CTX": "long", "SPEC": "mtp"},
                 {"CTX": "fast", **d2}, {"CTX": "long", "SPEC": "off"}):
         plan, b, note = vram(env)

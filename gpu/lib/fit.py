@@ -92,6 +92,9 @@ CASES = {
     # commit, MAX_LEN 93,696 at the same pin plus a 32 MB verify scratch); this one pins
     # GDN_DEFER=0 (MAX_LEN 70,912, no scratch), the footprint before the default flipped
     "long-dflash2-gd0": {"CTX": "long", "SPEC": "dflash2", "GDN_DEFER": "0"},
+    # the headline with the drafter's K/V in rings beside the pool (DFLASH_RING=1, the CTX=huge
+    # default): the pool is the target's alone, so MAX_LEN 131,072 at the same pin (+0.15 GiB rings)
+    "long-dflash2-ring": {"CTX": "long", "SPEC": "dflash2", "DFLASH_RING": "1"},
 }
 DEFAULT_CASES = ("long-dflash2", "fast-dflash2", "long-mtp", "long-off")
 SERVED = "geom"
