@@ -366,6 +366,16 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
     # the card the preflight fits the plan into (step 9): CARD_GIB, else nvidia-smi at a real launch
     if plan.values["CARD_GIB"].source == "default":
         card, why = card_memory(environ, probe=probe_gpus)
+        used, _ = card_in_use(environ, probe=probe_gpus) if card else (None, "")
+        if card and used and used >= IN_USE_COUNTED:
+            # what others hold now is not the plan's: it must fit what is left (a card driving a
+            # desktop; the headline leaves ~0.2 GiB of 24 GiB by its measurement)
+            plan.notes.append(f"GPU memory in use before the boot: {used // memory.MiB:,} MiB of this GPU's "
+                              f"{card // memory.MiB:,} MiB is held by other processes (nvidia-smi: a desktop, "
+                              f"another server), so the plan is fitted into the {(card - used) // memory.MiB:,} MiB "
+                              f"left (CARD_GIB={card / memory.GiB:.0f} fits it into the whole card)")
+            why = f"{why}, {used // memory.MiB:,} MiB of it in use by other processes at launch"
+            card -= used
         plan.set("CARD_GIB", round(card / memory.GiB, 2) if card else "", "nvidia-smi" if card else "default", why)
     else:
         try:
@@ -618,6 +628,9 @@ def visible_gpus(environ: Mapping[str, str], probe: bool = True) -> tuple[int | 
     return (n, "nvidia-smi -L") if n else (None, "nvidia-smi -L listed no GPU: not checked")
 
 
+IN_USE_COUNTED = 64 * memory.MiB   # below this, memory.used is the driver's own bookkeeping (ignored)
+
+
 def card_memory(environ: Mapping[str, str], probe: bool = True) -> tuple[int | None, str]:
     """(bytes of the first GPU this process would use, how that was found); None = unknown (never a
     failure). Asks ``nvidia-smi --query-gpu=index,uuid,memory.total`` only when ``probe`` (a real
@@ -644,6 +657,27 @@ def card_memory(environ: Mapping[str, str], probe: bool = True) -> tuple[int | N
                               f"({small[0]}: {small[2] // memory.MiB:,} MiB)")
         pick = match[0]
     return pick[2], f"nvidia-smi: GPU {pick[0]}, {pick[2] // memory.MiB:,} MiB"
+
+
+def card_in_use(environ: Mapping[str, str], probe: bool = True) -> tuple[int | None, str]:
+    """(bytes that processes already hold on the GPU card_memory picks, how that was found): nvidia-
+    smi's memory.used at launch (a desktop's X server and compositor, a browser, another server);
+    None = unknown (never a failure). Asked only when ``probe`` (a real launch)."""
+    if not probe:
+        return None, "not asked in a dry run"
+    out, why = _nvidia_smi(["--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"])
+    if out is None:
+        return None, why
+    gpus = []
+    for ln in out.splitlines():
+        parts = [x.strip() for x in ln.split(",")]
+        if len(parts) == 3 and parts[2].isdigit():
+            gpus.append((parts[0], parts[1], int(parts[2]) * memory.MiB))
+    first = (environ.get("CUDA_VISIBLE_DEVICES") or "").split(",")[0].strip()
+    match = [g for g in gpus if not first or g[0] == first or (first.startswith("GPU-") and g[1].startswith(first))]
+    if not match:
+        return None, "nvidia-smi listed no memory.used for the GPU"
+    return match[0][2], f"nvidia-smi: GPU {match[0][0]}, {match[0][2] // memory.MiB:,} MiB in use"
 
 
 # Shared memory a thread block may opt into, KiB, by compute capability (CUDA C++ Programming

@@ -440,8 +440,16 @@ def _card_name(plan: ServePlan) -> str:
     card, known = _card(plan)
     gib = card / memory.GiB
     name = f"{gib:.0f}" if abs(gib - round(gib)) < 0.005 else f"{gib:.2f}"
+    if known and _in_use(plan):
+        return f"{name} GiB card (what other processes leave of this GPU, nvidia-smi)"
     return f"{name} GiB card" + ("" if not known else
                                  " (nvidia-smi)" if plan.values["CARD_GIB"].source == "nvidia-smi" else " (CARD_GIB)")
+
+
+def _in_use(plan: ServePlan) -> bool:
+    """The card size is what other processes left of the GPU at launch (plan.card_in_use)."""
+    v = plan.values["CARD_GIB"]
+    return v.source == "nvidia-smi" and "in use by other processes" in (v.reason or "")
 
 
 def _fit_card(plan: ServePlan, geom: memory.ModelGeometry, drafter: memory.DrafterVRAM | None,
@@ -468,7 +476,8 @@ def _fit_card(plan: ServePlan, geom: memory.ModelGeometry, drafter: memory.Draft
     line += f"; without the estimated graph/activation reserves still {_gib(b['certain'])} GiB"
     kv_max = b["kv_max"] // memory.MiB * memory.MiB
     if kv_max <= 0:
-        raise PlanError(f"the plan does not fit the {card} even without a KV pool ({line}); valid: a larger "
+        free = "the GPU freed of the other processes (a server still running?), " if _in_use(plan) else ""
+        raise PlanError(f"the plan does not fit the {card} even without a KV pool ({line}); valid: {free}a larger "
                         f"card, SPEC=off|mtp (no drafter), or VRAM_CHECK=0 to boot anyway")
     if plan.values["KV_MEM"].source != "profile":
         raise PlanError(f"KV_MEM={kv_mem} does not fit the {card} ({line}); valid: KV_MEM <= "

@@ -196,7 +196,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          "(onecard/warmup.py); 0: none", BOOL),
     Knob("CARD_GIB", "", "1..2048, or '' (ask nvidia-smi at launch)",
          "the GPU's memory the preflight fits the plan into (weights + drafter + reserves + KV pin); '': "
-         "nvidia-smi's memory.total of the first visible GPU at a real launch, a 24 GiB note in --dry-run"),
+         "nvidia-smi's memory.total of the first visible GPU at a real launch, less what other processes "
+         "already hold there (memory.used: a desktop, another server; 64 MiB or more), a 24 GiB note in --dry-run"),
     Knob("VRAM_CHECK", "1", "0|1", "1: when the plan does not fit the card (CARD_GIB or nvidia-smi), a profile's "
          "KV_MEM pin is lowered to what fits and an explicit KV_MEM is refused; 0: a note only (the reserves "
          "are 3090 estimates)", BOOL),

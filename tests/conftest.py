@@ -105,6 +105,7 @@ from onecard import plan as _plan  # noqa: E402
 
 REAL_CARD_MEMORY = _plan.card_memory  # tests/test_preflight.py tests the real one
 REAL_CARD_CAPABILITY = _plan.card_capability  # and this one
+REAL_CARD_IN_USE = _plan.card_in_use  # and this one
 
 
 @pytest.fixture(autouse=True)
@@ -113,6 +114,7 @@ def _no_gpu_probe(monkeypatch):
     test, so a developer's GPU does not change the plans tests check; tests set CARD_GIB instead."""
     monkeypatch.setattr(_plan, "card_memory", lambda environ, probe=True: (None, "tests: no GPU probe"))
     monkeypatch.setattr(_plan, "card_capability", lambda environ, probe=True: (None, "tests: no GPU probe"))
+    monkeypatch.setattr(_plan, "card_in_use", lambda environ, probe=True: (None, "tests: no GPU probe"))
 
 
 @pytest.fixture(autouse=True)

@@ -357,6 +357,60 @@ def test_real_launch_asks_nvidia_smi(tmp_path, monkeypatch):
     assert any("does NOT fit a 24 GiB card (nvidia-smi)" in n and "so the pin stays" in n for n in kept.notes)
 
 
+def test_real_launch_fits_the_plan_into_what_other_processes_leave(tmp_path, monkeypatch):
+    """A desktop (or another server) holding GPU memory at launch: the plan is fitted into what is
+    left, with a note naming the figure; a driver's few MiB are ignored; CARD_GIB counts the whole
+    card. The headline (0.22 GiB to spare on 24 GiB) then no longer fits by its reserves: the pin
+    stays and the note names the one that fits; a server already holding the card leaves no room
+    even without a pool, and the launch is refused in one line."""
+    from onecard.dflash.tiny_drafter import build_geometry_drafter
+
+    _dflash2_installed(tmp_path, monkeypatch)
+    draft = tmp_path / "geometry-drafter"
+    build_geometry_drafter(draft, config_only=True)
+    header_only_weights(draft)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.setattr(P, "card_memory", lambda env, probe=True: (24576 * memory.MiB, "nvidia-smi: GPU 0, 24,576 MiB"))
+    env = {"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "MODEL": str(model)}
+
+    def launch(used_mib, **extra):
+        monkeypatch.setattr(P, "card_in_use", lambda e, probe=True: (used_mib * memory.MiB, "nvidia-smi"))
+        return mk({**env, **extra}, tmp_path, check_paths=True)
+
+    quiet = launch(3)
+    assert quiet.get("CARD_GIB") == 24.0 and not any(n.startswith("GPU memory in use") for n in quiet.notes)
+    desk = launch(600)
+    (note,) = [n for n in desk.notes if n.startswith("GPU memory in use before the boot")]
+    assert "600 MiB of this GPU's 24,576 MiB is held by other processes" in note and "23,976 MiB left" in note
+    assert "CARD_GIB=24 fits it into the whole card" in note and "\n" not in note
+    assert desk.get("CARD_GIB") == round(23976 / 1024, 2) and "600 MiB of it in use" in desk.values["CARD_GIB"].reason
+    b = desk.prediction["vram"]
+    assert not b["fits"] and b["card_bytes"] == int(desk.get("CARD_GIB") * memory.GiB)
+    assert desk.values["KV_MEM"].source == "profile"       # over by the reserves only: the pin stays, with the note
+    assert launch(600, CARD_GIB="24").prediction["vram"]["fits"]
+    assert "does NOT fit a 23.41 GiB card (what other processes leave of this GPU, nvidia-smi)" in next(
+        n for n in desk.notes if n.startswith("VRAM on one GPU"))
+    with pytest.raises(P.PlanError, match="does not fit the 2.52 GiB card [(]what other processes leave") as e:
+        launch(22000)
+    assert "valid: the GPU freed of the other processes (a server still running?)" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_card_in_use_reads_the_visible_gpu(monkeypatch):
+    from tests.conftest import REAL_CARD_IN_USE as card_in_use
+
+    _smi(monkeypatch, "0, GPU-aaaa1111, 612\n1, GPU-bbbb2222, 5\n")
+    assert card_in_use({}) == (612 * memory.MiB, "nvidia-smi: GPU 0, 612 MiB in use")
+    assert card_in_use({"CUDA_VISIBLE_DEVICES": "1"})[0] == 5 * memory.MiB
+    assert card_in_use({"CUDA_VISIBLE_DEVICES": "GPU-bbbb"})[0] == 5 * memory.MiB
+    assert card_in_use({"CUDA_VISIBLE_DEVICES": "7"})[0] is None
+    assert card_in_use({}, probe=False)[0] is None
+    _smi(monkeypatch, "")
+    assert card_in_use({})[0] is None
+
+
 def _smi(monkeypatch, out: str):
     import shutil
     import subprocess
