@@ -15,7 +15,7 @@ import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from onecard import memory, profiles
 
@@ -631,32 +631,48 @@ def visible_gpus(environ: Mapping[str, str], probe: bool = True) -> tuple[int | 
 IN_USE_COUNTED = 64 * memory.MiB   # below this, memory.used is the driver's own bookkeeping (ignored)
 
 
+def _smi_gpus(field: str, parse: Callable[[str], object]) -> tuple[list[tuple[str, str, object]] | None, str]:
+    """nvidia-smi's ``index,uuid,<field>`` per GPU as (index, uuid, parse(value)), rows whose value
+    does not parse (None) left out; (None, why) without an answer."""
+    out, why = _nvidia_smi([f"--query-gpu=index,uuid,{field}", "--format=csv,noheader,nounits"])
+    if out is None:
+        return None, why
+    gpus = []
+    for ln in out.splitlines():
+        parts = [x.strip() for x in ln.split(",")]
+        if len(parts) == 3 and (value := parse(parts[2])) is not None:
+            gpus.append((parts[0], parts[1], value))
+    return gpus, ""
+
+
+def _visible(gpus: list, environ: Mapping[str, str]) -> tuple[list, str]:
+    """(the rows of the GPU this process would use first, CUDA_VISIBLE_DEVICES's first entry): that
+    entry as an index or a UUID prefix; every row when it is unset (the first is GPU 0)."""
+    first = (environ.get("CUDA_VISIBLE_DEVICES") or "").split(",")[0].strip()
+    return [g for g in gpus if not first or g[0] == first or (first.startswith("GPU-") and g[1].startswith(first))], first
+
+
+def _mib(v: str) -> int | None:
+    return int(v) * memory.MiB if v.isdigit() else None
+
+
 def card_memory(environ: Mapping[str, str], probe: bool = True) -> tuple[int | None, str]:
     """(bytes of the first GPU this process would use, how that was found); None = unknown (never a
     failure). Asks ``nvidia-smi --query-gpu=index,uuid,memory.total`` only when ``probe`` (a real
     launch); the GPU is CUDA_VISIBLE_DEVICES's first entry (an index or a UUID prefix), else GPU 0."""
     if not probe:
         return None, "not asked in a dry run: the note compares with a 24 GiB card (set CARD_GIB to check)"
-    out, why = _nvidia_smi(["--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"])
-    if out is None:
+    gpus, why = _smi_gpus("memory.total", _mib)
+    if gpus is None:
         return None, f"{why}: the note compares with a 24 GiB card (set CARD_GIB to check)"
-    gpus = []
-    for ln in out.splitlines():
-        parts = [x.strip() for x in ln.split(",")]
-        if len(parts) == 3 and parts[2].isdigit():
-            gpus.append((parts[0], parts[1], int(parts[2]) * memory.MiB))
     if not gpus:
         return None, "nvidia-smi listed no GPU: the note compares with a 24 GiB card"
-    first = (environ.get("CUDA_VISIBLE_DEVICES") or "").split(",")[0].strip()
-    pick = gpus[0]
-    if first:
-        match = [g for g in gpus if g[0] == first or (first.startswith("GPU-") and g[1].startswith(first))]
-        if not match:
-            small = min(gpus, key=lambda g: g[2])
-            return small[2], (f"nvidia-smi: CUDA_VISIBLE_DEVICES={first!r} not matched, the smallest GPU "
-                              f"({small[0]}: {small[2] // memory.MiB:,} MiB)")
-        pick = match[0]
-    return pick[2], f"nvidia-smi: GPU {pick[0]}, {pick[2] // memory.MiB:,} MiB"
+    match, first = _visible(gpus, environ)
+    if not match:
+        small = min(gpus, key=lambda g: g[2])
+        return small[2], (f"nvidia-smi: CUDA_VISIBLE_DEVICES={first!r} not matched, the smallest GPU "
+                          f"({small[0]}: {small[2] // memory.MiB:,} MiB)")
+    return match[0][2], f"nvidia-smi: GPU {match[0][0]}, {match[0][2] // memory.MiB:,} MiB"
 
 
 def card_in_use(environ: Mapping[str, str], probe: bool = True) -> tuple[int | None, str]:
@@ -665,16 +681,10 @@ def card_in_use(environ: Mapping[str, str], probe: bool = True) -> tuple[int | N
     None = unknown (never a failure). Asked only when ``probe`` (a real launch)."""
     if not probe:
         return None, "not asked in a dry run"
-    out, why = _nvidia_smi(["--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"])
-    if out is None:
+    gpus, why = _smi_gpus("memory.used", _mib)
+    if gpus is None:
         return None, why
-    gpus = []
-    for ln in out.splitlines():
-        parts = [x.strip() for x in ln.split(",")]
-        if len(parts) == 3 and parts[2].isdigit():
-            gpus.append((parts[0], parts[1], int(parts[2]) * memory.MiB))
-    first = (environ.get("CUDA_VISIBLE_DEVICES") or "").split(",")[0].strip()
-    match = [g for g in gpus if not first or g[0] == first or (first.startswith("GPU-") and g[1].startswith(first))]
+    match, _ = _visible(gpus, environ)
     if not match:
         return None, "nvidia-smi listed no memory.used for the GPU"
     return match[0][2], f"nvidia-smi: GPU {match[0][0]}, {match[0][2] // memory.MiB:,} MiB in use"
@@ -687,28 +697,27 @@ SHARED_KIB_PER_BLOCK = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7):
                         (10, 0): 227, (10, 3): 227, (12, 0): 99, (12, 1): 99}
 
 
+def _cap(v: str) -> tuple[int, int] | None:
+    major, _, minor = v.partition(".")
+    return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
+
+
 def card_capability(environ: Mapping[str, str], probe: bool = True) -> tuple[tuple[int, int] | None, str]:
     """((major, minor) compute capability of the first GPU this process would use, how that was
     found); None = unknown (never a failure). ``nvidia-smi --query-gpu=index,uuid,compute_cap``
     only when ``probe`` (a real launch); the GPU picked as card_memory picks it."""
     if not probe:
         return None, "not asked in a dry run"
-    out, why = _nvidia_smi(["--query-gpu=index,uuid,compute_cap", "--format=csv,noheader"])
-    if out is None:
+    gpus, why = _smi_gpus("compute_cap", _cap)
+    if gpus is None:
         return None, why
-    gpus = []
-    for ln in out.splitlines():
-        parts = [x.strip() for x in ln.split(",")]
-        major, _, minor = parts[2].partition(".") if len(parts) == 3 else ("", "", "")
-        if major.isdigit() and minor.isdigit():
-            gpus.append((parts[0], parts[1], (int(major), int(minor))))
     if not gpus:
         return None, "nvidia-smi listed no compute capability"
-    first = (environ.get("CUDA_VISIBLE_DEVICES") or "").split(",")[0].strip()
-    match = [g for g in gpus if not first or g[0] == first or (first.startswith("GPU-") and g[1].startswith(first))]
+    match, first = _visible(gpus, environ)
     if not match:
         return None, f"nvidia-smi: CUDA_VISIBLE_DEVICES={first!r} not matched"
-    return match[0][2], f"nvidia-smi: GPU {match[0][0]}, compute capability {match[0][2][0]}.{match[0][2][1]}"
+    cap = match[0][2]
+    return cap, f"nvidia-smi: GPU {match[0][0]}, compute capability {cap[0]}.{cap[1]}"
 
 
 def build_argv(plan: ServePlan, python: str = sys.executable, model_path: str | None = None) -> list[str]:
