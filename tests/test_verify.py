@@ -175,6 +175,30 @@ def test_plan_check_warns_when_only_the_estimate_is_over(monkeypatch):
     assert res.detail.endswith("KV_MEM <= 3906M, or EMBED_HOST=1 (1.19 GiB less; not yet run on a GPU)")
 
 
+def test_plan_check_without_a_server_fits_what_other_processes_leave(monkeypatch):
+    """--no-server (no url in ctx): the card is nvidia-smi's less what other processes hold now,
+    as at a real launch, and the plan line says so; a driver's few MiB are not counted; with a
+    server to check (url set) the card is the whole GPU (part of what is in use is that server)."""
+    import json as _json
+    import types
+
+    from onecard import plan as P
+
+    seen = []
+    plan = {"values": {"CTX": {"value": "long"}, "SPEC": {"value": "off"}, "MAX_LEN": {"value": 131072},
+                       "MAX_SEQS": {"value": 4}, "KV_MEM": {"value": 5309988864, "source": "profile", "reason": ""}}}
+    monkeypatch.delenv("CARD_GIB", raising=False)
+    monkeypatch.setattr(P, "card_memory", lambda env, probe=True: (24576 * 2**20, "nvidia-smi: GPU 0, 24,576 MiB"))
+    monkeypatch.setattr(verify.subprocess, "run", lambda *a, **k: seen.append(k["env"]["CARD_GIB"]) or
+                        types.SimpleNamespace(returncode=0, stdout=_json.dumps(plan), stderr=""))
+    for used, ctx, card, src in ((700, {}, "23.32", "nvidia-smi, less 700 MiB in use by other processes"),
+                                 (5, {}, "24.00", "nvidia-smi)"),
+                                 (700, {"url": "http://127.0.0.1:18020"}, "24.00", "nvidia-smi)")):
+        monkeypatch.setattr(P, "card_in_use", lambda env, probe=True, used=used: (used * 2**20, "nvidia-smi"))
+        res = verify.check_plan(ctx)
+        assert res.status == verify.PASS and seen[-1] == card and f"GiB card ({src}" in res.detail, res.detail
+
+
 def test_no_model_named_checks_the_launchers_default(tmp_path, monkeypatch):
     """Without --model / $MODEL, verify looks where ./start_qwen.sh would (MODEL's default,
     models/qwen38-27b in the repository) and warns, naming the install command, when it is
