@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if plan.get("WARMUP") == "1":
         from onecard.warmup import fork_warmup
 
-        fork_warmup(warmup_url(plan), str(plan.get("SERVED_NAME")), plan.api_key)
+        fork_warmup(warmup_url(plan), str(plan.get("SERVED_NAME")), plan.api_key,
+                    chunk=int(plan.get("PREFILL_CHUNK")))
     os.execvpe(plan.argv[0], plan.argv, child_env)
     return 1  # not reached
 

@@ -192,8 +192,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          "docs/measurements.md, 2026-12-04 session 14); the server gets --kv-cache-dtype kvarn_<preset>",
          ("k4v2_g128", "k4v4_g128", "k4v2_g64")),
     Knob("WARMUP", "1", "0|1", "1: once the server answers /health the launcher's detached helper sends a few "
-         "greedy and sampled requests, so the first real request does not compile vLLM's Triton kernels "
-         "(onecard/warmup.py); 0: none", BOOL),
+         "greedy and sampled requests (short ones, and twice a prompt of 1.5 prefill chunks: the prefill over a "
+         "cached prefix and a prefix-cache hit), so the first real request does not compile vLLM's or onecard's "
+         "Triton kernels (onecard/warmup.py); 0: none", BOOL),
     Knob("CARD_GIB", "", "1..2048, or '' (ask nvidia-smi at launch)",
          "the GPU's memory the preflight fits the plan into (weights + drafter + reserves + KV pin); '': "
          "nvidia-smi's memory.total of the first visible GPU at a real launch, less what other processes "

@@ -8,8 +8,13 @@ them in its first requests (`copy_and_expand_dflash_inputs_kernel` in five BLOCK
 `_topk_topp_kernel`, ...), and its first request took 3.2 s against 0.23 s without speculation.
 Several are specialised by value (Triton compiles `num_reqs == 1` apart from larger batches, and
 BLOCK_SIZE follows the token count), so the warm-up sends greedy and sampled requests, alone and
-two at once, with short and longer prompts. Compiled kernels land in TRITON_CACHE_DIR (the
-launcher sets one), so later boots load them from disk; the warm-up then costs a second or two.
+two at once, with short and longer prompts. A last pair of rounds sends a prompt of about 1.5
+prefill chunks, sized with the server's /tokenize, twice: its second chunk is a prefill over a
+prefix already in the KV cache, and the repeat a prefix-cache hit. Those paths compiled their own
+kernels at the first long request before (H100, 2026-12-05, jobs 31 and 41 with WARMUP=0:
+KVarN's prefill over a packed prefix, the GDN_DEFER commit, the wide-verify split / reduce, vLLM's
+unified attention). Compiled kernels land in TRITON_CACHE_DIR (the launcher sets one), so later
+boots load them from disk; the warm-up then costs a few seconds.
 
 The launcher forks this before it execs vLLM; the child polls /health while its parent (the
 server, same pid after exec) lives, runs the requests, prints one line to stderr and exits. It
@@ -41,6 +46,28 @@ def _requests(model: str) -> list[list[dict]]:
     ]
 
 
+def _chunked_rounds(client, base_url: str, model: str, chunk: int) -> list[list[dict]]:
+    """The long-prompt rounds: token ids of about 1.5 prefill chunks (capped 64 tokens under the
+    server's max_model_len), once alone, then again beside a sampled short request (a prefix-cache
+    hit where caching is on). Empty when /tokenize does not answer or max_model_len leaves no
+    second chunk."""
+    try:
+        r = client.post(f"{base_url}/tokenize", json={"model": model, "prompt": _LONG, "add_special_tokens": False},
+                        timeout=30.0)
+        d = r.json() if r.status_code == 200 else {}
+        ids, max_len = list(d.get("tokens") or []), int(d.get("max_model_len") or 0)
+    except Exception:  # noqa: BLE001 - an older server or a refused request: skip the rounds
+        return []
+    want = min(chunk + chunk // 2, max_len - 64)
+    if not ids or want <= chunk:
+        return []
+    prompt = (ids * (want // len(ids) + 1))[:want]
+    greedy = {"model": model, "max_tokens": 8, "temperature": 0.0, "prompt": prompt}
+    sampled = {"model": model, "max_tokens": 8, "temperature": 1.0, "top_p": 0.95, "top_k": 20, "seed": 1,
+               "prompt": _SHORT}
+    return [[greedy], [dict(greedy), sampled]]
+
+
 def _alive(pid: int | None) -> bool:
     if pid is None:
         return True
@@ -68,8 +95,9 @@ def wait_healthy(client, base_url: str, timeout_s: float, parent_pid: int | None
 
 
 def warm(base_url: str, model: str, api_key: str | None = None, timeout_s: float = 1800.0,
-         parent_pid: int | None = None, log=None) -> dict:
-    """Wait for the server, then send the warm-up rounds. Returns a summary dict; never raises."""
+         parent_pid: int | None = None, log=None, chunk: int | None = None) -> dict:
+    """Wait for the server, then send the warm-up rounds (with ``chunk``, the server's prefill chunk
+    in tokens, also the long-prompt rounds). Returns a summary dict; never raises."""
     import httpx
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -95,7 +123,8 @@ def warm(base_url: str, model: str, api_key: str | None = None, timeout_s: float
                     if out["first_s"] is None:
                         out["first_s"] = round(time.monotonic() - t, 2)
 
-            for rnd in _requests(model):
+            rounds = _requests(model) + (_chunked_rounds(client, base_url, model, chunk) if chunk else [])
+            for rnd in rounds:
                 threads = [threading.Thread(target=one, args=(b,)) for b in rnd]
                 for th in threads:
                     th.start()
@@ -110,7 +139,7 @@ def warm(base_url: str, model: str, api_key: str | None = None, timeout_s: float
     return out
 
 
-def fork_warmup(base_url: str, model: str, api_key: str | None) -> bool:
+def fork_warmup(base_url: str, model: str, api_key: str | None, chunk: int | None = None) -> bool:
     """Start a detached process that warms the server this process is about to exec into (double
     fork: the server never has to reap it). False where fork is unavailable."""
     if not hasattr(os, "fork"):
@@ -126,7 +155,7 @@ def fork_warmup(base_url: str, model: str, api_key: str | None) -> bool:
         if os.fork() == 0:
             code = 0
             try:
-                warm(base_url, model, api_key, parent_pid=server)
+                warm(base_url, model, api_key, parent_pid=server, chunk=chunk)
             except BaseException:  # noqa: BLE001
                 code = 1
             os._exit(code)

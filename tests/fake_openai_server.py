@@ -20,7 +20,7 @@ class FakeState:
     def __init__(self, tokens_per_chunk: int = 3, delay: float = 0.002, send_usage: bool = True,
                  die_after_chunks: int | None = None, engines: int = 1, num_spec: int = 3,
                  phantom_requests_per_scrape: float = 0.0, histograms: bool = True,
-                 stall: dict[int, float] | None = None):
+                 stall: dict[int, float] | None = None, max_model_len: int = 8192):
         self.tokens_per_chunk = tokens_per_chunk
         self.delay = delay
         self.send_usage = send_usage
@@ -38,6 +38,7 @@ class FakeState:
         self.phantom = phantom_requests_per_scrape  # simulates another tenant's traffic
         self.histograms = histograms
         self.stall = dict(stall or {})
+        self.max_model_len = max_model_len  # /tokenize's answer
         self.posts = 0
         # name -> [sum, count]
         self.hist = {n: [0.0, 0.0] for n in ("vllm:time_to_first_token_seconds",
@@ -137,9 +138,14 @@ def make_handler(state: FakeState):
                 stall = state.stall.get(state.posts, 0.0)
             if stall:
                 time.sleep(stall)  # before the "engine" sees it: no gauge, no server clock
+            if self.path == "/tokenize":  # one id per word (vLLM's TokenizeResponse fields)
+                words = str(body.get("prompt", "")).split()
+                self._json({"count": len(words), "max_model_len": state.max_model_len,
+                            "tokens": [100 + i for i in range(len(words))]})
+                return
             arrival = time.perf_counter()
             prompt = body.get("prompt") or " ".join(m["content"] for m in body.get("messages", []))
-            ptoks = max(1, len(prompt.split()))
+            ptoks = max(1, len(prompt) if isinstance(prompt, list) else len(prompt.split()))
             max_tokens = int(body.get("max_tokens", 16))
             if not body.get("stream"):
                 if body.get("echo"):

@@ -23,6 +23,28 @@ def test_warm_sends_greedy_and_sampled_rounds_after_health():
     assert lines and lines[0].startswith("onecard warm-up: 7 requests in") and "WARMUP=0" in lines[0]
 
 
+def test_warm_with_the_chunk_sends_a_prompt_of_one_and_a_half_chunks_twice():
+    """With the server's prefill chunk, two more rounds: token ids of 1.5 chunks (sized with the
+    server's /tokenize, capped 64 under its max_model_len), alone, then again beside a sampled
+    short request; none when max_model_len leaves no second chunk."""
+    with FakeServer(max_model_len=8192) as srv:
+        out = warmup.warm(srv.url, "fake", timeout_s=10, log=lambda s: None, chunk=2048)
+        bodies = srv.state.bodies
+    assert out["requests"] == 10 and out["failed"] == 0
+    assert sum(1 for b in bodies if b.get("add_special_tokens") is False) == 1   # the one /tokenize call
+    longs = [b for b in bodies if isinstance(b.get("prompt"), list)]
+    assert len(longs) == 2 and all(len(b["prompt"]) == 3072 for b in longs) and longs[0] == longs[1]
+    assert longs[0]["temperature"] == 0.0 and set(longs[0]["prompt"]) <= set(range(100, 100 + len(warmup._LONG.split())))
+    with FakeServer(max_model_len=3000) as srv:
+        warmup.warm(srv.url, "fake", timeout_s=10, log=lambda s: None, chunk=2048)
+        longs = [b for b in srv.state.bodies if isinstance(b.get("prompt"), list)]
+    assert [len(b["prompt"]) for b in longs] == [3000 - 64] * 2
+    for max_len in (2048, 2112):   # no room past one chunk: the rounds are left out
+        with FakeServer(max_model_len=max_len) as srv:
+            out = warmup.warm(srv.url, "fake", timeout_s=10, log=lambda s: None, chunk=2048)
+        assert out["requests"] == 7
+
+
 def test_warm_waits_for_health_then_gives_up_quietly():
     lines = []
     t = time.monotonic()
@@ -69,7 +91,7 @@ def _launch(monkeypatch, tmp_path, env):
 
 def test_launcher_forks_the_warmup_with_the_servers_url(monkeypatch, tmp_path, _no_real_warmup):
     _launch(monkeypatch, tmp_path, {"PORT": "18555", "SERVED_NAME": "qx"})
-    assert _no_real_warmup == [(("http://127.0.0.1:18555", "qx", None), {})]
+    assert _no_real_warmup == [(("http://127.0.0.1:18555", "qx", None), {"chunk": 2048})]
     _no_real_warmup.clear()
     _launch(monkeypatch, tmp_path, {"HOST": "0.0.0.0", "VLLM_API_KEY": "s3", "PORT": "18556"})
     assert _no_real_warmup[0][0][0] == "http://127.0.0.1:18556" and _no_real_warmup[0][0][2] == "s3"
