@@ -722,7 +722,7 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
                     f"KV-cache groups of {pred.group_size} layers (without them {bare.group_size}; "
                     f"{bare_seq:,} tokens" + (", which would fit MAX_LEN)" if bare_seq >= max_len else ")")
                     + ("; DFLASH_RING=1 keeps them out of the pool (their K/V in rings of the drafter's sliding "
-                       "window beside the pin; CPU-tested only, not yet booted on a GPU)"
+                       "window beside the pin; booted on a GPU with CTX=huge, H100 2026-12-05; not yet with CTX=fast|long)"
                        if plan.get("SPEC") == "dflash2" and plan.get("DFLASH_RING") == "0" else ""))
         plan.cap("MAX_LEN", capped, why)
         pred = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), capped, k, prefix, **pool_kw)
