@@ -801,6 +801,17 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     _to_server(plan, "EMBED_HOST")
     # WIDE_VERIFY's only reader in the server is patch 0070 (triton_attn.py, ONECARD_WIDE_VERIFY)
     _to_server(plan, "WIDE_VERIFY")
+    # WIDE_DECODE's only reader is patch 0070 too (ONECARD_WIDE_DECODE: decode batches marked)
+    _to_server(plan, "WIDE_DECODE")
+    if plan.get("WIDE_DECODE") == "1":
+        if plan.get("KV") not in ("int8_per_token_head", "int4_per_token_head"):
+            plan.notes.append(f"WIDE_DECODE=1 has no effect with KV={plan.get('KV')} (only TRITON_ATTN with int8 / "
+                              f"int4 per-token-head KV routes decode to the wide-verify kernel: CTX=long, or KV=...)")
+        elif plan.get("WIDE_VERIFY") != "1":
+            plan.notes.append("WIDE_DECODE=1 has no effect with WIDE_VERIFY=0 (the wide-verify kernel is off)")
+        else:
+            plan.notes.append("WIDE_DECODE=1: plain decode batches run the wide-verify kernel (patch 0070); not yet "
+                              "run end to end on a GPU")
     # GDN_SHARED_META's only reader is patch 0082 (gdn_attn.py, ONECARD_GDN_SHARED_META)
     _to_server(plan, "GDN_SHARED_META")
     # PREFILL_LAUNCH's only reader is patch 0083 (triton_unified_attention.py), checked in resolve

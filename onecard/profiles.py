@@ -151,6 +151,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("WIDE_VERIFY", "1", "0|1", "1: spec-decode verify batches on TRITON_ATTN (int8/int4 KV) run the split-KV "
          "wide-verify kernel (patch 0070, docs/wide-verify.md); 0: stock kernel. Passed to the server as "
          "ONECARD_WIDE_VERIFY", BOOL),
+    Knob("WIDE_DECODE", "0", "0|1", "1: plain decode batches (one token per request, none in its prompt) on "
+         "TRITON_ATTN (int8/int4 KV, CTX=long) also run the wide-verify kernel instead of stock unified_attention's "
+         "decode path (1.58 ms of a 11.5 ms SPEC=off step at 8k on an H200, growing with depth); needs WIDE_VERIFY=1; "
+         "not yet run end to end (opt-in; patch 0070). Passed to the server as ONECARD_WIDE_DECODE", BOOL),
     Knob("GDN_SHARED_META", "1", "0|1", "1: one GDN attention-metadata build per step serves every GDN KV cache "
          "group (patch 0082; 10 groups beside a DFlash2 drafter, 3 otherwise); 0: stock, a build per group. "
          "Passed to the server as ONECARD_GDN_SHARED_META", BOOL),
@@ -224,7 +228,8 @@ AMPERE_GEMM_ENV: dict[str, str] = {
 # Knobs the launcher hands to the server under a variable of its own (onecard.plan sets these in the
 # child environment, so an exported variable of the same name never wins over the knob).
 SERVER_ENV: dict[str, str] = {
-    "WIDE_VERIFY": "ONECARD_WIDE_VERIFY", "GDN_SHARED_META": "ONECARD_GDN_SHARED_META",
+    "WIDE_VERIFY": "ONECARD_WIDE_VERIFY", "WIDE_DECODE": "ONECARD_WIDE_DECODE",
+    "GDN_SHARED_META": "ONECARD_GDN_SHARED_META",
     "PREFILL_LAUNCH": "ONECARD_PREFILL_LAUNCH", "DFLASH_RING": "ONECARD_DFLASH_RING",
     "LOOKUP_LANE": "ONECARD_DFLASH_LANE", "KVARN_WINDOW": "ONECARD_KVARN_WINDOW",
     "KVARN_SINKS": "ONECARD_KVARN_SINKS", "KVARN_GRAPHS": "ONECARD_KVARN_GRAPHS",

@@ -69,3 +69,29 @@ def test_cuda_jit_cache_sized_for_flash_attention_unless_set(tmp_path):
     modules survive between boots; a user's CUDA_CACHE_MAXSIZE is left alone."""
     assert mk({}, tmp_path).child_env["CUDA_CACHE_MAXSIZE"] == "4294967296"
     assert "CUDA_CACHE_MAXSIZE" not in mk({"CUDA_CACHE_MAXSIZE": "1000"}, tmp_path).child_env
+
+
+def test_wide_decode_off_by_default_and_passed_by_env(tmp_path):
+    """WIDE_DECODE (patch 0070's ONECARD_WIDE_DECODE): 0 by default, sent either way; 1 notes that
+    it has not run end to end, and notes it has no effect where decode is not TRITON_ATTN with
+    int8/int4 KV or the wide-verify kernel is off; the argv never changes."""
+    plan = mk({"CTX": "long", "SPEC": "off"}, tmp_path)
+    assert profiles.KNOBS["WIDE_DECODE"].default == "0" and plan.child_env["ONECARD_WIDE_DECODE"] == "0"
+    assert not any(n.startswith("WIDE_DECODE") for n in plan.notes)
+    on = mk({"CTX": "long", "SPEC": "off", "WIDE_DECODE": "1"}, tmp_path)
+    assert on.child_env["ONECARD_WIDE_DECODE"] == "1" and on.argv == plan.argv
+    assert any(n.startswith("WIDE_DECODE=1: plain decode batches run the wide-verify kernel") for n in on.notes)
+    fast = mk({"CTX": "fast", "SPEC": "off", "WIDE_DECODE": "1"}, tmp_path)
+    assert any(n.startswith("WIDE_DECODE=1 has no effect with KV=bf16") for n in fast.notes)
+    off = mk({"CTX": "long", "SPEC": "off", "WIDE_DECODE": "1", "WIDE_VERIFY": "0"}, tmp_path)
+    assert any(n.startswith("WIDE_DECODE=1 has no effect with WIDE_VERIFY=0") for n in off.notes)
+    with pytest.raises(P.PlanError, match="WIDE_DECODE"):
+        mk({"WIDE_DECODE": "maybe"}, tmp_path)
+
+
+def test_patch_reads_wide_decode_off_by_default():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "patches" / "0070-wide-verify-triton-attn.patch").read_text()
+    assert 'os.environ.get("ONECARD_WIDE_DECODE", "0")' in text
+    assert 'if raw in ("1", "on", "true", "yes"):' in text and 'if raw in ("", "0", "off", "false", "no"):' in text

@@ -163,6 +163,14 @@ def test_builder_marks_only_spec_verify_batches(patched_view):
         assert mark_nc([8, 8]) is True and mark_nc([16]) is True
         assert mark_nc([17]) is False and mark_nc([1, 1]) is False
         assert mark_nc([8], knob=False) is False
+        # ONECARD_WIDE_DECODE: a plain decode batch is marked too, never a prompt's 1-token chunk
+        t._ONECARD_WIDE_DECODE = True
+        assert mark([1, 1], [False, False]) is True and mark([1], [False]) is True
+        assert mark([1, 1], [False, True]) is False and mark([1], None) is False
+        assert mark([1, 1], [False, False], knob=False) is False   # needs WIDE_VERIFY
+        assert mark([4, 1], [False, False]) is True and mark([17], [False]) is False
+        t._ONECARD_WIDE_DECODE = False
+        assert mark([1, 1], [False, False]) is False
         print("OK")
     """)
 
@@ -229,6 +237,19 @@ def test_patched_forward_routes_and_matches_stock(patched_view):
         run("int8", [1, 1], [40, 21], [False, False])
         run("bf16", [3, 5], [40, 21], [False, True])   # second row is a 5-token prefill chunk
         assert calls == [("stock", 1), ("stock", 5)], calls
+        # ONECARD_WIDE_DECODE: a plain decode batch goes through ours, equal to stock's 3D path
+        for kv in ("bf16", "int8", "int4"):
+            calls.clear()
+            t._ONECARD_WIDE_DECODE = True
+            g.manual_seed(5)
+            ours_out, e1 = run(kv, [1, 1, 1], [40, 21, 77], [False, False, False])
+            t._ONECARD_WIDE_DECODE = False
+            g.manual_seed(5)
+            stock_out, e2 = run(kv, [1, 1, 1], [40, 21, 77], [False, False, False])
+            assert calls == [("ours", 1), ("stock", 1)], calls
+            diff = float((ours_out.double() - stock_out.double()).abs().max())
+            print(kv, "decode: ours vs ref", e1, "stock vs ref", e2, "ours vs stock", diff)
+            assert e1 < 1e-2 and e2 < 1e-2 and diff < 1e-2, (kv, e1, e2, diff)
         # a DFlash drafter's non-causal block (8 rows per request, no is_prefilling): ours,
         # equal to stock's non-causal path and to the float64 reference
         for kv in ("bf16", "int8"):
