@@ -1,6 +1,7 @@
 """Wide-verify kernel on CUDA at the real geometry (24 q / 4 kv heads, head_dim 256) vs the
 float64 reference: bf16 / int8 / int4 KV, ragged q_len 1..16, pages 16 and 544, 1 / auto / 7 /
-20 splits, the lazy-rescale option; the DFlash2 drafter's non-causal block (32 q / 8 kv x 128).
+20 splits, the lazy-rescale option; plain decode batches (WIDE_DECODE=1); the DFlash2 drafter's
+non-causal block (32 q / 8 kv x 128).
 Run on the GPU host: python3 -m pytest -m gpu tests/gpu/test_wide_verify_kernel.py"""
 
 from __future__ import annotations
@@ -34,6 +35,31 @@ def test_kernel_matches_reference_on_gpu(kv_dtype, page, splits, lazy):
         softmax_scale=case.softmax_scale, kv_mode=kv_dtype, k_scale_cache=case.k_scale_cache,
         v_scale_cache=case.v_scale_cache, max_seq_len=case.max_seq_len, num_splits=splits,
         lazy_rescale=lazy)
+    torch.cuda.synchronize()
+    ref = case.reference()
+    assert not torch.isnan(out).any()
+    err = (out.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)
+    assert err <= 3e-2, f"rel err {err:.4g} seed {gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("splits", [1, None, 33])
+def test_plain_decode_batch_on_gpu(kv_dtype, splits):
+    """WIDE_DECODE=1's batches: every sequence one query token (max_query_len 1), the 27B geometry,
+    vLLM's int8 page of 1584 tokens, contexts from one page to several."""
+    from onecard.kernels.reference import make_verify_case
+    from onecard.kernels.wide_verify import wide_verify_attention
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    case = make_verify_case(
+        q_lens=[1, 1, 1, 1], seq_lens=[9000, 1, 1584, 3170], num_q_heads=24, num_kv_heads=4,
+        head_dim=256, block_size=1584, kv_dtype=kv_dtype, device="cuda", generator=gen)
+    out = torch.full_like(case.q, float("nan"))
+    wide_verify_attention(
+        case.q, case.key_cache, case.value_cache, out, cu_seqlens_q=case.cu_seqlens_q,
+        seq_lens=case.seq_lens, block_table=case.block_table, max_query_len=1,
+        softmax_scale=case.softmax_scale, kv_mode=kv_dtype, k_scale_cache=case.k_scale_cache,
+        v_scale_cache=case.v_scale_cache, max_seq_len=case.max_seq_len, num_splits=splits)
     torch.cuda.synchronize()
     ref = case.reference()
     assert not torch.isnan(out).any()
