@@ -273,13 +273,23 @@ def time_row(q_len, ctx, *, device, gen, l2_bytes, batch=1, tiles_per_page=1) ->
         row["kvarn_ms"] = kv.bench_ms(ours, device)
     except Exception as exc:  # noqa: BLE001
         row["kvarn_error"] = repr(exc)[:300]
+    if "kvarn_ms" in row:
+        # the same calls replayed from a CUDA graph: the kernels without the wrapper's ~10 torch
+        # ops and two launches (a server runs them inside its CUDA graphs, KVARN_GRAPHS=1)
+        try:
+            if (g := kv.graph_ms(ours, device)) is not None:
+                row["kvarn_graph_ms"] = g
+        except Exception as exc:  # noqa: BLE001
+            row["kvarn_graph_error"] = repr(exc)[:300]
     row["splits"] = K.choose_num_splits(max_packed, batch, SHAPE["hkv"], K._sm_count(device))
     del cases, outs
     for dt in ("bf16", "int8"):
         try:
             r = kv.time_config(q_len, ctx, batch, dt, device=device, gen=gen, block_size=64,
-                               l2_bytes=l2_bytes, have_stock=False, with_stock=False)
+                               l2_bytes=l2_bytes, have_stock=False, with_stock=False, graph=True)
             row[f"{dt}_ms"] = r.get("ours_ms")
+            if "ours_graph_ms" in r:
+                row[f"{dt}_graph_ms"] = r["ours_graph_ms"]
             row[f"{dt}_bytes"] = r["kv_bytes"]
             if "ours_error" in r:
                 row[f"{dt}_error"] = r["ours_error"]
@@ -425,6 +435,9 @@ def fmt_table(rows) -> str:
             f"{(i or nan) * 1e3:>9.1f} {(b / k if k and b else nan):>6.2f} "
             f"{(i / k if k and i else nan):>6.2f} {kg:>10.0f} {ig:>9.0f} "
             f"{r['kvarn_bytes'] / 1e6:>6.1f}/{r.get('int8_bytes', 0) / 1e6:<7.1f}"
+            + (f"  graph: kvarn {r['kvarn_graph_ms'] * 1e3:.1f} us, int8 {r['int8_graph_ms'] * 1e3:.1f} us "
+               f"(x int8 {r['int8_graph_ms'] / r['kvarn_graph_ms']:.2f})"
+               if r.get("kvarn_graph_ms") and r.get("int8_graph_ms") else "")
             + "".join(f"  {key}={r[key][:60]}" for key in r if key.endswith("_error")))
     return "\n".join(lines)
 
