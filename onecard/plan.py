@@ -59,6 +59,8 @@ class ServePlan:
     # DFLASH_RING=1: the drafter's ring geometry, read from DRAFT once in resolve (the preflight
     # sizes the rings from it)
     ring_geometry: memory.RingDrafter | None = None
+    # bytes other processes held on the GPU at launch, left out of CARD_GIB (card_for_plan)
+    card_used_by_others: int = 0
 
     def get(self, name: str):
         return self.values[name].value
@@ -365,17 +367,15 @@ def resolve(environ: Mapping[str, str], root: Path | str = ".", check_paths: boo
 
     # the card the preflight fits the plan into (step 9): CARD_GIB, else nvidia-smi at a real launch
     if plan.values["CARD_GIB"].source == "default":
-        card, why = card_memory(environ, probe=probe_gpus)
-        used, _ = card_in_use(environ, probe=probe_gpus) if card else (None, "")
-        if card and used and used >= IN_USE_COUNTED:
+        card, used, why = card_for_plan(environ, probe=probe_gpus)
+        if used:
             # what others hold now is not the plan's: it must fit what is left (a card driving a
             # desktop; the headline leaves ~0.2 GiB of 24 GiB by its measurement)
+            plan.card_used_by_others = used
             plan.notes.append(f"GPU memory in use before the boot: {used // memory.MiB:,} MiB of this GPU's "
-                              f"{card // memory.MiB:,} MiB is held by other processes (nvidia-smi: a desktop, "
-                              f"another server), so the plan is fitted into the {(card - used) // memory.MiB:,} MiB "
-                              f"left (CARD_GIB={card / memory.GiB:.0f} fits it into the whole card)")
-            why = f"{why}, {used // memory.MiB:,} MiB of it in use by other processes at launch"
-            card -= used
+                              f"{(card + used) // memory.MiB:,} MiB is held by other processes (nvidia-smi: a desktop, "
+                              f"another server), so the plan is fitted into the {card // memory.MiB:,} MiB "
+                              f"left (CARD_GIB={(card + used) / memory.GiB:.0f} fits it into the whole card)")
         plan.set("CARD_GIB", round(card / memory.GiB, 2) if card else "", "nvidia-smi" if card else "default", why)
     else:
         try:
@@ -688,6 +688,21 @@ def card_in_use(environ: Mapping[str, str], probe: bool = True) -> tuple[int | N
     if not match:
         return None, "nvidia-smi listed no memory.used for the GPU"
     return match[0][2], f"nvidia-smi: GPU {match[0][0]}, {match[0][2] // memory.MiB:,} MiB in use"
+
+
+def card_for_plan(environ: Mapping[str, str], probe: bool = True,
+                  count_in_use: bool = True) -> tuple[int | None, int, str]:
+    """(bytes the plan may fit into, bytes other processes hold there and that were left out, how
+    that was found): card_memory, less card_in_use when it is IN_USE_COUNTED or more and
+    ``count_in_use`` (not while the server being checked is running: part of it is that server's).
+    None = unknown; asked only when ``probe`` (a real launch)."""
+    card, why = card_memory(environ, probe=probe)
+    if not card or not count_in_use:
+        return card, 0, why
+    used, _ = card_in_use(environ, probe=probe)
+    if not used or used < IN_USE_COUNTED:
+        return card, 0, why
+    return card - used, used, f"{why}, {used // memory.MiB:,} MiB of it in use by other processes at launch"
 
 
 # Shared memory a thread block may opt into, KiB, by compute capability (CUDA C++ Programming

@@ -447,9 +447,8 @@ def _card_name(plan: ServePlan) -> str:
 
 
 def _in_use(plan: ServePlan) -> bool:
-    """The card size is what other processes left of the GPU at launch (plan.card_in_use)."""
-    v = plan.values["CARD_GIB"]
-    return v.source == "nvidia-smi" and "in use by other processes" in (v.reason or "")
+    """The card size is what other processes left of the GPU at launch (plan.card_for_plan)."""
+    return plan.card_used_by_others > 0 and plan.values["CARD_GIB"].source == "nvidia-smi"
 
 
 def _fit_card(plan: ServePlan, geom: memory.ModelGeometry, drafter: memory.DrafterVRAM | None,

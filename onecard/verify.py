@@ -393,18 +393,15 @@ def _plan_doc(ctx) -> tuple[dict | None, dict, str, str]:
     from, why there is no plan). Computed once per run (ctx["plan_doc"])."""
     if "plan_doc" in ctx:
         return ctx["plan_doc"]
-    from onecard.plan import IN_USE_COUNTED, card_in_use, card_memory
+    from onecard.plan import card_for_plan
 
     env = dict(os.environ)
     card_src = "CARD_GIB" if env.get("CARD_GIB") else ""
     if not card_src:
-        card, _ = card_memory(env, probe=True)
+        # --no-server: less what other processes hold now, as at a real launch
+        card, used, _ = card_for_plan(env, probe=True, count_in_use="url" not in ctx)
         if card:
-            # --no-server: what other processes hold now is not the plan's, as at a real launch
-            # (with a server running, part of it is that server's own)
-            used = (card_in_use(env, probe=True)[0] or 0) if "url" not in ctx else 0
-            used = used if used >= IN_USE_COUNTED else 0
-            env["CARD_GIB"] = f"{(card - used) / 2**30:.2f}"
+            env["CARD_GIB"] = f"{card / 2**30:.2f}"
             card_src = "nvidia-smi" + (f", less {used // 2**20:,} MiB in use by other processes" if used else "")
     if ctx.get("model"):
         env["MODEL"] = ctx["model"]
