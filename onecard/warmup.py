@@ -34,10 +34,14 @@ _SHORT = "Write one sentence about the sea."
 _LONG = " ".join(["The quick brown fox jumps over the lazy dog while the river runs to the sea."] * 40)
 
 
+_GREEDY = {"temperature": 0.0}
+_SAMPLED = {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "seed": 1}   # the sampler's top-k / top-p kernels
+
+
 def _requests(model: str) -> list[list[dict]]:
     """Rounds of request bodies; the bodies of one round are sent at the same time."""
-    greedy = {"model": model, "max_tokens": 24, "temperature": 0.0}
-    sampled = {"model": model, "max_tokens": 24, "temperature": 1.0, "top_p": 0.95, "top_k": 20, "seed": 1}
+    greedy = {"model": model, "max_tokens": 24, **_GREEDY}
+    sampled = {"model": model, "max_tokens": 24, **_SAMPLED}
     return [
         [{**greedy, "prompt": _SHORT}],
         [{**sampled, "prompt": _SHORT}],
@@ -62,9 +66,8 @@ def _chunked_rounds(client, base_url: str, model: str, chunk: int) -> list[list[
     if not ids or want <= chunk:
         return []
     prompt = (ids * (want // len(ids) + 1))[:want]
-    greedy = {"model": model, "max_tokens": 8, "temperature": 0.0, "prompt": prompt}
-    sampled = {"model": model, "max_tokens": 8, "temperature": 1.0, "top_p": 0.95, "top_k": 20, "seed": 1,
-               "prompt": _SHORT}
+    greedy = {"model": model, "max_tokens": 8, **_GREEDY, "prompt": prompt}
+    sampled = {"model": model, "max_tokens": 8, **_SAMPLED, "prompt": _SHORT}
     return [[greedy], [dict(greedy), sampled]]
 
 
