@@ -364,7 +364,8 @@ def _beside_pin(plan: ServePlan, geom: memory.ModelGeometry, attn_layers: int,
     """The terms one GPU holds beside the KV pool and the weights, at tensor parallel ``tp``
     (_vram's at 1, _tp_vram's above): CTX=huge's KVarN fp16 stage and prefill scratch (at the
     rank's heads), DFLASH_RING=1's rings, the DFlash2 lookup lane's history, GDN_DEFER=1's verify
-    scratch, and the estimated reserves at the plan's prefill chunk."""
+    scratch, and the reserves: as measured for this profile (_reserves), else estimated at the
+    plan's prefill chunk."""
     kv = str(plan.get("KV"))
     stage = 0
     if memory.kvarn_preset(kv) is not None:
