@@ -209,6 +209,8 @@ def test_roofline_bytes_and_arithmetic(geom_dir):
     assert sb.attn_bytes_per_token == 16 * 2 * 4 * 256 * 2  # bf16 K+V, 16 full-attention layers
     assert sb.decode(2, 1000) == sb.weights + 2 * (1000 * sb.attn_bytes_per_token + sb.gdn_state_bytes)
     assert sb.verify(1, 0, 4) - sb.decode(1, 0) == 4 * (sb.mtp + sb.lm_head)
+    # DFlash2: one drafter pass and one lm_head read per step, whatever the block size
+    assert sb.verify_block(1, 0, 2 * 10**9) - sb.decode(1, 0) == 2 * 10**9 + sb.lm_head
     assert roofline.tok_s(4 * 10**9, 4000.0) == pytest.approx(1000.0)
 
 
@@ -258,6 +260,42 @@ def test_rebuild_the_table_from_a_killed_run(tmp_path, geom_dir):
     assert _row(again, "decode 50 C1")["arms"]["patched"]["value"] == _row(doc, "decode 50 C1")["arms"]["patched"]["value"]
     assert again["missing"] == doc["missing"] and "| decode 50 C1 (" in md.read_text()
     assert reference.main(["--rebuild", str(tmp_path / "nope.json")]) == 2
+    # the result directory copied elsewhere (a lent GPU's /var/tmp/out -> docs/results) and the
+    # original gone: the result files are found relative to the reference JSON
+    import shutil
+    moved = tmp_path / "moved" / "results"
+    shutil.copytree(ref.parent, moved)
+    shutil.rmtree(ref.parent)
+    there = reference.rebuild(moved / ref.name)
+    assert _row(there, "decode 50 C1")["arms"]["patched"]["value"] == _row(doc, "decode 50 C1")["arms"]["patched"]["value"]
+    assert there["missing"] == doc["missing"]
+
+
+def _ladder(n, streams, waiting):
+    rep = {"max_streams_decoding": streams, "metrics": {"gauges": {"waiting": {"peak": waiting}}}}
+    return {"data": {"levels": [{"n": n, "aggregate_tps": 18.0, "reps": [rep]}]}}
+
+
+def test_queued_concurrency_is_flagged_not_called_a_decode_rate():
+    """A C>1 level whose requests did not decode together (vLLM kept them waiting: 2026-12-05,
+    four 32k prompts on CTX=fast ran one at a time) is footnoted and gets no % of roofline."""
+    assert reference.decode_overlap(_ladder(4, 1, 3.0), 4) == (1, 3.0)
+    assert reference.decode_overlap(_ladder(4, 4, 0.0), 4) == (4, 0.0)
+    assert reference.decode_overlap(_ladder(4, 4, 0.0), 2) is None
+    assert reference.decode_overlap({"data": {"levels": [{"n": 2, "reps": [{}]}]}}, 2) is None
+    doc = {"arms": [{"name": "patched"}, {"name": "stock"}], "rows": [{
+        "key": "decode 32k C4", "unit": "tok/s", "roofline": 490.5, "verdict": {"status": "UNRESOLVED"}, "ratio": 1.0,
+        "arms": {"patched": {"value": 18.0, "flag": "at most 1 of 4 streams decoded at once"},
+                 "stock": {"value": 17.9, "pct_roofline": 3.6}}}], "goals": [], "tier": {"name": "lease"}}
+    md = reference.markdown(doc)
+    assert "| 18.0 [1] | 17.9 |" in md and "[1] `decode 32k C4` [patched]: at most 1 of 4 streams" in md
+
+
+def test_commit_text_names_the_tree_that_ran():
+    assert reference._commit_text({"commit": "7dcd1268cd8c76", "dirty": True, "tree_rev": "82ccec6"}) == (
+        "tree `82ccec6` (ONECARD_TREE_REV; the machine's stale git HEAD: `7dcd1268cd8c`)")
+    assert reference._commit_text({"commit": "82ccec6abc", "dirty": False, "tree_rev": "82ccec6"}) == "commit `82ccec6abc`"
+    assert reference._commit_text({"commit": "abc", "dirty": True}) == "commit `abc` (dirty)"
 
 
 def _lease_arms(tmp_path):
@@ -359,6 +397,12 @@ def test_lease_tier_end_to_end_every_row(tmp_path, geom_dir):
     assert _row(doc, "decode 32k C8")["roofline"] and (_row(doc, "prefill 60k")["prompt_tokens"]
                                                        > 3 * _row(doc, "prefill 16k")["prompt_tokens"])
     assert "step plain" not in keys and "step dflash2 long" in keys  # no verify rows on fast
+    # the dflash2 roofline: target decode + the plan's drafter bytes + lm_head once (not k MTP passes)
+    sb, bw = roofline.StepBytes(**doc["step_bytes"]), doc["bandwidth"]["gbps_read_plus_write"]
+    dw = next(b["plan"]["prediction"]["vram"]["drafter_weights"] for b in doc["boots"]
+              if b["spec"] == "dflash2" and b.get("plan") and "prediction" in b["plan"])
+    assert dw > 0 and _row(doc, "step dflash2 long")["roofline"] == pytest.approx(
+        1000.0 * sb.verify_block(1, lease.verify_context, dw) / (bw * 1e9))
     assert _row(doc, "pool long/off")["verdict"]["status"] == "OK"
     assert doc["missing"] == [] and "refuses this plan" in " ".join(s["reason"] for s in doc["skipped"])
     assert "stock-huge-off-b0" in [b["name"] for b in doc["boots"]] and len(doc["schedule"]) == 10

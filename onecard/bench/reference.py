@@ -658,6 +658,22 @@ def schedule_text(plan: list[dict], budget: float, tier: Tier) -> list[str]:
     return lines
 
 
+def _moved(p: str, ran_as: str | None, now: str | Path) -> Path | None:
+    """A result file named in a reference JSON: where it was written, else at the same place
+    relative to the reference JSON after the directory was copied elsewhere (e.g. a lent GPU's
+    /var/tmp/out/80-reference/results into docs/results/...), else None."""
+    if Path(p).is_file():
+        return Path(p)
+    if ran_as:
+        try:
+            rel = Path(p).relative_to(Path(ran_as).parent)
+        except ValueError:
+            return None
+        f = Path(now).parent / rel
+        return f if f.is_file() else None
+    return None
+
+
 def rebuild(path: str | Path, md: str | Path | None = None) -> dict:
     """The table again from a reference JSON and the result files it names, e.g. after the
     driver was killed (SIGKILL) before it could write its table. The run's verdict is kept."""
@@ -669,9 +685,10 @@ def rebuild(path: str | Path, md: str | Path | None = None) -> dict:
     for b in doc.get("boots", []):
         for v in (b.get("results") or {}).values():
             p = v.get("path")
-            if p and Path(p).is_file():
+            f = _moved(p, doc.get("path"), path) if p else None
+            if f is not None:
                 try:
-                    results[p] = _json.loads(Path(p).read_text(encoding="utf-8"))
+                    results[p] = _json.loads(f.read_text(encoding="utf-8"))
                 except (OSError, ValueError):
                     continue
     tier = Tier(**{k: (tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v)
@@ -725,6 +742,20 @@ def fig_decode(r: dict, n: int) -> float | None:
     if lv is None:
         return None
     return lv.get("per_stream_decode_tps") if n == 1 else lv.get("aggregate_tps")
+
+
+def decode_overlap(r: dict, n: int) -> tuple[int, float | None] | None:
+    """(the most streams that decoded at once in any rep of level n, vLLM's waiting-queue peak)
+    from a ladder result; None when the level or the field is missing. Fewer than n means vLLM
+    queued requests (KV blocks) and the level's aggregate is not an n-stream decode rate."""
+    lv = next((x for x in (r.get("data") or {}).get("levels", []) if x["n"] == n), None)
+    reps = (lv or {}).get("reps") or []
+    got = [rep.get("max_streams_decoding") for rep in reps if rep.get("max_streams_decoding") is not None]
+    if not got:
+        return None
+    waits = [((((rep.get("metrics") or {}).get("gauges") or {}).get("waiting") or {}).get("peak")) for rep in reps]
+    waits = [w for w in waits if w is not None]
+    return max(got), (max(waits) if waits else None)
 
 
 def fig_prefill(r: dict, ctx: int) -> float | None:
@@ -869,6 +900,16 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
                       "tok/s", True, "off", f"decode {_k(ctx)}", lambda r, n=n: fig_decode(r, n), roof_decode(ctx, n))
             toks = [_ladder_prompt_tokens(r) for c in row["arms"].values() for r in c["_res"]]
             row["prompt_tokens"] = next((t for t in toks if t), None)
+            if n > 1:
+                for c in row["arms"].values():
+                    ov = [o for o in (decode_overlap(r, n) for r in c["_res"]) if o]
+                    if ov and min(m for m, _ in ov) < n:
+                        m, w = min(ov)
+                        c["flag"] = (f"at most {m} of {n} streams decoded at once: vLLM kept the others waiting "
+                                     f"(waiting peak {'?' if w is None else int(w)}), so this aggregate includes their "
+                                     f"queueing and prefill and is not the decode rate of {n} concurrent streams "
+                                     f"(no % of roofline)")
+                        c["pct_roofline"] = None
     for ctx in tier.prefill:
         e = est(ctx, cal)
         row = add(f"prefill {_k(ctx)}", f"prefill tok/s (prompt tokens / TTFT, salted), ~{_k(ctx)} prompt",
@@ -894,7 +935,15 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
             ks = [((b.get("plan") or {}).get("spec_k")) for b in boots
                   if b["spec"] == spec and b["ctx"] == vctx and b.get("plan")]
             k = next((x for x in ks if x), None)
-            roof = (1000.0 * sbytes.verify(1, tier.verify_context, k) / (bw * 1e9)) if bw and sbytes and k else None
+            roof = None
+            if bw and sbytes and k and spec == "dflash2":
+                # one drafter pass per step: the plan's drafter bytes (DRAFT_QUANT applied) + lm_head once
+                dws = [(((b.get("plan") or {}).get("prediction") or {}).get("vram") or {}).get("drafter_weights")
+                       for b in boots if b["spec"] == spec and b["ctx"] == vctx and b.get("plan")]
+                dw = next((x for x in dws if x), None)
+                roof = 1000.0 * sbytes.verify_block(1, tier.verify_context, dw) / (bw * 1e9) if dw else None
+            elif bw and sbytes and k:
+                roof = 1000.0 * sbytes.verify(1, tier.verify_context, k) / (bw * 1e9)
             v = add(f"step {spec}{sfx}", f"ms per verify step (CTX={vctx}, SPEC={spec}, k={k}), C1, ~{vc} prompt",
                     "ms", False, spec, "verify", fig_step_ms, roof, ctx=vctx)
             if not any(b["spec"] == spec and b["ctx"] == vctx for b in boots):
@@ -997,8 +1046,7 @@ def markdown(doc: dict) -> str:
          + (f" — {'; '.join(doc.get('verdict_reasons') or [])}" if doc.get("verdict") != "VALID" else "") + ".", "",
          "## Provenance", "",
          f"- date: {doc.get('date')} · elapsed {doc.get('elapsed_s')} s · model `{doc.get('model')}`",
-         f"- commit `{(prov.get('git') or {}).get('commit')}`"
-         f"{' (dirty)' if (prov.get('git') or {}).get('dirty') else ''} · vLLM "
+         f"- {_commit_text(prov.get('git') or {})} · vLLM "
          f"{(res_prov or {}).get('vllm_version') or prov.get('vllm_version')} ("
          f"{(res_prov or {}).get('vllm_version_source') or prov.get('vllm_version_source')}) · patch series "
          f"`{str((prov.get('patch_series') or {}).get('hash'))[:16]}` (patched arm; stock: none)",
@@ -1020,7 +1068,10 @@ def markdown(doc: dict) -> str:
          f"{sb.get('attn_bytes_per_token')} B/token, GDN state r+w {_gib(sb.get('gdn_state_bytes'))} per stream",
          f"- prompt sizes: {(doc.get('calibration') or {}).get('chars_per_token', 0):.2f} chars/token "
          f"({(doc.get('calibration') or {}).get('source')}); row names are target tokens, `(N tok)` the measured ones",
-         f"- result JSON: `{Path(str(doc.get('path') or '')).name}`", "",
+         f"- result JSON: `{Path(str(doc.get('path') or '')).name}`"
+         + (f" · this table rebuilt from it and its result files at {doc['rebuilt']} (`bench/reference.sh "
+            f"--rebuild`: rows, roofline and footnotes by the code of that time; the figures are the run's)"
+            if doc.get("rebuilt") else ""), "",
          "## Table", "",
          "| row | unit | " + " | ".join(arms) + " | patched/stock | comparison | roofline | % roofline "
          + " / ".join(arms) + " |",
@@ -1033,6 +1084,9 @@ def markdown(doc: dict) -> str:
             s = _f(c.get("value"), r["unit"])
             if c.get("value") is None and c.get("note"):
                 notes.append(f"`{r['key']}` [{a}]: {c['note']}")
+                s += f" [{len(notes)}]"
+            elif c.get("flag"):
+                notes.append(f"`{r['key']}` [{a}]: {c['flag']}")
                 s += f" [{len(notes)}]"
             if r["key"].startswith("pool ") and c.get("predicted"):
                 s += f" (model {c['predicted']:,}, {_f(c.get('dev_pct'))} %)"
@@ -1083,13 +1137,25 @@ def markdown(doc: dict) -> str:
           "- roofline = bytes one step must read / measured copy bandwidth (`onecard/bench/roofline.py`); "
           "for C>1 the aggregate. Prefill is compute-bound: no roofline. Step rows: % = roofline ms / measured ms.",
           "- ms per step = 1000 x tokens per step (server spec counters, 1 without drafts) / decode tok/s at C1.",
-          "- The verify roofline adds k x (MTP module + lm_head): the drafter's k passes each compute logits. A "
-          "checkpoint without model prep (e.g. the 27B geometry: bf16 lm_head, no draft vocabulary) pays the full "
-          "vocabulary k times, so its verify/plain ratio is an upper bound for the prepared model.",
+          "- The SPEC=mtp verify roofline adds k x (MTP module + lm_head): the drafter's k passes each compute "
+          "logits (the full bf16 lm_head each time, an upper bound: a prepared model's int8 lm_head and draft "
+          "vocabulary read less). The SPEC=dflash2 roofline adds one drafter pass (the plan's drafter bytes, "
+          "DRAFT_QUANT applied) and one lm_head read over the block's rows.",
+          "- A C>1 decode row with a footnote saying fewer streams decoded at once than requested measured "
+          "queued requests: its aggregate is not a concurrent decode rate and gets no % of roofline.",
           "- Pools: vLLM's `GPU KV cache size` line from each boot's log against `onecard.memory`'s prediction for "
           "the same plan (KV_MEM pinned as on a 3090, so the pool does not depend on the larger GPU).",
           ""]
     return "\n".join(L)
+
+
+def _commit_text(git: dict) -> str:
+    """The tree that ran: ONECARD_TREE_REV when gpu/run.sh set it (a lent machine's copy of the
+    working tree keeps a stale .git, so its HEAD and dirty flag are not what ran), else git's HEAD."""
+    commit, rev = git.get("commit"), git.get("tree_rev")
+    if rev and not (commit or "").startswith(rev):
+        return f"tree `{rev}` (ONECARD_TREE_REV; the machine's stale git HEAD: `{str(commit)[:12]}`)"
+    return f"commit `{commit}`" + (" (dirty)" if git.get("dirty") else "")
 
 
 def _gib(b) -> str:

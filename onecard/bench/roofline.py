@@ -81,7 +81,15 @@ class StepBytes:
         return self.weights + streams * (context * self.attn_bytes_per_token + self.gdn_state_bytes)
 
     def verify(self, streams: int, context: int, k: int) -> int:
+        """MTP: the target forward plus k sequential drafter passes, each through lm_head."""
         return self.decode(streams, context) + k * (self.mtp + self.lm_head)
+
+    def verify_block(self, streams: int, context: int, drafter: int) -> int:
+        """DFlash2: the target forward plus ONE drafter pass over the whole block (its weights as
+        the plan holds them, e.g. FP8) and one lm_head GEMM over the block's rows (the target's
+        lm_head, read once however many rows). The drafter's own KV reads are left out (5 layers
+        of context KV: small at the reference's ~1k verify context)."""
+        return self.decode(streams, context) + drafter + self.lm_head
 
     def as_dict(self) -> dict:
         return asdict(self)
