@@ -18,7 +18,8 @@
 3. A launch-config sweep at q=16, 32k, batch 1 per KV dtype (tile, stages, 1 vs 2 waves of
    splits), first row = the sm_90 default; int8 / int4 also tiles 32 and 64 at 2-4 stages, and
    int8 at vLLM's serving page (1584 tokens, where tiles 32 / 64 leave the PAGE_TILES path),
-   and int8 / int4 with ``head_split=2`` at tiles 16 / 32 / 64, 2-4 stages (bf16 once). Rows
+   and int8 / int4 with ``head_split=2`` at tiles 16 / 32 / 64, 2-4 stages (bf16 once; int4's
+   default has it since session 25, so its first row is tile 16 / 4 stages / head_split 2). Rows
    past ``--budget-s`` + 20 s are skipped (except each dtype's default).
 4. The other q_len rows (default 8) while ``--budget-s`` lasts. The table is printed last.
 Benchmarks print figures; nothing here asserts on time.
@@ -358,12 +359,14 @@ def time_config(q_len, ctx, batch, kv, *, device, gen, block_size, l2_bytes, hav
             row["stock_ms"] = bench_ms(stock, device)
         except Exception as exc:  # noqa: BLE001
             row["stock_error"] = repr(exc)[:300]
-    from onecard.kernels.wide_verify import KV_MODES, _sm_count, choose_num_splits, default_launch
+    from onecard.kernels.wide_verify import (KV_MODES, _sm_count, choose_num_splits, default_head_split,
+                                             default_launch)
     row["splits"] = (ours_kw or {}).get("num_splits") or choose_num_splits(
         ctx, batch, NUM_KV_HEADS, _sm_count(device))
     block_m = max(16, triton_next_pow2(q_len) * triton_next_pow2(NUM_Q_HEADS // NUM_KV_HEADS))
     row["launch"] = dict(zip(("tile_n", "num_warps", "num_stages"),
                              default_launch(KV_MODES[kv], block_m, HEAD_DIM, device)))
+    row["launch"]["head_split"] = default_head_split(KV_MODES[kv], block_m, HEAD_DIM, device)
     row["launch"].update({k: v for k, v in (ours_kw or {}).items() if k != "num_splits"})
     del cases, outs
     return row
@@ -518,6 +521,13 @@ def main(argv=None) -> int:
         sweep["int8"] += hs2
         sweep["int4"] += hs2
         sweep["bf16"].append({**wide, "num_stages": 4, "head_split": 2})
+        # int4's sm_90 default has head_split 2 since session 25 (default_head_split: -20 % twice):
+        # it leads the int4 list; every other row names its head_split (1 unless it says 2), so a
+        # row means the same launch whatever the default
+        new_default = {"tile_n": 16, "num_warps": 8, "num_stages": 4, "head_split": 2}
+        sweep["int4"] = [new_default] + [kw for kw in sweep["int4"] if kw != new_default]
+        for kv in sweep:
+            sweep[kv] = [{"head_split": 1, **kw} for kw in sweep[kv]]
         sweep_at = (16, 32768, 1)
 
     def table_rows(rows):

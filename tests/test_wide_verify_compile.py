@@ -92,3 +92,20 @@ def test_default_launch_decides_on_shared_memory_not_architecture(monkeypatch):
     monkeypatch.undo()
     assert wv.block_shared(torch.device("cpu")) == 0
     assert wv.default_launch(0, 128, 256, torch.device("cpu")) == (32, 8, 1)
+
+
+def test_default_head_split_only_where_it_was_measured(monkeypatch):
+    """head_split 2 is the default for int4 verify blocks of 9..16 tokens (128 rows x 256) on a GPU
+    with Hopper's shared memory (-20 % twice on the H100, sessions 24 and 25); bf16 / int8, q <= 8
+    and the small-shared-memory launches (untimed with it) keep 1, and an explicit value wins."""
+    torch = pytest.importorskip("torch")
+    from onecard.kernels import wide_verify as wv
+
+    cuda = torch.device("cuda", 0)
+    for shared, deep in ((232_448, True), (166_912, False), (101_376, False)):
+        monkeypatch.setattr(wv, "block_shared", lambda device, s=shared: s)
+        assert wv.default_head_split(4, 128, 256, cuda) == (2 if deep else 1)
+        assert wv.default_head_split(4, 64, 256, cuda) == 1  # q <= 8
+        assert wv.default_head_split(2, 128, 256, cuda) == 1 and wv.default_head_split(0, 128, 256, cuda) == 1
+    monkeypatch.undo()
+    assert wv.default_head_split(4, 128, 256, torch.device("cpu")) == 1

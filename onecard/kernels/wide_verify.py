@@ -590,6 +590,22 @@ def default_launch(mode: int, block_m: int, head_dim: int, device: torch.device)
     return {0: (32, warps, 2), 2: (16, warps, 2), 4: (16, warps, 1)}[mode]
 
 
+def default_head_split(mode: int, block_m: int, head_dim: int, device: torch.device) -> int:
+    """``head_split`` when the caller gives none: 2 for int4 KV at 128 query rows x 256 (a verify
+    block of 9..16 tokens) on a GPU with Hopper's shared memory, else 1.
+
+    Measured twice on the lent H100 (bench/kernel_verify.py sweep, q=16, 32k, batch 1, page 64,
+    tile 16 / 8 warps / 4 stages): 120.2 vs 150.8 us (2026-12-05, session 24) and 122.6 vs 153.1 us
+    (session 25), -20 % both times; the half-width unpacked K / V tile takes the int4 kernel from
+    244 to 218 registers on sm_90. Not the default elsewhere: int8 gained 4 % (173.5 vs 180.7 us)
+    and bf16 5 % (75.4 vs 79.3 us), under the 10 % a default moves on; q <= 8 (64 rows) and the
+    sm_8x launches (1 stage, 99 KiB of shared memory) were not timed with it."""
+    if mode == 4 and block_m * head_dim > 64 * 256 and head_dim >= 32 \
+            and block_shared(device) >= DEEP_PIPELINE_SHARED:
+        return 2
+    return 1
+
+
 def _kv_mode_id(kv_mode) -> int:
     if isinstance(kv_mode, str):
         if kv_mode not in KV_MODES:
@@ -624,16 +640,17 @@ def wide_verify_attention(
     max_partial_bytes: int = 64 << 20,
     causal: bool = True,
     lazy_rescale: bool = False,
-    head_split: int = 1,
+    head_split: int | None = None,
 ) -> torch.Tensor:
     """Verify attention over vLLM's paged cache; writes ``out`` [T, Hq, D] and returns it.
     ``causal`` (default): query i of a sequence sees keys p < seq_len - q_len + i + 1; False: every
     query sees all seq_len keys (a DFlash drafter's non-causal block of 1 + k rows).
     ``lazy_rescale`` (off by default; an A/B option of bench/kernel_verify.py's sweep): rescale the
     accumulator only when a running max grows by more than 2^8 (docs/wide-verify.md).
-    ``head_split`` (1 by default; 2 is an A/B option of the sweep, any kv_mode): the head dim in
-    two halves, two Q.K^T dots summed and two P.V accumulators of head_dim / 2, so that a tile's
-    unpacked K / V is half as wide in registers (docs/wide-verify.md, "head split").
+    ``head_split`` (None: :func:`default_head_split`, 2 for int4 verify blocks on Hopper-class GPUs,
+    else 1; 1 or 2 for any kv_mode): the head dim in two halves, two Q.K^T dots summed and two P.V
+    accumulators of head_dim / 2, so that a tile's unpacked K / V is half as wide in registers
+    (docs/wide-verify.md, "head split").
 
     q: [T, Hq, D] (bf16/fp16), T = cu_seqlens_q[-1]; every sequence has 1..16 query tokens and
     ``max_query_len`` bounds them. ``num_splits`` None picks from ``max_seq_len`` (or the cache
@@ -653,7 +670,7 @@ def wide_verify_attention(
     if d_store < need or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
         raise ValueError(f"cache last dim {d_store} (stride {key_cache.stride(3)}) cannot hold "
                          f"{need} contiguous elements for kv_mode {kv_mode!r}")
-    if head_split not in (1, 2) or head_dim // head_split < 16:
+    if head_split is not None and (head_split not in (1, 2) or head_dim // head_split < 16):
         raise ValueError(f"head_split={head_split} is not valid for head_dim {head_dim}; "
                          "valid: 1, 2 (head_dim / head_split >= 16)")
     if mode and (k_scale_cache is None or v_scale_cache is None):
@@ -676,6 +693,8 @@ def wide_verify_attention(
         num_splits = min(num_splits, max(1, max_partial_bytes // per_split))
     num_splits = max(1, int(num_splits))
     d_tile, d_warps, d_stages = default_launch(mode, block_q * group_pad, head_dim, q.device)
+    if head_split is None:
+        head_split = default_head_split(mode, block_q * group_pad, head_dim, q.device)
     tile_n = d_tile if tile_n is None else tile_n
     num_warps = d_warps if num_warps is None else num_warps
     num_stages = d_stages if num_stages is None else num_stages
