@@ -291,6 +291,16 @@ def test_queued_concurrency_is_flagged_not_called_a_decode_rate():
     assert "| 18.0 [1] | 17.9 |" in md and "[1] `decode 32k C4` [patched]: at most 1 of 4 streams" in md
 
 
+def test_preemptions_and_the_point_that_filled_the_pool():
+    """Job 80 (2026-12-05): the depth benchmark's counter rose by 2 and only its 60k point filled the
+    pool, so only that prefill row is footnoted; a result without a sampler counts 0."""
+    r = {"metrics": {"counters": {"preemptions": 2.0}},
+         "data": {"points": [{"context": 665, "kv": {"peak": 0.045}}, {"context": 39905, "kv": {"peak": 1.0}}]}}
+    assert reference._preemptions(r) == 2.0 and reference._preemptions({}) == 0.0
+    assert reference._point_kv_peak(r, 39905) == 1.0 and reference._point_kv_peak(r, 665) == 0.045
+    assert reference._point_kv_peak(r, 123) is None
+
+
 def test_commit_text_names_the_tree_that_ran():
     assert reference._commit_text({"commit": "7dcd1268cd8c76", "dirty": True, "tree_rev": "82ccec6"}) == (
         "tree `82ccec6` (ONECARD_TREE_REV; the machine's stale git HEAD: `7dcd1268cd8c`)")

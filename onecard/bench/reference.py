@@ -744,6 +744,16 @@ def fig_decode(r: dict, n: int) -> float | None:
     return lv.get("per_stream_decode_tps") if n == 1 else lv.get("aggregate_tps")
 
 
+def _point_kv_peak(r: dict, ctx: int) -> float | None:
+    pt = next((x for x in (r.get("data") or {}).get("points", []) if x["context"] == ctx), None)
+    return ((pt or {}).get("kv") or {}).get("peak")
+
+
+def _preemptions(r: dict) -> float:
+    """vllm:num_preemptions over one benchmark result (its /metrics sampler's counter delta)."""
+    return float((((r or {}).get("metrics") or {}).get("counters") or {}).get("preemptions") or 0)
+
+
 def decode_overlap(r: dict, n: int) -> tuple[int, float | None] | None:
     """(the most streams that decoded at once in any rep of level n, vLLM's waiting-queue peak)
     from a ladder result; None when the level or the field is missing. Fewer than n means vLLM
@@ -855,6 +865,15 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
         rows.append(row)
         return row
 
+    def flag_preempted(row, where, hit=lambda r: True):
+        """Footnote a cell whose benchmark counted vLLM preemptions, where ``hit(result)`` says
+        this row's figure can hold them (the sampler counts per benchmark, not per point)."""
+        for c in row["arms"].values():
+            n = max((_preemptions(r) for r in c["_res"] if hit(r)), default=0)
+            if n and c["value"] is not None:
+                c["flag"] = (f"vllm:num_preemptions rose by {n:g} during {where}: the figure includes "
+                             f"the preempted work done again")
+
     # pools: one row per (CTX, SPEC) booted, vLLM's figure against the plan's prediction
     seen = []
     for b in boots:
@@ -905,10 +924,11 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
                     ov = [o for o in (decode_overlap(r, n) for r in c["_res"]) if o]
                     if ov and min(m for m, _ in ov) < n:
                         m, w = min(ov)
-                        c["flag"] = (f"at most {m} of {n} streams decoded at once: vLLM kept the others waiting "
-                                     f"(waiting peak {'?' if w is None else int(w)}), so this aggregate includes their "
-                                     f"queueing and prefill and is not the decode rate of {n} concurrent streams "
-                                     f"(no % of roofline)")
+                        queued = (f"at most {m} of {n} streams decoded at once: vLLM kept the others waiting "
+                                  f"(waiting peak {'?' if w is None else int(w)}), so this aggregate includes their "
+                                  f"queueing and prefill and is not the decode rate of {n} concurrent streams "
+                                  f"(no % of roofline)")
+                        c["flag"] = queued + (f"; {c['flag']}" if c.get("flag") else "")
                         c["pct_roofline"] = None
     for ctx in tier.prefill:
         e = est(ctx, cal)
@@ -916,6 +936,8 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
                   "tok/s", True, "off", "prefill", lambda r, c=e: fig_prefill(r, c))
         toks = [fig_prompt_tokens(r, e) for c in row["arms"].values() for r in c["_res"]]
         row["prompt_tokens"] = next((t for t in toks if t), None)
+        flag_preempted(row, "the prefill sweep, whose point at this size filled the KV pool (kv peak >= 0.99)",
+                       lambda r, c=e: (_point_kv_peak(r, c) or 0) >= 0.99)
     if tier.prefix_context:
         pc = _k(tier.prefix_context)
         row = add(f"prefix {pc} turn1", f"TTFT turn 1 (cold), ~{pc} document", "s", False, "off", "prefix",
@@ -923,9 +945,12 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
         toks = [((r.get("data") or {}).get("turns") or [{}])[0].get("prompt_tokens")
                 for c in row["arms"].values() for r in c["_res"]]
         row["prompt_tokens"] = next((t for t in toks if t), None)
+        flag_preempted(row, "the two turns (turn 1, the cold prefill, is where the pool fills)")
         add(f"prefix {pc} turn2", f"TTFT turn 2 (prefix cache), ~{pc} document", "s", False, "off", "prefix",
             lambda r: fig_turn(r, 2))
-        add(f"prefix {pc} turn2/turn1", "TTFT ratio turn 2 / turn 1", "ratio", False, "off", "prefix", fig_turn_ratio)
+        ratio = add(f"prefix {pc} turn2/turn1", "TTFT ratio turn 2 / turn 1", "ratio", False, "off", "prefix",
+                    fig_turn_ratio)
+        flag_preempted(ratio, "the two turns (turn 1, the cold prefill, is where the pool fills)")
     for vctx in (tier.vctxs if tier.verify_context else ()):
         vc, sfx = _k(tier.verify_context), ("" if vctx == tier.ctx else f" {vctx}")
         plain_roof = (1000.0 * sbytes.decode(1, tier.verify_context) / (bw * 1e9)) if bw and sbytes else None
