@@ -46,9 +46,15 @@ def _vllm_dir() -> Path | None:
     return Path(list(spec.submodule_search_locations)[0]).resolve()
 
 
+# resolved when the tests are collected, before any fixture pretends features are installed
+# (profiles.pretend_installed puts a fake vllm dir first on the path: a session fixture first asked
+# inside one would hand every later test the fake)
+_REAL_VLLM_DIR = _vllm_dir()
+
+
 @pytest.fixture(scope="session")
 def vllm_dir() -> Path:
-    path = _vllm_dir()
+    path = _REAL_VLLM_DIR
     if path is None:
         pytest.skip("vllm is not installed in this environment")
     return path
