@@ -337,20 +337,30 @@ class PoolPrediction:
     def as_dict(self) -> dict:
         return asdict(self)
 
-    def one_sequence_tokens(self) -> int:
+    def one_sequence_tokens(self, chunk: int | None = None, lookahead: int = 0) -> int:
         """The longest sequence the pool holds alone: what vLLM's start-up check
-        (_check_enough_kv_cache_memory) allows as max_model_len, at block granularity."""
+        (_check_enough_kv_cache_memory) allows as max_model_len, at block granularity.
+
+        ``chunk`` (the prefill chunk, --max-num-batched-tokens): the longest that also RUNS alone
+        without vLLM preempting it, under async scheduling (vLLM's default). Three terms the start-up
+        check leaves out (vLLM 0.27.1's own AsyncScheduler / KVCacheManager on the CPU, 2026-12-05,
+        tests/test_memory_running.py): the block pool's null block; one more state block per GDN group
+        while a step is in flight (the previous, the current and the next state: 3, not 2, when a
+        block fits in one chunk); and ``lookahead`` slots (the speculative tokens a step reserves:
+        k for MTP, k + 1 for DFlash2) past the sequence's last token."""
         free = self.num_blocks - self.state_slots_per_seq
+        if chunk is not None:
+            free -= 1 + (self.gdn_groups if self.block_size <= chunk else 0)
         groups = self.attn_groups or ((1, self.block_size),)
         if free <= 0:
             return 0
         per_step = sum(g for g, _ in groups)  # blocks per block_size step when all blocks are equal
         if all(b == self.block_size for _, b in groups):
-            return free // per_step * self.block_size
+            return max(free // per_step * self.block_size - lookahead, 0)
         lo, hi = 0, free * max(b for _, b in groups)
-        while lo < hi:  # largest L with sum g * cdiv(L, b) <= free
+        while lo < hi:  # largest L with sum g * cdiv(L + lookahead, b) <= free
             mid = (lo + hi + 1) // 2
-            if sum(g * cdiv(mid, b) for g, b in groups) <= free:
+            if sum(g * cdiv(mid + lookahead, b) for g, b in groups) <= free:
                 lo = mid
             else:
                 hi = mid - 1

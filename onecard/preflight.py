@@ -532,6 +532,13 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
     plan.notes.append(f"{line}: {why}; {fix} (or use a larger card; the reserves are {est})")
 
 
+def _lookahead(plan: ServePlan, k: int) -> int:
+    """Slots a step reserves past a sequence's last token: k drafts with SPEC=mtp, k + 1 with
+    SPEC=dflash2 (its block carries the bonus position), none without speculation."""
+    spec = plan.get("SPEC")
+    return k + 1 if spec == "dflash2" else (k if spec == "mtp" else 0)
+
+
 def _chunk(plan: ServePlan) -> int:
     """The plan's prefill chunk (PREFILL_CHUNK; memory.PREFILL_CHUNK in plans made without it)."""
     return int(plan.get("PREFILL_CHUNK")) if "PREFILL_CHUNK" in plan.values else memory.PREFILL_CHUNK
@@ -587,7 +594,8 @@ def _gdn_defer_note(plan: ServePlan, geom: memory.ModelGeometry, pred: memory.Po
         return
     kw = {**pool_kw, "gdn_defer": True}
     alt = memory.predict_pool(geom, pred.kv_mem_bytes, pred.kv, pred.max_len, k, prefix, **kw)
-    now_seq, alt_seq = pred.one_sequence_tokens(), alt.one_sequence_tokens()
+    run = {"chunk": _chunk(plan), "lookahead": _lookahead(plan, k)}  # as the MAX_LEN cap counts
+    now_seq, alt_seq = pred.one_sequence_tokens(**run), alt.one_sequence_tokens(**run)
     status = "available, not yet run on two GPUs" if tp > 1 else "the default with speculation on one GPU"
     line = (f"GDN_DEFER=1 ({status}) would hold {alt.state_slots_per_seq} instead of "
             f"{pred.state_slots_per_seq} GDN state blocks per resident sequence: one sequence "
@@ -678,7 +686,7 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
                           f"{_gib(int(memory.CARD_24G * util))} GiB: {line}; the KV pool gets the rest, "
                           f"{_gib(kv_gpu)} GiB")
         _gdn_defer_note(plan, memory.rank_geometry(geom, tp), pred.pool, k, prefix, rank_kw, tp=tp)
-        one_seq = pred.pool.one_sequence_tokens()
+        one_seq = pred.pool.one_sequence_tokens(chunk=_chunk(plan), lookahead=_lookahead(plan, k))
         if one_seq < int(plan.get("MAX_LEN")):
             plan.notes.append(f"TP={tp}: on {memory.CARD_24G // memory.GiB} GiB cards the predicted pool holds "
                               f"{max(one_seq, 0):,} tokens for one sequence (< MAX_LEN {int(plan.get('MAX_LEN')):,}); "
@@ -702,7 +710,11 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
     defer = _defer(plan)
     pool_kw = {**pool_kw, "gdn_defer": defer}
     pred = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), max_len, k, prefix, **pool_kw)
-    one_seq = pred.one_sequence_tokens()
+    # the longest sequence that runs alone without vLLM preempting it (async scheduling's in-flight
+    # state block per GDN group, the null block, the step's lookahead slots), not only what vLLM's
+    # start-up check admits: a MAX_LEN prompt must not preempt itself
+    run_kw = {"chunk": _chunk(plan), "lookahead": _lookahead(plan, k)}
+    one_seq = pred.one_sequence_tokens(**run_kw)
     if one_seq < MIN_POOL:
         if plan.values["KV_MEM"].source == "cap":
             raise PlanError(f"on the {_card_name(plan)} the KV pin that fits, {kv_mem // memory.MiB}M, gives a pool "
@@ -713,11 +725,17 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
                         f"valid: KV_MEM >= {least:,}")
     if one_seq < max_len:
         capped = one_seq // 256 * 256 or one_seq
-        why = f"predicted pool holds {one_seq:,} tokens for one sequence (< {max_len:,})"
+        why = f"predicted pool runs one sequence of {one_seq:,} tokens without preempting it (< {max_len:,})"
+        admitted = pred.one_sequence_tokens()
+        if admitted >= max_len:
+            why += (f"; vLLM's start-up check would admit {admitted:,}, but under async scheduling a sequence also "
+                    f"holds one more GDN state block per group ({pred.gdn_groups}) while a step is in flight, the "
+                    f"pool's null block and {run_kw['lookahead']} lookahead slot(s): longer prompts fill the pool "
+                    f"and vLLM preempts them, re-prefilling (vLLM 0.27.1's schedulers on the CPU, 2026-12-05)")
         if in_pool and in_pool.attn_layers:
             bare = memory.predict_pool(geom, int(kv_mem), plan.get("KV"), max_len, k, prefix, mtp_in_pool=False,
                                        gdn_defer=defer)
-            bare_seq = bare.one_sequence_tokens()
+            bare_seq = bare.one_sequence_tokens(**run_kw)
             why += (f"; the DFlash2 drafter's {in_pool.attn_layers} attention layers hold KV in the same pool, in "
                     f"KV-cache groups of {pred.group_size} layers (without them {bare.group_size}; "
                     f"{bare_seq:,} tokens" + (", which would fit MAX_LEN)" if bare_seq >= max_len else ")")

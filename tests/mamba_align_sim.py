@@ -6,7 +6,7 @@ once, preemptions and the step each request started and ended. No model runs: ev
 step returns one sampled token per decoding request. Used by tests/test_mamba_align_state_patch.py
 with the pristine or the patched vLLM first on PYTHONPATH.
 
-  python tests/mamba_align_sim.py --model-dir DIR --prompts 32102,32102 [--async] [--max-tokens 128]
+  python tests/mamba_align_sim.py --model-dir DIR --prompts 32102,32102 [--async] [--max-tokens 128] [--blocks 111]
 """
 from __future__ import annotations
 
@@ -123,9 +123,10 @@ def main() -> None:
     ap.add_argument("--prompts", default="32102")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--async", dest="async_", action="store_true")
+    ap.add_argument("--blocks", type=int, default=111, help="num_blocks of the pool (the null block included)")
     a = ap.parse_args()
     print(json.dumps(run(str(write_model_dir(Path(a.model_dir))), [int(x) for x in a.prompts.split(",")],
-                         a.async_, a.max_tokens)))
+                         a.async_, a.max_tokens, blocks=a.blocks)))
 
 
 if __name__ == "__main__":

@@ -357,13 +357,13 @@ def test_lease_tier_schedule_rows_and_estimate(tmp_path, geom_dir):
                    ("patched", "huge", "off", "pool", False), ("stock", "huge", "off", "pool", True)]
     assert "DFlash2" in plan[7]["refused"] and "KVarN" in plan[9]["refused"]
     # the first SPEC=off boots always run; fast keeps its 65,536 (the 60k rows fit), every long
-    # boot runs at the smallest MAX_LEN of its SPEC values (dflash2's drafter layers cap it: 93,696
-    # with the patched arm's default GDN_DEFER=auto -> 1; the stock arm plans as stock sizes its pool,
-    # GDN_DEFER=0: its SPEC=mtp pool holds 124,928, above that)
+    # boot runs at the smallest MAX_LEN of its SPEC values (dflash2's drafter layers cap it where one
+    # sequence runs without preemption: 90,368 with the patched arm's default GDN_DEFER=auto -> 1; the
+    # stock arm plans as stock sizes its pool, GDN_DEFER=0: its SPEC=mtp cap is 118,784, above that)
     assert plan[0]["margin"] is None and plan[0]["env"] == {} and plan[0]["max_len"] == 65536
-    assert {b["env"].get("MAX_LEN") for b in plan if b["ctx"] == "long"} == {"93696"}
+    assert {b["env"].get("MAX_LEN") for b in plan if b["ctx"] == "long"} == {"90368"}
     assert ref.env_for(arms[1], "long", "mtp")["GDN_DEFER"] == "0" and "GDN_DEFER" not in ref.env_for(arms[0], "long", "mtp")
-    assert ref.plan({**os.environ, **ref.env_for(arms[1], "long", "mtp")})["server_config"]["MAX_LEN"] == 124_928
+    assert ref.plan({**os.environ, **ref.env_for(arms[1], "long", "mtp")})["server_config"]["MAX_LEN"] == 118_784
     text = reference.schedule_text(plan, lease.budget_s, lease)
     total = sum(b["est_s"] for b in plan)
     assert 900 < total < 1400 and plan[0]["est_s"] > plan[2]["est_s"] > plan[8]["est_s"] > reference.BOOT_WARM_S * 0.7

@@ -206,15 +206,15 @@ def test_dry_run_prints_the_3090_plans(tmp_path):
     out = r.stdout
     # the default GDN_DEFER=auto -> 1: docs/profiles.md's CTX=long SPEC=dflash2 row (FP8 drafter, the
     # 32 MB verify scratch); long-dflash2-gd0: the same pin on stock GDN states (GDN_DEFER=0)
-    assert "[fit] case long-dflash2: CTX=long SPEC=dflash2 KV=int8_per_token_head MAX_LEN 93,696 MAX_SEQS 4" in out
+    assert "[fit] case long-dflash2: CTX=long SPEC=dflash2 KV=int8_per_token_head MAX_LEN 90,368 MAX_SEQS 4" in out
     assert "predicted 23.78 GiB" in out
-    assert "[fit] case long-dflash2-gd0: CTX=long SPEC=dflash2 KV=int8_per_token_head MAX_LEN 70,912 MAX_SEQS 4" in out
+    assert "[fit] case long-dflash2-gd0: CTX=long SPEC=dflash2 KV=int8_per_token_head MAX_LEN 67,840 MAX_SEQS 4" in out
     assert "predicted 23.49 GiB" in out   # both with the reserves job 41 measured (memory.RESERVES_MEASURED)
     argv = next(ln for ln in out.splitlines() if "argv:" in ln)
     assert "--gpu-memory-utilization 0.1 " in argv and "--kv-cache-memory-bytes" in argv
     assert "--enforce-eager" not in argv and "--port" in argv and '"method":"dflash2"' in argv
-    assert "workload: 1 request of 46,848 prompt ids + 64 tokens, then 4 x (128 + 64) at once" in out
-    assert "workload: 1 request of 35,456 prompt ids + 64 tokens, then 4 x (128 + 64) at once" in out   # gd0
+    assert "workload: 1 request of 45,184 prompt ids + 64 tokens, then 4 x (128 + 64) at once" in out
+    assert "workload: 1 request of 33,920 prompt ids + 64 tokens, then 4 x (128 + 64) at once" in out   # gd0
     assert out.rstrip().endswith("[fit] dry run PASS")
 
 
@@ -249,8 +249,8 @@ def test_geometry_checkpoint_gets_the_products_plan(tmp_path):
     r = subprocess.run([sys.executable, str(DRIVER), "--dry-run", "--out", str(tmp_path / "out")], cwd=REPO,
                        env=env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
-    # (the default GDN_DEFER=auto -> 1: MAX_LEN 93,696 at the pin, + its 0.03 GiB verify scratch)
-    assert "MAX_LEN 93,696 MAX_SEQS 4 KV_MEM 4.95 GiB" in r.stdout and "no checkpoint" not in r.stdout
+    # (the default GDN_DEFER=auto -> 1: MAX_LEN 90,368 at the pin, + its 0.03 GiB verify scratch)
+    assert "MAX_LEN 90,368 MAX_SEQS 4 KV_MEM 4.95 GiB" in r.stdout and "no checkpoint" not in r.stdout
     pred = re.search(r"predicted ([\d.]+) GiB .*; prepared 27B layout ([\d.]+) GiB", r.stdout)
     assert pred and float(pred.group(1)) > 25.5 and float(pred.group(2)) == 23.78, r.stdout
     assert "dflash2_draft_quant" in r.stdout   # DRAFT_QUANT=auto: fp8 for both layouts on 24 GiB

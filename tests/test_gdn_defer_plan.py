@@ -183,31 +183,34 @@ def test_dflash2_long_notes(mk, drafter_27b):
     GDN_DEFER=1 (the default on one GPU): 20."""
     off = mk(CTX="long", SPEC="dflash2", GDN_DEFER="0")
     p = off.prediction
-    assert (p["state_slots_per_seq"], p["gdn_groups"], off.get("MAX_LEN")) == (90, 10, 70_912)
+    assert (p["state_slots_per_seq"], p["gdn_groups"], off.get("MAX_LEN")) == (90, 10, 67_840)
     assert "each resident sequence holds 90 GDN state blocks (10 groups x 2+7)" in "\n".join(off.notes)
     note = _note(off, "GDN_DEFER=1 (the default with speculation on one GPU) would hold ")
     # the figures from predict_pool at the plan's own pool (the drafter's layers in it)
     kw = memory.dflash_drafter_vram(str(drafter_27b)).pool_kw()
-    stock = memory.predict_pool(G, memory.LONG_KV_MEM, INT8, 70_912, 7, True, **kw)
-    alt = memory.predict_pool(G, memory.LONG_KV_MEM, INT8, 70_912, 7, True, gdn_defer=True, **kw)
-    pin = memory.kv_mem_for_pool(G, stock.pool_tokens, INT8, 70_912, 7, True, gdn_defer=True, **kw)
+    stock = memory.predict_pool(G, memory.LONG_KV_MEM, INT8, 67_840, 7, True, **kw)
+    alt = memory.predict_pool(G, memory.LONG_KV_MEM, INT8, 67_840, 7, True, gdn_defer=True, **kw)
+    pin = memory.kv_mem_for_pool(G, stock.pool_tokens, INT8, 67_840, 7, True, gdn_defer=True, **kw)
     assert stock.pool_tokens == p["pool_tokens"] and alt.state_slots_per_seq == 20
-    s0, s1 = stock.one_sequence_tokens(), alt.one_sequence_tokens()
-    assert (s0, s1, stock.pool_tokens, pin // memory.MiB) == (71_104, 93_728, 71_140, 3923)
+    # the longest sequence that runs without preemption (2,048-token chunk, 8 lookahead slots)
+    s0, s1 = stock.one_sequence_tokens(chunk=2048, lookahead=8), alt.one_sequence_tokens(chunk=2048, lookahead=8)
+    assert (s0, s1, stock.pool_tokens, pin // memory.MiB) == (67_864, 90_488, 70_327, 3890)
     assert note == (
         f"GDN_DEFER=1 (the default with speculation on one GPU) would hold 20 instead of 90 GDN state blocks per "
         f"resident sequence: "
-        f"one sequence {s1:,} instead of {s0:,} tokens (+{s1 - s0:,}; MAX_LEN 93,696 instead of 70,912), or "
-        f"KV_MEM {(memory.LONG_KV_MEM - pin) / memory.GiB:.2f} GiB lower for the same 71,140-token pool "
-        f"(KV_MEM=3923M); its verify scratch takes 32.0 MB beside the KV pin")
+        f"one sequence {s1:,} instead of {s0:,} tokens (+{s1 - s0:,}; MAX_LEN 90,368 instead of 67,840), or "
+        f"KV_MEM {(memory.LONG_KV_MEM - pin) / memory.GiB:.2f} GiB lower for the same 70,327-token pool "
+        f"(KV_MEM=3890M); its verify scratch takes 32.0 MB beside the KV pin")
     assert "\n" not in note
     assert off.prediction["gdn_defer"] == {"state_slots_per_seq": 20, "one_sequence_tokens": s1,
                                            "pool_tokens": alt.pool_tokens, "scratch_bytes": SCRATCH_27B,
                                            "kv_mem_same_pool": pin}
 
     on = mk(CTX="long", SPEC="dflash2", GDN_DEFER="1")
-    assert on.prediction["state_slots_per_seq"] == 20 and on.get("MAX_LEN") == 93_696
-    assert on.prediction["pool_tokens"] == 93_998   # at MAX_LEN 93,696: what job 31 logged at the 3090 pin
+    assert on.prediction["state_slots_per_seq"] == 20 and on.get("MAX_LEN") == 90_368
+    # vLLM's logged pool at MAX_LEN 90,368 (job 31 logged 93,998 at the 3090 pin and MAX_LEN 93,696,
+    # the cap before the running-fit rule: tests/test_pool_vs_vllm.py)
+    assert on.prediction["pool_tokens"] == 93_681
     default = mk(CTX="long", SPEC="dflash2")
     assert (default.get("MAX_LEN"), default.prediction) == (on.get("MAX_LEN"), on.prediction)
     assert on.prediction["num_blocks"] == p["num_blocks"] and on.prediction["block_size"] == p["block_size"]
@@ -222,11 +225,11 @@ def test_dflash2_long_notes(mk, drafter_27b):
 
 def test_mtp_long_notes(mk):
     off = mk(CTX="long", SPEC="mtp", GDN_DEFER="0")   # stock
-    assert off.get("MAX_LEN") == 124_928 and off.prediction["state_slots_per_seq"] == 15
+    assert off.get("MAX_LEN") == 118_784 and off.prediction["state_slots_per_seq"] == 15
     note = _note(off, "GDN_DEFER=1 (the default with speculation on one GPU) would hold ")
     assert note.startswith("GDN_DEFER=1 (the default with speculation on one GPU) would hold 6 instead of 15 GDN "
-                           "state blocks per resident sequence: one sequence 139,392 instead of 125,136 tokens (+14,256; MAX_LEN "
-                           "131,072 instead of 124,928), or KV_MEM ")
+                           "state blocks per resident sequence: one sequence 133,053 instead of 118,797 tokens (+14,256; MAX_LEN "
+                           "131,072 instead of 118,784), or KV_MEM ")
     assert note.endswith("; its verify scratch takes 16.0 MB beside the KV pin")   # MAX_SEQS 4 x (1 + 3)
     on = mk(CTX="long", SPEC="mtp", GDN_DEFER="1")
     assert on.get("MAX_LEN") == 131_072 and on.values["MAX_LEN"].source == "profile"
@@ -255,7 +258,7 @@ def test_does_not_fit_note_names_gdn_defer(mk):
     pin = plan.prediction["gdn_defer"]["kv_mem_same_pool"]
     line = _note(plan, "VRAM on one GPU")
     assert "does NOT fit" in line
-    assert (f"; or GDN_DEFER=1 with KV_MEM={pin // memory.MiB}M (the same 124,928-token pool, no GDN state per draft "
+    assert (f"; or GDN_DEFER=1 with KV_MEM={pin // memory.MiB}M (the same 124,063-token pool, no GDN state per draft "
             f"position: 21.45 GiB; the default with speculation on one GPU)") in line
 
 

@@ -277,20 +277,25 @@ def test_job75_old_prediction_was_the_mtp_layout(tiny, k, old, real):
 
 # ----------------------------------------------------------------------------- 27B, measured
 
-@pytest.mark.parametrize("knobs,pool,max_len", [
-    ({"SPEC": "off", "GDN_DEFER": "0"}, 146_915, 131_072),       # H200 2026-12-03
-    ({"SPEC": "mtp", "GDN_DEFER": "0"}, 124_928, 124_928),       # H200 2026-12-03 (capped)
-    ({"SPEC": "dflash2", "GDN_DEFER": "0"}, 71_140, 70_912),     # job 31 d2k7 (capped)
-    ({"SPEC": "dflash2", "GDN_DEFER": "1"}, 93_998, 93_696),     # job 31 d2k7-gd (capped)
+@pytest.mark.parametrize("knobs,pool,max_len,plan_len", [
+    ({"SPEC": "off", "GDN_DEFER": "0"}, 146_915, 131_072, 131_072),       # H200 2026-12-03
+    ({"SPEC": "mtp", "GDN_DEFER": "0"}, 124_928, 124_928, 118_784),       # H200 2026-12-03 (capped)
+    ({"SPEC": "dflash2", "GDN_DEFER": "0"}, 71_140, 70_912, 67_840),      # job 31 d2k7 (capped)
+    ({"SPEC": "dflash2", "GDN_DEFER": "1"}, 93_998, 93_696, 90_368),      # job 31 d2k7-gd (capped)
 ])
-def test_27b_ctx_long_measured(knobs, pool, max_len, features, drafter_27b, root):
+def test_27b_ctx_long_measured(knobs, pool, max_len, plan_len, features, drafter_27b, root):
     """CTX=long at the 3090 pin through the plan (no checkpoint: the 27B layout; DRAFT: the
-    published drafter's config)."""
+    published drafter's config). The GPU measured each pool at ``max_len``, the cap of its time;
+    since 2026-12-05 the plan caps MAX_LEN where one sequence also runs without preemption
+    (``plan_len``: PoolPrediction.one_sequence_tokens(chunk=...)), and predicts vLLM's pool there."""
     env = {"CTX": "long", "MODEL": str(root / "models" / "qwen38-27b"), "DRAFT": str(drafter_27b), **knobs}
     plan = P.make_plan(env, root, "python3")
-    assert int(plan.get("KV_MEM")) == PIN and int(plan.get("MAX_LEN")) == max_len
-    lay = _plan_layout(plan, G, (5, 8, 128))
-    assert_same(_pred(plan), lay)
+    assert int(plan.get("KV_MEM")) == PIN and int(plan.get("MAX_LEN")) == plan_len
+    assert_same(_pred(plan), _plan_layout(plan, G, (5, 8, 128)))
+    k, defer, d2 = int(plan.get("SPEC_K")), knobs["GDN_DEFER"] == "1", knobs["SPEC"] == "dflash2"
+    kw = memory.DrafterVRAM(0, memory.DFLASH2_27B_LAYERS, "test").pool_kw() if d2 else {}
+    lay = vllm_layout(G, PIN, INT8, max_len, k, True, defer and k > 0, (5, 8, 128) if d2 else None)
+    assert_same(memory.predict_pool(G, PIN, INT8, max_len, k, True, gdn_defer=defer and k > 0, **kw), lay)
     assert lay.tokens == pool
 
 

@@ -240,7 +240,7 @@ def test_known_card_over_only_by_the_estimated_reserves_keeps_the_pin(tmp_path, 
     draft = _dflash2_installed(tmp_path, monkeypatch)
     env = {"CTX": "long", "SPEC": "dflash2", "DRAFT": str(draft), "CARD_GIB": "24", "DRAFT_QUANT": "bf16"}
     plan = mk(env, tmp_path)
-    assert plan.values["KV_MEM"].source == "profile" and plan.get("MAX_LEN") == 93_696
+    assert plan.values["KV_MEM"].source == "profile" and plan.get("MAX_LEN") == 90_368
     note = next(n for n in plan.notes if n.startswith("VRAM on one GPU"))
     assert "= 25.26 GiB: does NOT fit a 24 GiB card (CARD_GIB) because of the DFlash2 drafter's weights" in note
     assert "KV_MEM <= 3775M; without the estimated graph/activation reserves it is 23.26 GiB, so the pin stays" in note
@@ -266,7 +266,7 @@ def test_known_card_caps_a_profile_pin_that_cannot_fit(tmp_path, monkeypatch):
     # VRAM_CHECK=0: the pin stays and the note says it does not fit
     kept = mk({**env, "VRAM_CHECK": "0"}, tmp_path)
     assert kept.values["KV_MEM"].source == "profile" and not kept.prediction["vram"]["fits"]
-    assert kept.get("MAX_LEN") == 93_696
+    assert kept.get("MAX_LEN") == 90_368
     # a card that holds it: nothing changes
     big = mk({**env, "CARD_GIB": "80"}, tmp_path)
     assert big.values["KV_MEM"].source == "profile" and big.prediction["vram"]["fits"]

@@ -89,8 +89,9 @@ CASES = {
     "long-dflash2-eh": {"CTX": "long", "SPEC": "dflash2", "EMBED_HOST": "1"},
     # the headline on stock vLLM's GDN states (one per draft position): the plain cases run the
     # product's default GDN_DEFER=auto (1 with speculation on one GPU, patch 0085: the deferred GDN
-    # commit, MAX_LEN 93,696 at the same pin plus a 32 MB verify scratch); this one pins
-    # GDN_DEFER=0 (MAX_LEN 70,912, no scratch), the footprint before the default flipped
+    # commit, MAX_LEN 90,368 at the same pin plus a 32 MB verify scratch; 93,696 before the plans
+    # capped where one sequence runs without preemption); this one pins GDN_DEFER=0 (MAX_LEN 67,840,
+    # no scratch; 70,912 before), the footprint before the default flipped
     "long-dflash2-gd0": {"CTX": "long", "SPEC": "dflash2", "GDN_DEFER": "0"},
     # the headline with the drafter's K/V in rings beside the pool (DFLASH_RING=1, the CTX=huge
     # default): the pool is the target's alone, so MAX_LEN 131,072 at the same pin (+0.15 GiB rings)
