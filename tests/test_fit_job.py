@@ -486,3 +486,14 @@ def test_cap_applied_reads_the_hooks_line(tmp_path):
     assert fit.cap_applied(log)
     log.write_text("INFO boot only\n")
     assert not fit.cap_applied(log)
+
+
+def test_preemptions_read_from_the_servers_metrics():
+    """The workload records vllm:num_preemptions_total (FIT_PROMPT_FRAC=1: a MAX_LEN prompt must run
+    without one); an unreachable server gives None, not an error."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from fake_openai_server import FakeServer
+
+    with FakeServer() as srv:
+        assert fit.preemptions(srv.url) == 0.0
+    assert fit.preemptions("http://127.0.0.1:9") is None

@@ -439,7 +439,8 @@ def render_table(recs: list[dict], top: dict) -> str:
                      + (f"; prefill {w['prefill_tokens']:,} ids in {w['prefill_s']:.1f} s"
                         if w.get("prefill_s") is not None else "")
                      + (f"; decode {w['batch']} x {OUT_TOKENS} tokens in {w['batch_s']:.1f} s"
-                        if w.get("batch_s") is not None else ""))
+                        if w.get("batch_s") is not None else "")
+                     + (f"; vLLM preemptions {w['preemptions']:g}" if w.get("preemptions") is not None else ""))
     lines.append("vLLM's own lines (server logs):")
     for r in recs:
         lg = r.get("vllm_log") or {}
@@ -762,6 +763,19 @@ def log_error(text: str) -> str:
     return (errs[-1] if errs else tail[0])[:300]
 
 
+def preemptions(url: str) -> float | None:
+    """vllm:num_preemptions_total of a server since it started (its /metrics), None when unreadable:
+    with FIT_PROMPT_FRAC=1 a prompt of MAX_LEN must run without one (the plans cap MAX_LEN where one
+    sequence runs without preemption, onecard.memory.PoolPrediction.one_sequence_tokens(chunk=...))."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            text = r.read().decode("utf-8", "replace")
+        from onecard.bench.metrics import COUNTERS, parse
+        return parse(text).get(COUNTERS["preemptions"])
+    except (OSError, ValueError, ImportError):
+        return None
+
+
 def run_case(rec: dict, launcher: list[str], base: dict, out: Path, sampler: Sampler, left, frac: float,
              vocab: int) -> None:
     """Boot one case through the launcher (a session of its own), wait for /health, run the
@@ -804,6 +818,7 @@ def run_case(rec: dict, launcher: list[str], base: dict, out: Path, sampler: Sam
             outs = list(ex.map(lambda p: complete(url, p, OUT_TOKENS, left() - STOP_KEEP_S), prompts))
         w["batch_s"] = round(time.monotonic() - t, 1)
         w["batch_completion_tokens"] = [(o.get("usage") or {}).get("completion_tokens") for o in outs]
+        w["preemptions"] = preemptions(url)
         time.sleep(max(1.0, 2 * sampler.poll_s))      # a last sample or two after the batch
         rec["measured"] = True
     except Exception as e:  # noqa: BLE001 - a case's failure is recorded, the others go on
