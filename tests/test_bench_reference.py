@@ -266,9 +266,12 @@ def test_rebuild_the_table_from_a_killed_run(tmp_path, geom_dir):
     moved = tmp_path / "moved" / "results"
     shutil.copytree(ref.parent, moved)
     shutil.rmtree(ref.parent)
-    there = reference.rebuild(moved / ref.name)
+    there = reference.rebuild(moved / ref.name, md=tmp_path / "moved.md")
     assert _row(there, "decode 50 C1")["arms"]["patched"]["value"] == _row(doc, "decode 50 C1")["arms"]["patched"]["value"]
     assert there["missing"] == doc["missing"]
+    # the provenance lines read the moved result files too (vLLM version source, prompt ids)
+    text = (tmp_path / "moved.md").read_text()
+    assert "(server /version)" in text and "- prompts: `" in text and "this table rebuilt from it" in text
 
 
 def _ladder(n, streams, waiting):

@@ -688,9 +688,10 @@ def rebuild(path: str | Path, md: str | Path | None = None) -> dict:
             f = _moved(p, doc.get("path"), path) if p else None
             if f is not None:
                 try:
-                    results[p] = _json.loads(f.read_text(encoding="utf-8"))
+                    results[str(f)] = _json.loads(f.read_text(encoding="utf-8"))
                 except (OSError, ValueError):
                     continue
+                v["path"] = str(f)  # where it is now: the rows and the provenance lines read it there
     tier = Tier(**{k: (tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v)
                    for k, v in doc["tier"].items()})
     doc["rows"] = rows = build_rows(doc.get("boots", []), results, doc, tier)
