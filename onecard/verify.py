@@ -523,6 +523,43 @@ def check_live_completion(ctx) -> Result:
 SPEC_MIN_DRAFTS = 32
 
 
+def _live_metrics(ctx):
+    """The server's /metrics parsed (onecard.bench.metrics.Snapshot), fetched once per verify run;
+    a one-line reason (str) when unreadable."""
+    if "_metrics" not in ctx:
+        import httpx
+
+        from onecard.bench import metrics
+
+        try:
+            r = httpx.get(f"{ctx['url']}/metrics", headers=ctx["headers"], timeout=10)
+            r.raise_for_status()
+            ctx["_metrics"] = metrics.parse(r.text)
+        except Exception as exc:  # noqa: BLE001
+            ctx["_metrics"] = f"{ctx['url']}/metrics unreadable ({type(exc).__name__}: {exc})"
+    return ctx["_metrics"]
+
+
+def check_live_preemptions(ctx) -> Result | None:
+    """vLLM's preemptions since the server started (vllm:num_preemptions_total): a preempted request
+    gave its KV blocks back and re-prefills, so any is a pool too small for what was asked at once
+    (long prompts together, or one longer than the pool runs alone). None when /metrics is unreadable
+    (the speculation line says so). The reference run of 2026-12-05 found them on CTX=fast from a vLLM
+    leak that patch 0086 fixes."""
+    from onecard.bench import metrics
+
+    snap = _live_metrics(ctx)
+    if isinstance(snap, str):
+        return None
+    n = snap.get(metrics.COUNTERS["preemptions"])
+    if n <= 0:
+        return Result(PASS, "preemptions", "none since the start (vllm:num_preemptions_total)")
+    return Result(WARN, "preemptions", f"vLLM preempted {n:.0f} time(s) since the start: the KV pool ran out and "
+                                       f"those requests prefilled again; fewer long requests at once (MAX_SEQS), "
+                                       f"or a profile with a larger pool (CTX=long|huge; ./start_qwen.sh --dry-run "
+                                       f"prints the pool and what one sequence may hold)")
+
+
 def check_live_spec(ctx) -> Result | None:
     """What speculative decoding has done since the server started, from its /metrics (vLLM's
     spec_decode counters, parsed by onecard.bench.metrics): tokens per verify step (1 + accepted
@@ -530,16 +567,11 @@ def check_live_spec(ctx) -> Result | None:
     when the server speculates not at all (no such counters). A WARN when enough drafts went by
     and none was accepted: a drafter that does not belong to this model (DRAFT), or a broken one
     (DRAFT_QUANT=bf16 tells an FP8 problem from the rest)."""
-    import httpx
-
     from onecard.bench import metrics
 
-    try:
-        r = httpx.get(f"{ctx['url']}/metrics", headers=ctx["headers"], timeout=10)
-        r.raise_for_status()
-        snap = metrics.parse(r.text)
-    except Exception as exc:  # noqa: BLE001
-        return Result(WARN, "speculation", f"{ctx['url']}/metrics unreadable ({type(exc).__name__}: {exc})")
+    snap = _live_metrics(ctx)
+    if isinstance(snap, str):
+        return Result(WARN, "speculation", snap)
     if metrics.COUNTERS["spec_drafts"] not in snap.values:
         return None
     drafts = snap.get(metrics.COUNTERS["spec_drafts"])
@@ -619,7 +651,7 @@ def check_live_memory(ctx, proc: Path = Path("/proc")) -> Result | None:
 
 
 LIVE_CHECKS: list[Callable[[dict], Result | None]] = [check_live_models, check_live_completion, check_live_spec,
-                                                     check_live_memory]
+                                                     check_live_preemptions, check_live_memory]
 
 
 # --------------------------------------------------------------------------- runner

@@ -63,9 +63,27 @@ def test_live_checks_against_a_server(monkeypatch):
     with FakeServer() as srv:
         ctx = {"url": srv.url, "headers": {}}
         results = verify.run_checks(verify.LIVE_CHECKS, ctx, out=io.StringIO())
-    assert [r.status for r in results] == [verify.PASS, verify.PASS, verify.PASS]
+    assert [r.status for r in results] == [verify.PASS, verify.PASS, verify.PASS, verify.PASS]
     assert "usage.completion_tokens" in results[1].detail
     assert results[2].name == "speculation"   # the fake's counters (its plain completions draft nothing)
+    assert results[3].name == "preemptions" and results[3].detail.startswith("none since the start")
+
+
+def test_live_preemptions_warn(monkeypatch):
+    import httpx
+
+    calls = []
+
+    def get(url, **kw):
+        calls.append(url)
+        return httpx.Response(200, text='# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{engine="0"} 2\n',
+                              request=httpx.Request("GET", url))
+
+    monkeypatch.setattr(httpx, "get", get)
+    ctx = {"url": "http://x", "headers": {}}
+    r = verify.check_live_preemptions(ctx)
+    assert r.status == verify.WARN and "preempted 2 time(s)" in r.detail and "MAX_SEQS" in r.detail
+    assert verify.check_live_spec(ctx) is None and len(calls) == 1   # one /metrics fetch per verify run
 
 
 def test_live_spec_check_warns_when_nothing_is_accepted_and_skips_without_speculation(monkeypatch):
@@ -76,22 +94,22 @@ def test_live_spec_check_warns_when_nothing_is_accepted_and_skips_without_specul
 
     base = "# TYPE vllm:spec_decode_num_drafts counter\nvllm:spec_decode_num_drafts_total{{engine=\"0\"}} {d}\n" \
            "# TYPE vllm:spec_decode_num_accepted_tokens counter\nvllm:spec_decode_num_accepted_tokens_total{{engine=\"0\"}} {a}\n"
-    ctx = {"url": "http://x", "headers": {}}
+    ctx = {"url": "http://x", "headers": {}}   # copied per call: a verify run fetches /metrics once
     serve(base.format(d=200, a=0))
-    r = verify.check_live_spec(ctx)
+    r = verify.check_live_spec(dict(ctx))
     assert r.status == verify.WARN and "no draft token accepted in 200 drafts" in r.detail and "DRAFT_QUANT=bf16" in r.detail
     serve(base.format(d=100, a=150) + "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter\n"
           + "".join(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} {v}\n'
                     for i, v in enumerate((80, 50, 20))))
-    r = verify.check_live_spec(ctx)
+    r = verify.check_live_spec(dict(ctx))
     assert r.status == verify.PASS and r.detail.startswith("2.50 tokens per verify step over 100 drafts")
     assert "acceptance by position: 0.80, 0.50, 0.20" in r.detail
     serve(base.format(d=5, a=0))          # too few drafts to judge
-    assert verify.check_live_spec(ctx).status == verify.PASS
+    assert verify.check_live_spec(dict(ctx)).status == verify.PASS
     serve(base.format(d=0, a=0))
-    assert "no drafts yet" in verify.check_live_spec(ctx).detail
+    assert "no drafts yet" in verify.check_live_spec(dict(ctx)).detail
     serve("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 0\n")
-    assert verify.check_live_spec(ctx) is None   # SPEC=off: no speculation counters
+    assert verify.check_live_spec(dict(ctx)) is None   # SPEC=off: no speculation counters
 
 
 def test_live_checks_without_a_server(monkeypatch):
