@@ -532,11 +532,12 @@ def _budget(plan: ServePlan, geom: memory.ModelGeometry, kv_mem: int, drafter: m
     plan.notes.append(f"{line}: {why}; {fix} (or use a larger card; the reserves are {est})")
 
 
-def _lookahead(plan: ServePlan, k: int) -> int:
-    """Slots a step reserves past a sequence's last token: k drafts with SPEC=mtp, k + 1 with
-    SPEC=dflash2 (its block carries the bonus position), none without speculation."""
+def _running(plan: ServePlan, k: int) -> dict:
+    """PoolPrediction.one_sequence_tokens' keywords for a sequence that runs, not only boots: the
+    plan's prefill chunk and the slots a step reserves past the last token (k drafts with SPEC=mtp,
+    k + 1 with SPEC=dflash2, whose block carries the bonus position; none without speculation)."""
     spec = plan.get("SPEC")
-    return k + 1 if spec == "dflash2" else (k if spec == "mtp" else 0)
+    return {"chunk": _chunk(plan), "lookahead": k + 1 if spec == "dflash2" else (k if spec == "mtp" else 0)}
 
 
 def _chunk(plan: ServePlan) -> int:
@@ -594,7 +595,7 @@ def _gdn_defer_note(plan: ServePlan, geom: memory.ModelGeometry, pred: memory.Po
         return
     kw = {**pool_kw, "gdn_defer": True}
     alt = memory.predict_pool(geom, pred.kv_mem_bytes, pred.kv, pred.max_len, k, prefix, **kw)
-    run = {"chunk": _chunk(plan), "lookahead": _lookahead(plan, k)}  # as the MAX_LEN cap counts
+    run = _running(plan, k)  # as the MAX_LEN cap counts
     now_seq, alt_seq = pred.one_sequence_tokens(**run), alt.one_sequence_tokens(**run)
     status = "available, not yet run on two GPUs" if tp > 1 else "the default with speculation on one GPU"
     line = (f"GDN_DEFER=1 ({status}) would hold {alt.state_slots_per_seq} instead of "
@@ -686,7 +687,7 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
                           f"{_gib(int(memory.CARD_24G * util))} GiB: {line}; the KV pool gets the rest, "
                           f"{_gib(kv_gpu)} GiB")
         _gdn_defer_note(plan, memory.rank_geometry(geom, tp), pred.pool, k, prefix, rank_kw, tp=tp)
-        one_seq = pred.pool.one_sequence_tokens(chunk=_chunk(plan), lookahead=_lookahead(plan, k))
+        one_seq = pred.pool.one_sequence_tokens(**_running(plan, k))
         if one_seq < int(plan.get("MAX_LEN")):
             plan.notes.append(f"TP={tp}: on {memory.CARD_24G // memory.GiB} GiB cards the predicted pool holds "
                               f"{max(one_seq, 0):,} tokens for one sequence (< MAX_LEN {int(plan.get('MAX_LEN')):,}); "
@@ -713,7 +714,7 @@ def run_checks(plan: ServePlan, geom: memory.ModelGeometry = memory.QWEN38_27B, 
     # the longest sequence that runs alone without vLLM preempting it (async scheduling's in-flight
     # state block per GDN group, the null block, the step's lookahead slots), not only what vLLM's
     # start-up check admits: a MAX_LEN prompt must not preempt itself
-    run_kw = {"chunk": _chunk(plan), "lookahead": _lookahead(plan, k)}
+    run_kw = _running(plan, k)
     one_seq = pred.one_sequence_tokens(**run_kw)
     if one_seq < MIN_POOL:
         if plan.values["KV_MEM"].source == "cap":

@@ -768,11 +768,9 @@ def preemptions(url: str) -> float | None:
     with FIT_PROMPT_FRAC=1 a prompt of MAX_LEN must run without one (the plans cap MAX_LEN where one
     sequence runs without preemption, onecard.memory.PoolPrediction.one_sequence_tokens(chunk=...))."""
     try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-            text = r.read().decode("utf-8", "replace")
-        from onecard.bench.metrics import COUNTERS, parse
-        return parse(text).get(COUNTERS["preemptions"])
-    except (OSError, ValueError, ImportError):
+        from onecard.bench.metrics import COUNTERS, scrape
+        return scrape(url).get(COUNTERS["preemptions"])
+    except Exception:  # noqa: BLE001 - a figure the summary may lack, never a failed case
         return None
 
 

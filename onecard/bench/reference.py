@@ -738,16 +738,25 @@ def _why(r: dict | None, boot: dict) -> str:
     return f"{r.get('verdict')}: {'; '.join(r.get('verdict_reasons') or [])}"[:240]
 
 
+def _level(r: dict, n: int) -> dict | None:
+    """The ladder level of n concurrent requests in a result, or None."""
+    return next((x for x in (r.get("data") or {}).get("levels", []) if x["n"] == n), None)
+
+
+def _point(r: dict, ctx: int) -> dict | None:
+    """The depth point of context ``ctx`` in a result, or None."""
+    return next((x for x in (r.get("data") or {}).get("points", []) if x["context"] == ctx), None)
+
+
 def fig_decode(r: dict, n: int) -> float | None:
-    lv = next((x for x in (r.get("data") or {}).get("levels", []) if x["n"] == n), None)
+    lv = _level(r, n)
     if lv is None:
         return None
     return lv.get("per_stream_decode_tps") if n == 1 else lv.get("aggregate_tps")
 
 
 def _point_kv_peak(r: dict, ctx: int) -> float | None:
-    pt = next((x for x in (r.get("data") or {}).get("points", []) if x["context"] == ctx), None)
-    return ((pt or {}).get("kv") or {}).get("peak")
+    return ((_point(r, ctx) or {}).get("kv") or {}).get("peak")
 
 
 def _preemptions(r: dict) -> float:
@@ -759,8 +768,7 @@ def decode_overlap(r: dict, n: int) -> tuple[int, float | None] | None:
     """(the most streams that decoded at once in any rep of level n, vLLM's waiting-queue peak)
     from a ladder result; None when the level or the field is missing. Fewer than n means vLLM
     queued requests (KV blocks) and the level's aggregate is not an n-stream decode rate."""
-    lv = next((x for x in (r.get("data") or {}).get("levels", []) if x["n"] == n), None)
-    reps = (lv or {}).get("reps") or []
+    reps = (_level(r, n) or {}).get("reps") or []
     got = [rep.get("max_streams_decoding") for rep in reps if rep.get("max_streams_decoding") is not None]
     if not got:
         return None
@@ -770,7 +778,7 @@ def decode_overlap(r: dict, n: int) -> tuple[int, float | None] | None:
 
 
 def fig_prefill(r: dict, ctx: int) -> float | None:
-    pt = next((x for x in (r.get("data") or {}).get("points", []) if x["context"] == ctx), None)
+    pt = _point(r, ctx)
     return pt.get("prefill_tps") if pt and pt.get("ok") else None
 
 
@@ -784,7 +792,7 @@ def _ladder_prompt_tokens(r: dict) -> int | None:
 
 
 def fig_prompt_tokens(r: dict, ctx: int) -> int | None:
-    pt = next((x for x in (r.get("data") or {}).get("points", []) if x["context"] == ctx), None)
+    pt = _point(r, ctx)
     return pt.get("prompt_tokens") if pt else None
 
 
@@ -958,15 +966,13 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
         plain = add(f"step plain{sfx}", f"ms per plain decode step (CTX={vctx}, SPEC=off), C1, ~{vc} prompt", "ms",
                     False, "off", "verify", fig_step_ms, plain_roof, ctx=vctx)
         for spec in tier.spec:
-            ks = [((b.get("plan") or {}).get("spec_k")) for b in boots
-                  if b["spec"] == spec and b["ctx"] == vctx and b.get("plan")]
-            k = next((x for x in ks if x), None)
+            plans = [b["plan"] for b in boots if b["spec"] == spec and b["ctx"] == vctx and b.get("plan")]
+            k = next((x for x in (p.get("spec_k") for p in plans) if x), None)
             roof = None
             if bw and sbytes and k and spec == "dflash2":
                 # one drafter pass per step: the plan's drafter bytes (DRAFT_QUANT applied) + lm_head once
-                dws = [(((b.get("plan") or {}).get("prediction") or {}).get("vram") or {}).get("drafter_weights")
-                       for b in boots if b["spec"] == spec and b["ctx"] == vctx and b.get("plan")]
-                dw = next((x for x in dws if x), None)
+                dw = next((x for x in (((p.get("prediction") or {}).get("vram") or {}).get("drafter_weights")
+                                       for p in plans) if x), None)
                 roof = 1000.0 * sbytes.verify_block(1, tier.verify_context, dw) / (bw * 1e9) if dw else None
             elif bw and sbytes and k:
                 roof = 1000.0 * sbytes.verify(1, tier.verify_context, k) / (bw * 1e9)
