@@ -21,7 +21,7 @@ FAKE = Path(__file__).with_name("fake_openai_server.py")
 BYTES = {"I32": 4, "BF16": 2, "F32": 4, "I64": 8}
 
 TINY_TIER = reference.Tier(
-    "test", decode=((50, (1, 2)),), decode_tokens=8, reps=1, prefill=(100,), verify_context=50,
+    "test", decode=((50, (1, 2)),), decode_tokens=16, reps=1, prefill=(100,), verify_context=50,
     verify_tokens=9, spec=("mtp", "dflash2"), prefix_context=100, prefix_tokens=6, pool_ctx=("long", "huge"),
     boots=1, budget_s=300, verify_ctx=("fast", "long"), essential=("pool fast/off", "decode 50 C1", "decode 50 C2", "prefill 100",
                                       "prefix 100 turn2/turn1", "verify mtp/plain"))
@@ -383,9 +383,10 @@ def test_lease_tier_schedule_rows_and_estimate(tmp_path, geom_dir):
 
 
 def test_lease_tier_end_to_end_every_row(tmp_path, geom_dir):
-    """The lease tier against the fake server (real prompt sizes, short outputs): every essential
+    """The lease tier against the fake server (real prompt sizes, short outputs; 40 decode tokens so
+    that C8 has a window of >= 4 chunks a stream in which all 8 decode): every essential
     row measured in each arm that can run it, stock's DFlash2/KVarN rows say why, VALID."""
-    lease = dataclasses_replace(reference.TIERS["lease"], decode_tokens=8, verify_tokens=9, prefix_tokens=6)
+    lease = dataclasses_replace(reference.TIERS["lease"], decode_tokens=40, verify_tokens=9, prefix_tokens=6)
     arms, draft = _lease_arms(tmp_path)
     logs = []
     cfg = _cfg(tmp_path, geom_dir, tier=lease, draft=draft, budget_s=600)
@@ -424,3 +425,35 @@ def test_lease_tier_end_to_end_every_row(tmp_path, geom_dir):
 def dataclasses_replace(obj, **kw):
     import dataclasses
     return dataclasses.replace(obj, **kw)
+
+
+def test_decode_rows_use_the_window_in_which_all_streams_decode():
+    """Session 26: a C>1 row is the rate while all C streams decode (runner.decode_window), not
+    tokens over a wall time that was mostly 32k prefills; a level vLLM could not run all together
+    (a pool of 80k tokens holds two 32k streams) is a measured fact with a note, not a missing row;
+    results written before the window existed keep their wall-time aggregate."""
+    def lv(n, window, together, why=None):
+        rep = {"max_streams_decoding": together, "metrics": {"gauges": {"waiting": {"peak": n - together}}},
+               "decode_window": {"tps": window, "why": why}, "decode_window_tps": window}
+        return {"n": n, "aggregate_tps": 19.2, "decode_window_tps": window, "reps": [rep]}
+    tier = reference.Tier("t", decode=((32000, (2, 4)),), decode_tokens=128, reps=1, prefill=(), verify_context=None,
+                          verify_tokens=9, spec=(), prefix_context=None, prefix_tokens=6, pool_ctx=(), boots=1,
+                          budget_s=100, essential=("decode 32k C2", "decode 32k C4"))
+    arms = ["patched", "stock"]
+    boots = [{"arm": a, "spec": "off", "ctx": "fast", "pool_only": False, "name": f"{a}-b0",
+              "results": {"decode 32k": {"path": f"{a}.json"}}} for a in arms]
+    results = {"patched.json": {"verdict": "VALID", "data": {"levels": [
+                   lv(2, 190.0, 2), lv(4, None, 2, "the streams never all decoded at once")]}},
+               "stock.json": {"verdict": "VALID", "data": {"levels": [
+                   lv(2, None, 1, "the streams never all decoded at once"), lv(4, None, 1)]}}}
+    rows = reference.build_rows(boots, results, {"arms": [{"name": a} for a in arms]}, tier)
+    c2, c4 = _row({"rows": rows}, "decode 32k C2"), _row({"rows": rows}, "decode 32k C4")
+    assert c2["arms"]["patched"]["value"] == 190.0 and not c2["arms"]["patched"].get("flag")
+    for cell in (c2["arms"]["stock"], c4["arms"]["patched"], c4["arms"]["stock"]):
+        assert cell["value"] is None and cell["measured"] and "streams decoded at once" in cell["note"]
+    assert "at most 2 of 4" in c4["arms"]["patched"]["note"] and "no rate of 4 streams" in c4["arms"]["patched"]["note"]
+    assert reference.missing_rows(rows, tier, arms) == []
+    # a legacy level (no window key): the wall-time aggregate, flagged as before
+    legacy = {"data": {"levels": [{"n": 2, "aggregate_tps": 19.2, "reps": [{"max_streams_decoding": 1}]}]}}
+    assert reference.fig_decode(legacy, 2) == 19.2
+    assert reference.fig_decode(results["patched.json"], 4) is None

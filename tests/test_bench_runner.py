@@ -11,6 +11,7 @@ import pytest
 from fake_openai_server import FakeServer
 from onecard.bench import config, prompts, report, runner
 from onecard.bench.cli import main as bench_main
+from onecard.bench.client import RequestResult
 
 
 def _target(url, tmp_path, **kw):
@@ -204,3 +205,47 @@ def test_smoke_suite_has_every_single_user_axis_and_fits_8k():
         config.suite("single", "u", "m", "o", size="tiny")
     with pytest.raises(config.ConfigError, match="without --long"):
         config.suite("single", "u", "m", "o", long=True, size="smoke")
+
+
+def _stream(first, chunks, dt, tokens=None, lead=()):
+    """A finished request whose content chunks arrive ``lead`` (explicit times) then ``chunks``
+    more every ``dt`` s from ``first``."""
+    r = RequestResult(ok=True, t_start=0.0)
+    r.chunk_times = list(lead) + [first + i * dt for i in range(chunks)]
+    r.t_first, r.t_last, r.t_end = r.chunk_times[0], r.chunk_times[-1], r.chunk_times[-1]
+    r.completion_tokens = tokens if tokens is not None else len(r.chunk_times)
+    r.chunks = len(r.chunk_times)
+    return r
+
+
+def test_decode_window_leaves_prefill_out():
+    """Job 80, 2026-12-05 (session 26), decode 32k C2: stream 1 decoded 16 tokens at prefill-step
+    pace (0.35 s a step) while stream 2 prefilled, then both decoded together at ~100 tok/s each.
+    Tokens over the wall time said ~19 tok/s; the window in which both decode says ~200."""
+    a = _stream(11.6 + 0.01, 112, 0.01, lead=[6.0 + 0.35 * i for i in range(16)])
+    b = _stream(11.6, 128, 0.01)
+    w = runner.decode_window([a, b])
+    assert w["tps"] == pytest.approx(200.0, rel=0.03) and w["window_s"] == pytest.approx(1.11, abs=0.01)
+    st = runner.level_stats([a, b], 2)
+    assert st["decode_window_tps"] == w["tps"] and st["aggregate_tps"] < 25
+    # the usage count, not the chunks: two tokens a chunk doubles the rate
+    a2, b2 = _stream(0.0, 50, 0.01, tokens=100), _stream(0.0, 50, 0.01, tokens=100)
+    assert runner.decode_window([a2, b2])["tps"] == pytest.approx(400.0, rel=0.03)
+
+
+def test_decode_window_none_when_streams_never_decode_together():
+    a, b = _stream(0.0, 50, 0.01), _stream(5.0, 50, 0.01)  # one after the other (a queued stream)
+    w = runner.decode_window([a, b])
+    assert w["tps"] is None and "never all decoded" in w["why"]
+    c = _stream(0.475, 50, 0.01)  # overlaps a for 2 chunks only
+    w = runner.decode_window([a, c])
+    assert w["tps"] is None and "< 4" in w["why"]
+    assert runner.decode_window([RequestResult(ok=True, completion_tokens=5)]) is None  # no chunk times
+    failed = _stream(0.0, 50, 0.01)
+    failed.ok = False
+    assert runner.decode_window([a, failed]) is None
+    # a level is windowed only if every rep had a window
+    reps = [dict(runner.level_stats([a, _stream(0.0, 50, 0.01)], 2), metrics={}),
+            dict(runner.level_stats([a, b], 2), metrics={})]
+    assert runner._ladder_level(2, reps)["decode_window_tps"] is None
+    assert runner._ladder_level(2, reps[:1])["decode_window_tps"] == pytest.approx(200.0, rel=0.05)

@@ -599,7 +599,8 @@ def missing_rows(rows: list[dict], tier: Tier, arm_names: list[str]) -> list[str
         for arm in arm_names:
             if arm == "stock" and key in tier.patched_only:
                 continue
-            if row is None or (row["arms"].get(arm) or {}).get("value") is None:
+            cell = (row or {}).get("arms", {}).get(arm) or {}
+            if row is None or (cell.get("value") is None and not cell.get("measured")):
                 why = ((row or {}).get("arms", {}).get(arm) or {}).get("note") or "not measured"
                 missing.append(f"{key} [{arm}]: {why}")
     return missing
@@ -752,7 +753,11 @@ def fig_decode(r: dict, n: int) -> float | None:
     lv = _level(r, n)
     if lv is None:
         return None
-    return lv.get("per_stream_decode_tps") if n == 1 else lv.get("aggregate_tps")
+    if n == 1:
+        return lv.get("per_stream_decode_tps")
+    # C>1: the rate while all n streams decode (runner.decode_window); results written before
+    # the window existed (2026-12-05, session 26) carry only the wall-time aggregate
+    return lv["decode_window_tps"] if "decode_window_tps" in lv else lv.get("aggregate_tps")
 
 
 def _point_kv_peak(r: dict, ctx: int) -> float | None:
@@ -923,7 +928,7 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
     cal = doc.get("calibration")
     for ctx, ns in tier.decode:
         for n in ns:
-            what = "per-stream decode tok/s" if n == 1 else f"aggregate tok/s of {n} streams"
+            what = "per-stream decode tok/s" if n == 1 else f"aggregate tok/s while {n} streams decode together"
             row = add(f"decode {_k(ctx)} C{n}", f"no-spec {what}, ~{_k(ctx)} prompt, {tier.decode_tokens} tokens",
                       "tok/s", True, "off", f"decode {_k(ctx)}", lambda r, n=n: fig_decode(r, n), roof_decode(ctx, n))
             toks = [_ladder_prompt_tokens(r) for c in row["arms"].values() for r in c["_res"]]
@@ -931,14 +936,28 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
             if n > 1:
                 for c in row["arms"].values():
                     ov = [o for o in (decode_overlap(r, n) for r in c["_res"]) if o]
+                    windowed = any("decode_window_tps" in (_level(r, n) or {}) for r in c["_res"])
                     if ov and min(m for m, _ in ov) < n:
                         m, w = min(ov)
                         queued = (f"at most {m} of {n} streams decoded at once: vLLM kept the others waiting "
-                                  f"(waiting peak {'?' if w is None else int(w)}), so this aggregate includes their "
-                                  f"queueing and prefill and is not the decode rate of {n} concurrent streams "
-                                  f"(no % of roofline)")
-                        c["flag"] = queued + (f"; {c['flag']}" if c.get("flag") else "")
+                                  f"(waiting peak {'?' if w is None else int(w)}), "
+                                  + ("so there is no rate of {n} streams decoding together (the KV pool or the "
+                                     "scheduler held them back)".format(n=n) if windowed else
+                                     f"so this aggregate includes their queueing and prefill and is not the "
+                                     f"decode rate of {n} concurrent streams (no % of roofline)"))
                         c["pct_roofline"] = None
+                        if windowed and c.get("value") is None:
+                            # measured: vLLM could not run n of these streams together (a fact about
+                            # the plan, e.g. a pool of 80k tokens holds two 32k streams), not missing
+                            c["note"], c["measured"] = queued, True
+                        else:
+                            c["flag"] = queued + (f"; {c['flag']}" if c.get("flag") else "")
+                    elif windowed and c.get("value") is None and c["_res"]:
+                        why = next((rep["decode_window"]["why"] for r in c["_res"]
+                                    for rep in ((_level(r, n) or {}).get("reps") or [])
+                                    if (rep.get("decode_window") or {}).get("why")), None)
+                        if why:
+                            c["note"] = f"no window in which all {n} streams decoded: {why}"
     for ctx in tier.prefill:
         e = est(ctx, cal)
         row = add(f"prefill {_k(ctx)}", f"prefill tok/s (prompt tokens / TTFT, salted), ~{_k(ctx)} prompt",
@@ -1168,6 +1187,11 @@ def markdown(doc: dict) -> str:
           "with >= 2 boots per arm RESOLVED/UNRESOLVED against 2x the floor. REFUSED/CONFOUNDED: no ratio.",
           "- roofline = bytes one step must read / measured copy bandwidth (`onecard/bench/roofline.py`); "
           "for C>1 the aggregate. Prefill is compute-bound: no roofline. Step rows: % = roofline ms / measured ms.",
+          "- C>1 decode rows: the aggregate rate while all C streams decode at once (from the last stream's "
+          "first token to the first stream's last; each stream's `usage.completion_tokens` apportioned by its "
+          "chunks' arrival times in that window), so the streams' prefills are not in it; `—` when vLLM never "
+          "ran all C together. Results written before 2026-12-05 (session 26) carry only the wall-time "
+          "aggregate (tokens / wall from the first request's start, prefills included), which a rebuild shows.",
           "- ms per step = 1000 x tokens per step (server spec counters, 1 without drafts) / decode tok/s at C1.",
           "- The SPEC=mtp verify roofline adds k x (MTP module + lm_head): the drafter's k passes each compute "
           "logits (the full bf16 lm_head each time, an upper bound: a prepared model's int8 lm_head and draft "

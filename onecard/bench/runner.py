@@ -142,8 +142,10 @@ def max_overlap(intervals: list[tuple[float, float]]) -> int:
     return best
 
 
-def run_concurrent(c: Client, prompt_list: list[str], max_tokens: int, sampling: dict) -> list[RequestResult]:
-    """Start len(prompt_list) streams together (barrier) and wait for all."""
+def run_concurrent(c: Client, prompt_list: list[str], max_tokens: int, sampling: dict,
+                   keep_times: bool = False) -> list[RequestResult]:
+    """Start len(prompt_list) streams together (barrier) and wait for all. ``keep_times``: keep
+    every content chunk's arrival time (``decode_window`` needs them)."""
     n = len(prompt_list)
     out: list[RequestResult | None] = [None] * n
     barrier = threading.Barrier(n)
@@ -153,7 +155,7 @@ def run_concurrent(c: Client, prompt_list: list[str], max_tokens: int, sampling:
             barrier.wait(timeout=30)
         except threading.BrokenBarrierError:
             pass
-        out[i] = c.stream(prompt_list[i], max_tokens, sampling, keep_text=False)
+        out[i] = c.stream(prompt_list[i], max_tokens, sampling, keep_text=False, keep_times=keep_times)
 
     threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(n)]
     for th in threads:
@@ -163,6 +165,48 @@ def run_concurrent(c: Client, prompt_list: list[str], max_tokens: int, sampling:
     return [r if r is not None else RequestResult(error="client thread did not finish") for r in out]
 
 
+DECODE_WINDOW_SOURCE = ("usage.completion_tokens of each stream, apportioned by its content chunks' arrival "
+                        "times inside the window in which every stream of the level was decoding")
+
+
+def decode_window(rs: list[RequestResult], min_chunks: int = 4) -> dict | None:
+    """The aggregate decode rate of a level while *all* its streams decode at once.
+
+    The window runs from the last stream's first content chunk to the first stream's last one.
+    Each stream's tokens inside it are its ``completion_tokens`` (the server's count, never the
+    chunks) times the share of its chunks that arrived in (start, end]; the rate is their sum over
+    the window's length. Unlike ``aggregate_tps`` (tokens over the whole wall time), it leaves out
+    the prefill of every stream and the time a stream decoded alone while another prefilled: at
+    32k tokens per prompt and 128 tokens per stream the wall time is mostly prefill, which made
+    an aggregate of two concurrent streams read ~19 tok/s against ~100 for one stream.
+
+    Returns None without chunk times (``keep_times`` off) or when a request failed; ``tps`` is
+    None when the streams never all decoded together (vLLM queued some: the KV pool) or when a
+    stream had fewer than ``min_chunks`` chunks in the window (too few to be a rate). One chunk is
+    one engine step: under speculative decoding the share is a step share, not a token share.
+    """
+    if not rs or any(not r.ok or not r.completion_tokens or not r.chunk_times for r in rs):
+        return None
+    w0 = max(r.chunk_times[0] for r in rs)
+    w1 = min(r.chunk_times[-1] for r in rs)
+    out = {"tps": None, "window_s": max(0.0, w1 - w0), "tokens": 0.0, "streams": len(rs),
+           "source": DECODE_WINDOW_SOURCE}
+    if w1 <= w0:
+        out["why"] = "the streams never all decoded at once"
+        return out
+    tokens, fewest = 0.0, None
+    for r in rs:
+        inside = sum(1 for t in r.chunk_times if w0 < t <= w1)
+        fewest = inside if fewest is None else min(fewest, inside)
+        tokens += r.completion_tokens * inside / len(r.chunk_times)
+    out["tokens"] = tokens
+    if fewest < min_chunks:
+        out["why"] = f"a stream had {fewest} chunk(s) in the {w1 - w0:.3f} s window (< {min_chunks})"
+        return out
+    out["tps"] = tokens / (w1 - w0)
+    return out
+
+
 def level_stats(rs: list[RequestResult], n: int) -> dict:
     ok = [r for r in rs if r.ok]
     t0 = min(r.t_start for r in rs)
@@ -170,6 +214,7 @@ def level_stats(rs: list[RequestResult], n: int) -> dict:
     toks = sum(r.completion_tokens or 0 for r in ok)
     spans = [(r.t_first, r.t_last) for r in ok if r.t_first is not None and r.t_last is not None]
     overlap = max_overlap(spans) if spans else 0
+    window = decode_window(rs)
     return {
         "n": n, "ok": len(ok), "failed": len(rs) - len(ok),
         "completion_tokens": toks, "chunks": sum(r.chunks for r in rs),
@@ -181,6 +226,8 @@ def level_stats(rs: list[RequestResult], n: int) -> dict:
         "ttft_mean": _mean([r.ttft for r in ok]), "ttft_max": max((r.ttft for r in ok if r.ttft), default=None),
         "max_streams_decoding": overlap,
         "tail_mode": overlap < n,
+        "decode_window": window,
+        "decode_window_tps": (window or {}).get("tps"),
         "requests": [r.summary() for r in rs],
     }
 
@@ -204,7 +251,7 @@ def ladder(t: Target, pset: P.PromptSet, ns: list[int], max_tokens: int = 256, r
             for rep in range(reps):
                 plist = [pset.prompts[0]] * n if shared else [P.salt(p) for p in pset.cycle(n)]
                 sampler = Sampler(t.url, t.metrics_interval, t.api_key).start()
-                rs = run_concurrent(c, plist, max_tokens, t.sampling)
+                rs = run_concurrent(c, plist, max_tokens, t.sampling, keep_times=True)
                 m = sampler.stop()
                 _account(result, rs)
                 st = level_stats(rs, n)
@@ -221,7 +268,8 @@ def ladder(t: Target, pset: P.PromptSet, ns: list[int], max_tokens: int = 256, r
                 else:
                     levels.append(levels_entry)
                 rf.save()
-                t.log(f"C{n} rep{rep}: aggregate {_fmt(st['aggregate_tps'])} tok/s, per-stream "
+                t.log(f"C{n} rep{rep}: aggregate {_fmt(st['aggregate_tps'])} tok/s (all {n} decoding: "
+                      f"{_fmt(st['decode_window_tps'])}), per-stream "
                       f"{_fmt(st['per_stream_decode_tps_mean'])} tok/s, TTFT {_fmt(st['ttft_mean'], 3)} s"
                       f"{', TAIL-MODE' if st['tail_mode'] else ''}"
                       f"{', FAILED ' + str(st['failed']) if st['failed'] else ''}")
@@ -244,6 +292,9 @@ def _ladder_level(n: int, reps: list[dict]) -> dict:
     return {
         "n": n, "reps": reps,
         "aggregate_tps": _median(g("aggregate_tps")),
+        # None unless every rep had a window in which all n streams decoded (see decode_window)
+        "decode_window_tps": (_median(g("decode_window_tps"))
+                              if all(x is not None for x in g("decode_window_tps")) else None),
         "per_stream_decode_tps": _median(g("per_stream_decode_tps_mean")),
         "per_stream_decode_tps_min": min((x for x in g("per_stream_decode_tps_min") if x), default=None),
         "ttft_mean": _median(g("ttft_mean")),
