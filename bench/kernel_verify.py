@@ -219,7 +219,13 @@ def correctness(device, gen, smoke: bool, have_stock: bool) -> list[dict]:
                             ("ours_splits_7", {"num_splits": 7}),
                             ("ours_head_split2_splits_7", {"num_splits": 7, "head_split": 2}),
                             ("ours_head_split2_tile32_splits_7",
-                             {"num_splits": 7, "head_split": 2, **hs2_t32})):
+                             {"num_splits": 7, "head_split": 2, **hs2_t32}),
+                            # the sweep's row_split=2 (4 warps; with int4's head split too)
+                            ("ours_row_split2_splits_7",
+                             {"num_splits": 7, "row_split": 2, "tile_n": 16,
+                              **({} if smoke else {"num_warps": 4, "num_stages": 3})}),
+                            ("ours_row_split2_head_split2_splits_1",
+                             {"num_splits": 1, "row_split": 2, "head_split": 2, "tile_n": 16})):
                 out = torch.full_like(c.q, float("nan"))
                 try:
                     run_ours(c, out, **kw)
@@ -473,7 +479,8 @@ def main(argv=None) -> int:
         grid = [(4, 64, 1, kv) for kv in KV_DTYPES]
         sweep = {kv: [{"tile_n": 16, "num_warps": 4, "num_stages": 1},
                       {"tile_n": 16, "num_warps": 4, "num_stages": 1, "lazy_rescale": True},
-                      {"tile_n": 16, "num_warps": 4, "num_stages": 1, "head_split": 2}]
+                      {"tile_n": 16, "num_warps": 4, "num_stages": 1, "head_split": 2},
+                      {"tile_n": 16, "num_warps": 4, "num_stages": 1, "row_split": 2}]
                  for kv in KV_DTYPES}
         sweep_at = (4, 64, 1)
     else:
@@ -516,8 +523,10 @@ def main(argv=None) -> int:
         # wide; sm_90 compile: int4 tile 16 244 -> 218 registers, tiles 32 / 64 fit like today's
         # tile 16, but 9 instead of 5 barriers per tile. Tiles 16 / 32 / 64 at 4 / 3 / 2 stages
         # for int8 and int4 (best guesses first); bf16 once, at its default.
+        # (session 26: trimmed to the tiles / stages within 10 % of the best in sessions 24-25,
+        # to leave time for the row-split rows below)
         hs2 = [{"tile_n": t, "num_warps": 8, "num_stages": s, "head_split": 2}
-               for t in (32, 16, 64) for s in (4, 3, 2)]
+               for t in (16, 32) for s in (4, 3)]
         sweep["int8"] += hs2
         sweep["int4"] += hs2
         sweep["bf16"].append({**wide, "num_stages": 4, "head_split": 2})
@@ -526,6 +535,22 @@ def main(argv=None) -> int:
         # row means the same launch whatever the default
         new_default = {"tile_n": 16, "num_warps": 8, "num_stages": 4, "head_split": 2}
         sweep["int4"] = [new_default] + [kw for kw in sweep["int4"] if kw != new_default]
+        # row_split=2 (session 26, docs/wide-verify.md "row split"): the verify block's 128 query
+        # rows in two programs of 64 over the same keys, 4 warps each. The tile loop is
+        # latency-bound at one 8-warp program per SM (int8 ~2.9 us per 16-key tile, 25 % issue
+        # use); a 64-row program fits twice per SM (sm_90 compile: 255 registers x 128 threads,
+        # 64 KiB of shared memory at tile 16 / 2-4 stages; bf16 tile 32: 96 KiB at 2 stages, 128
+        # at 3), so one program's waits overlap the other's work. Right after each dtype's
+        # default, so the budget never drops them.
+        rs2 = {"int8": [{"tile_n": 16, "num_warps": 4, "num_stages": s, "row_split": 2} for s in (3, 2, 4)]
+                       + [{"tile_n": 16, "num_warps": 4, "num_stages": 3, "row_split": 2, "head_split": 2}],
+               "int4": [{"tile_n": 16, "num_warps": 4, "num_stages": s, "row_split": 2, "head_split": 2}
+                        for s in (3, 4)]
+                       + [{"tile_n": 16, "num_warps": 4, "num_stages": s, "row_split": 2} for s in (3, 2)],
+               "bf16": [{"tile_n": 32, "num_warps": 4, "num_stages": 2, "row_split": 2},
+                        {"tile_n": 16, "num_warps": 4, "num_stages": 4, "row_split": 2}]}
+        for kv in sweep:
+            sweep[kv] = sweep[kv][:1] + rs2[kv] + sweep[kv][1:]
         for kv in sweep:
             sweep[kv] = [{"head_split": 1, **kw} for kw in sweep[kv]]
         sweep_at = (16, 32768, 1)
@@ -611,6 +636,7 @@ def main(argv=None) -> int:
                 f"{kw.get('num_stages')} splits {kw.get('num_splits')} (waves {r['waves']})"
                 f"{' lazy' if kw.get('lazy_rescale') else ''}"
                 f"{' head_split %d' % kw['head_split'] if kw.get('head_split', 1) != 1 else ''}"
+                f"{' row_split %d' % kw['row_split'] if kw.get('row_split', 1) != 1 else ''}"
                 f"{'' if r['block_size'] == args.block_size else ' page %d' % r['block_size']}"
                 f": {t} {pct}")
     long_rows = [r for r in result["table"] if r["ctx"] >= 32768 and "ours_ms" in r

@@ -148,7 +148,7 @@ def _sass_histogram(sass: str) -> dict:
 
 def compile_config(kv: str, *, tile_n: int, num_warps: int, num_stages: int, q_len: int,
                    page: int, splits: int, keep: Path | None, arch: int = 90,
-                   lazy: bool = False) -> dict:
+                   lazy: bool = False, head_split: int | None = None, row_split: int = 1) -> dict:
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -161,8 +161,9 @@ def compile_config(kv: str, *, tile_n: int, num_warps: int, num_stages: int, q_l
     case = timing_case(q_len=q_len, ctx=4 * page, batch=1, kv_dtype=kv, block_size=page,
                        device=torch.device("cpu"), gen=gen)
     cap = _Capture(wv._wide_verify_split_kernel)
-    saved = wv._wide_verify_split_kernel, wv._wide_verify_reduce_kernel
+    saved = wv._wide_verify_split_kernel, wv._wide_verify_reduce_kernel, wv._rht_rows_kernel
     wv._wide_verify_split_kernel, wv._wide_verify_reduce_kernel = cap, _Capture(saved[1])
+    wv._rht_rows_kernel = _Capture(saved[2])  # int4's query rotation (a separate small kernel)
     try:
         out = torch.empty_like(case.q)
         wv.wide_verify_attention(
@@ -171,9 +172,10 @@ def compile_config(kv: str, *, tile_n: int, num_warps: int, num_stages: int, q_l
             max_query_len=case.max_query_len, softmax_scale=case.softmax_scale, kv_mode=kv,
             k_scale_cache=case.k_scale_cache, v_scale_cache=case.v_scale_cache,
             max_seq_len=case.max_seq_len, num_splits=splits, tile_n=tile_n,
-            num_warps=num_warps, num_stages=num_stages, lazy_rescale=lazy)
+            num_warps=num_warps, num_stages=num_stages, lazy_rescale=lazy,
+            head_split=head_split, row_split=row_split)
     finally:
-        wv._wide_verify_split_kernel, wv._wide_verify_reduce_kernel = saved
+        wv._wide_verify_split_kernel, wv._wide_verify_reduce_kernel, wv._rht_rows_kernel = saved
     grid, args, kwargs = cap.calls[0]
     kwargs = {**kwargs, "DOT_F32": False}  # the wrapper saw CPU tensors
     sig, constexprs, attrs, launch = _specialize(saved[0], args, kwargs)
@@ -220,6 +222,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90, 86)")
     ap.add_argument("--keep", default=None, help="write ptx/ttgir/cubin/sass here")
     ap.add_argument("--lazy", action="store_true", help="the lazy-rescale variant (lazy_rescale=True)")
+    ap.add_argument("--head-split", type=int, default=None, help="1 or 2 (default: the wrapper's)")
+    ap.add_argument("--row-split", type=int, default=1, help="1 or 2 (the wrapper's row_split)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     rows = []
@@ -230,7 +234,8 @@ def main(argv=None) -> int:
                     r = compile_config(kv, tile_n=t, num_warps=w, num_stages=s, q_len=a.q_len,
                                        page=a.page, splits=a.splits,
                                        keep=Path(a.keep) if a.keep else None, arch=a.arch,
-                                       lazy=a.lazy)
+                                       lazy=a.lazy, head_split=a.head_split,
+                                       row_split=a.row_split)
                     rows.append(r)
                     h = r["sass"]
                     print(f"sm_{a.arch} {kv:>5} tile {t:>3} warps {w:>2} stages {s} | "

@@ -78,6 +78,35 @@ def test_matches_reference(kv_dtype, name, head_split, gen):
     _check(case, _run(case, num_splits=splits, tile_n=tile, head_split=head_split), gen.initial_seed())
 
 
+# row_split=2 (an opt-in A/B of bench/kernel_verify.py's sweep): a sequence's query tokens in two
+# programs over the same keys. Decode (q=1: the second part reads nothing), q < half the block,
+# ragged lengths, splits, both paths (PAGE_TILES and per-key), every format; non-causal (a DFlash
+# drafter's block) and head_split=2 on top in the second test.
+@inproc
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_row_split_matches_reference(kv_dtype, name, gen):
+    q_lens, seq_lens, (hq, hkv), bs, splits, tile = CASES[name]
+    case = ref_mod.make_verify_case(
+        q_lens=q_lens, seq_lens=seq_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=32,
+        block_size=bs, kv_dtype=kv_dtype, generator=gen)
+    _check(case, _run(case, num_splits=splits, tile_n=tile, row_split=2), gen.initial_seed())
+
+
+@inproc
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_row_split_non_causal_and_head_split(kv_dtype, gen):
+    case = ref_mod.make_verify_case(
+        q_lens=[16, 5, 9], seq_lens=[70, 21, 40], num_q_heads=6, num_kv_heads=2, head_dim=32,
+        block_size=16, kv_dtype=kv_dtype, generator=gen)
+    for causal in (True, False):
+        for splits in (1, 3):
+            out = _run(case, num_splits=splits, tile_n=16, causal=causal, row_split=2, head_split=2)
+            _check(case, out, gen.initial_seed(), causal=causal)
+    with pytest.raises(ValueError, match="row_split=3 is not valid; valid: 1, 2"):
+        _run(case, row_split=3)
+
+
 @inproc
 def test_more_splits_than_tiles_and_auto_splits(gen):
     case = ref_mod.make_verify_case(

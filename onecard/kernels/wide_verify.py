@@ -171,8 +171,15 @@ def _wide_verify_split_kernel(
     CAUSAL: tl.constexpr = True,
     LAZY_RESCALE: tl.constexpr = False,
     HEAD_SPLIT: tl.constexpr = 1,
+    ROW_SPLIT: tl.constexpr = 1,
 ):
-    seq = tl.program_id(0)
+    # ROW_SPLIT == 2 (opt-in, bench/kernel_verify.py's sweep; docs/wide-verify.md "row split"):
+    # a sequence's verify block in two programs of BLOCK_Q query tokens each (axis 0 = sequence x
+    # part), both over the same keys: half the rows, half the accumulator, so that a program
+    # fits twice per SM and one program's per-tile wait (copy, unpack, barrier, wgmma) overlaps
+    # the other's work. Every query token is still owned by exactly one program.
+    seq = tl.program_id(0) // ROW_SPLIT
+    part = tl.program_id(0) % ROW_SPLIT
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -183,7 +190,7 @@ def _wide_verify_split_kernel(
 
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     rows = tl.arange(0, BLOCK_M)
-    qi = rows // GROUP_PAD
+    qi = part * BLOCK_Q + rows // GROUP_PAD
     g = rows % GROUP_PAD
     row_ok = (qi < q_len) & (g < GROUP)
     q_tok = (q_start + qi).to(tl.int64)
@@ -200,6 +207,10 @@ def _wide_verify_split_kernel(
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
     n_tiles = (tl.maximum(hi - lo, 0) + TILE_N - 1) // TILE_N
+    if ROW_SPLIT > 1:
+        # a part past the block's last query token (q_len <= BLOCK_Q) reads no keys; its stores
+        # are all masked (row_ok)
+        n_tiles = tl.where(part * BLOCK_Q < q_len, n_tiles, 0)
 
     offs_n = tl.arange(0, TILE_N)
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
@@ -641,6 +652,7 @@ def wide_verify_attention(
     causal: bool = True,
     lazy_rescale: bool = False,
     head_split: int | None = None,
+    row_split: int = 1,
 ) -> torch.Tensor:
     """Verify attention over vLLM's paged cache; writes ``out`` [T, Hq, D] and returns it.
     ``causal`` (default): query i of a sequence sees keys p < seq_len - q_len + i + 1; False: every
@@ -651,6 +663,10 @@ def wide_verify_attention(
     else 1; 1 or 2 for any kv_mode): the head dim in two halves, two Q.K^T dots summed and two P.V
     accumulators of head_dim / 2, so that a tile's unpacked K / V is half as wide in registers
     (docs/wide-verify.md, "head split").
+    ``row_split`` (1 or 2; default 1): each sequence's query tokens in ``row_split`` programs of
+    half the rows over the same keys (twice the programs, each small enough to share an SM with
+    another); the launch's tile / stages then default to those of the smaller block, the warps
+    to 4.
 
     q: [T, Hq, D] (bf16/fp16), T = cu_seqlens_q[-1]; every sequence has 1..16 query tokens and
     ``max_query_len`` bounds them. ``num_splits`` None picks from ``max_seq_len`` (or the cache
@@ -670,6 +686,8 @@ def wide_verify_attention(
     if d_store < need or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
         raise ValueError(f"cache last dim {d_store} (stride {key_cache.stride(3)}) cannot hold "
                          f"{need} contiguous elements for kv_mode {kv_mode!r}")
+    if row_split not in (1, 2):
+        raise ValueError(f"row_split={row_split} is not valid; valid: 1, 2")
     if head_split is not None and (head_split not in (1, 2) or head_dim // head_split < 16):
         raise ValueError(f"head_split={head_split} is not valid for head_dim {head_dim}; "
                          "valid: 1, 2 (head_dim / head_split >= 16)")
@@ -685,6 +703,9 @@ def wide_verify_attention(
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_q = max(triton.next_power_of_2(max_query_len), triton.cdiv(16, group_pad))
+    if row_split > 1:
+        # each program takes block_q / row_split query tokens (at least 16 rows for the dots)
+        block_q = max(block_q // row_split, triton.cdiv(16, group_pad))
     if max_seq_len is None:
         max_seq_len = block_table.shape[1] * page
     if num_splits is None:
@@ -696,6 +717,8 @@ def wide_verify_attention(
     if head_split is None:
         head_split = default_head_split(mode, block_q * group_pad, head_dim, q.device)
     tile_n = d_tile if tile_n is None else tile_n
+    if row_split > 1 and num_warps is None:
+        d_warps = 4  # one warpgroup: two programs' registers fit an SM (sm_90: 240 x 128 threads)
     num_warps = d_warps if num_warps is None else num_warps
     num_stages = d_stages if num_stages is None else num_stages
 
@@ -733,7 +756,7 @@ def wide_verify_attention(
                              dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
 
-    _wide_verify_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _wide_verify_split_kernel[(num_seqs * row_split, num_kv_heads, num_splits)](
         q_in, key_cache, value_cache, k_scale_cache, v_scale_cache,
         block_table, seq_lens, cu_seqlens_q,
         target, part_o, part_m, part_l,
@@ -748,7 +771,7 @@ def wide_verify_attention(
         HEAD_DIM=head_dim, TILE_N=tile_n, KV_MODE=mode, DIRECT=direct,
         DOT_F32=q.device.type != "cuda",  # CPU tensors only run under TRITON_INTERPRET
         PAGE_TILES=mode != 0 and page % tile_n == 0, CAUSAL=bool(causal),
-        LAZY_RESCALE=bool(lazy_rescale), HEAD_SPLIT=int(head_split),
+        LAZY_RESCALE=bool(lazy_rescale), HEAD_SPLIT=int(head_split), ROW_SPLIT=int(row_split),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
