@@ -75,12 +75,13 @@ def render(r: dict) -> list[str]:
         for lv in d.get("levels", []):
             kvp = lv.get("kv_peak")
             kvm = lv.get("kv_mean")
-            rows.append([f"C{lv['n']}", lv.get("aggregate_tps"), lv.get("per_stream_decode_tps"),
+            rows.append([f"C{lv['n']}", lv.get("aggregate_tps"), lv.get("decode_window_tps"),
+                         lv.get("per_stream_decode_tps"),
                          lv.get("per_stream_decode_tps_min"), _f(lv.get("ttft_mean"), 3),
                          _f(None if kvp is None else 100 * kvp) + " / " + _f(None if kvm is None else 100 * kvm),
                          _f(lv.get("duration_s"), 1), _f(lv.get("preemptions"), 0),
                          "TAIL" if lv.get("tail_mode") else "full", lv.get("failed")])
-        lines += _table(["N", "aggregate tok/s", "per-stream decode tok/s", "slowest stream",
+        lines += _table(["N", "aggregate tok/s", "all-N-decoding tok/s", "per-stream decode tok/s", "slowest stream",
                          "TTFT s", "kv% peak / mean", "over s", "preempt", "overlap", "failed"], rows)
     elif k == "depth":
         lines += _table(["context", "prompt tok", "TTFT s", "prefill tok/s", "decode tok/s", "ok"],
