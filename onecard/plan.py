@@ -827,6 +827,17 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
         else:
             plan.notes.append("WIDE_DECODE=1: plain decode batches run the wide-verify kernel (patch 0070); not yet "
                               "run end to end on a GPU")
+    # VERIFY_ROW_SPLIT's only reader is the wide-verify kernel (patch 0070's copy of
+    # onecard/kernels/wide_verify.py, ONECARD_VERIFY_ROW_SPLIT, read at import)
+    _to_server(plan, "VERIFY_ROW_SPLIT")
+    if plan.get("VERIFY_ROW_SPLIT") == "2":
+        if plan.get("WIDE_VERIFY") != "1":
+            plan.notes.append("VERIFY_ROW_SPLIT=2 has no effect with WIDE_VERIFY=0 (the wide-verify kernel is off)")
+        elif plan.get("SPEC") == "off":
+            plan.notes.append("VERIFY_ROW_SPLIT=2 has no effect with SPEC=off (no verify blocks of 9..16 tokens)")
+        else:
+            plan.notes.append("VERIFY_ROW_SPLIT=2: verify blocks of 9..16 tokens in two programs of half the rows "
+                              "(docs/wide-verify.md \"row split\"); not yet measured on a GPU")
     # GDN_SHARED_META's only reader is patch 0082 (gdn_attn.py, ONECARD_GDN_SHARED_META)
     _to_server(plan, "GDN_SHARED_META")
     # PREFILL_LAUNCH's only reader is patch 0083 (triton_unified_attention.py), checked in resolve

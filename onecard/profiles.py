@@ -155,6 +155,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          "TRITON_ATTN (int8/int4 KV, CTX=long) also run the wide-verify kernel instead of stock unified_attention's "
          "decode path (1.58 ms of a 11.5 ms SPEC=off step at 8k on an H200, growing with depth); needs WIDE_VERIFY=1; "
          "not yet run end to end (opt-in; patch 0070). Passed to the server as ONECARD_WIDE_DECODE", BOOL),
+    Knob("VERIFY_ROW_SPLIT", "auto", "auto|1|2", "wide-verify kernel: 2: a verify block of 9..16 tokens in two "
+         "programs of half the query rows over the same keys, 4 warps each (two share an SM on Hopper; "
+         "docs/wide-verify.md \"row split\", not yet measured); 1: one program (today's launch); auto: 1 until a GPU "
+         "measurement moves it. Passed to the server as ONECARD_VERIFY_ROW_SPLIT", ("auto", "1", "2")),
     Knob("GDN_SHARED_META", "1", "0|1", "1: one GDN attention-metadata build per step serves every GDN KV cache "
          "group (patch 0082; 10 groups beside a DFlash2 drafter, 3 otherwise); 0: stock, a build per group. "
          "Passed to the server as ONECARD_GDN_SHARED_META", BOOL),
@@ -229,6 +233,7 @@ AMPERE_GEMM_ENV: dict[str, str] = {
 # child environment, so an exported variable of the same name never wins over the knob).
 SERVER_ENV: dict[str, str] = {
     "WIDE_VERIFY": "ONECARD_WIDE_VERIFY", "WIDE_DECODE": "ONECARD_WIDE_DECODE",
+    "VERIFY_ROW_SPLIT": "ONECARD_VERIFY_ROW_SPLIT",
     "GDN_SHARED_META": "ONECARD_GDN_SHARED_META",
     "PREFILL_LAUNCH": "ONECARD_PREFILL_LAUNCH", "DFLASH_RING": "ONECARD_DFLASH_RING",
     "LOOKUP_LANE": "ONECARD_DFLASH_LANE", "KVARN_WINDOW": "ONECARD_KVARN_WINDOW",

@@ -89,6 +89,42 @@ def test_wide_decode_off_by_default_and_passed_by_env(tmp_path):
         mk({"WIDE_DECODE": "maybe"}, tmp_path)
 
 
+def test_verify_row_split_knob_passed_by_env_with_notes(tmp_path):
+    """VERIFY_ROW_SPLIT (the kernel's ONECARD_VERIFY_ROW_SPLIT): auto by default, sent either way;
+    2 notes that it is unmeasured, or that it does nothing without verify blocks; bad values are
+    one line naming the valid ones; the argv never changes."""
+    plan = mk({"CTX": "long", "SPEC": "mtp"}, tmp_path)
+    assert plan.child_env["ONECARD_VERIFY_ROW_SPLIT"] == "auto"
+    assert not any(n.startswith("VERIFY_ROW_SPLIT") for n in plan.notes)
+    on = mk({"CTX": "long", "SPEC": "mtp", "VERIFY_ROW_SPLIT": "2"}, tmp_path)
+    assert on.child_env["ONECARD_VERIFY_ROW_SPLIT"] == "2" and on.argv == plan.argv
+    assert any(n.startswith("VERIFY_ROW_SPLIT=2: verify blocks of 9..16 tokens") for n in on.notes)
+    assert any(n.startswith("VERIFY_ROW_SPLIT=2 has no effect with SPEC=off")
+               for n in mk({"CTX": "long", "SPEC": "off", "VERIFY_ROW_SPLIT": "2"}, tmp_path).notes)
+    assert any(n.startswith("VERIFY_ROW_SPLIT=2 has no effect with WIDE_VERIFY=0") for n in mk(
+        {"CTX": "long", "SPEC": "mtp", "VERIFY_ROW_SPLIT": "2", "WIDE_VERIFY": "0"}, tmp_path).notes)
+    with pytest.raises(P.PlanError, match="VERIFY_ROW_SPLIT.*auto.*1.*2"):
+        mk({"VERIFY_ROW_SPLIT": "4"}, tmp_path)
+
+
+def test_kernel_reads_verify_row_split(monkeypatch):
+    """The kernel's side: auto -> one program; 1 / 2 -> that split for 128-row blocks only; a bad
+    value is one line naming the valid ones (raised at import in the server)."""
+    wv = pytest.importorskip("onecard.kernels.wide_verify")
+    torch = pytest.importorskip("torch")
+    cpu = torch.device("cpu")
+    for raw, want in (("auto", None), ("", None), ("1", 1), (" 2 ", 2)):
+        monkeypatch.setenv("ONECARD_VERIFY_ROW_SPLIT", raw)
+        assert wv._row_split_setting() == want
+    monkeypatch.setenv("ONECARD_VERIFY_ROW_SPLIT", "3")
+    with pytest.raises(ValueError, match="ONECARD_VERIFY_ROW_SPLIT='3' is not valid; valid: auto, 1, 2"):
+        wv._row_split_setting()
+    monkeypatch.setattr(wv, "_ROW_SPLIT_SETTING", None)
+    assert wv.default_row_split(2, 128, 256, cpu) == 1
+    monkeypatch.setattr(wv, "_ROW_SPLIT_SETTING", 2)
+    assert wv.default_row_split(2, 128, 256, cpu) == 2 and wv.default_row_split(2, 64, 256, cpu) == 1
+
+
 def test_patch_reads_wide_decode_off_by_default():
     from pathlib import Path
 

@@ -35,6 +35,7 @@ so that the same text can ship inside vLLM as ``vllm/v1/attention/ops/onecard_wi
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -601,6 +602,32 @@ def default_launch(mode: int, block_m: int, head_dim: int, device: torch.device)
     return {0: (32, warps, 2), 2: (16, warps, 2), 4: (16, warps, 1)}[mode]
 
 
+def _row_split_setting() -> int | None:
+    """ONECARD_VERIFY_ROW_SPLIT (the launcher's VERIFY_ROW_SPLIT; read once, at import): auto
+    (default) -> None, :func:`default_row_split` decides; 1 / 2 -> that row split for every verify
+    block of 9..16 tokens (128 query rows), an A/B for a server (job 31 arms)."""
+    raw = os.environ.get("ONECARD_VERIFY_ROW_SPLIT", "auto").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw in ("1", "2"):
+        return int(raw)
+    raise ValueError(f"ONECARD_VERIFY_ROW_SPLIT={raw!r} is not valid; valid: auto, 1, 2")
+
+
+_ROW_SPLIT_SETTING = _row_split_setting()
+
+
+def default_row_split(mode: int, block_m: int, head_dim: int, device: torch.device) -> int:
+    """``row_split`` when the caller gives none: ONECARD_VERIFY_ROW_SPLIT's 1 / 2 for a verify block
+    of 128 query rows (9..16 tokens with 6 query heads per KV head), else 1. ``auto`` is 1 on every
+    GPU until job 30's sweep measures the split (docs/wide-verify.md "row split": predicted
+    int8 -15..-40 %, not measured); smaller blocks keep one program (half of a 64-row block is
+    the 32 rows that a decode or a short verify block already pads to)."""
+    if block_m * head_dim > 64 * 256 and _ROW_SPLIT_SETTING is not None:
+        return _ROW_SPLIT_SETTING
+    return 1
+
+
 def default_head_split(mode: int, block_m: int, head_dim: int, device: torch.device) -> int:
     """``head_split`` when the caller gives none: 2 for int4 KV at 128 query rows x 256 (a verify
     block of 9..16 tokens) on a GPU with Hopper's shared memory, else 1.
@@ -652,7 +679,7 @@ def wide_verify_attention(
     causal: bool = True,
     lazy_rescale: bool = False,
     head_split: int | None = None,
-    row_split: int = 1,
+    row_split: int | None = None,
 ) -> torch.Tensor:
     """Verify attention over vLLM's paged cache; writes ``out`` [T, Hq, D] and returns it.
     ``causal`` (default): query i of a sequence sees keys p < seq_len - q_len + i + 1; False: every
@@ -663,10 +690,10 @@ def wide_verify_attention(
     else 1; 1 or 2 for any kv_mode): the head dim in two halves, two Q.K^T dots summed and two P.V
     accumulators of head_dim / 2, so that a tile's unpacked K / V is half as wide in registers
     (docs/wide-verify.md, "head split").
-    ``row_split`` (1 or 2; default 1): each sequence's query tokens in ``row_split`` programs of
-    half the rows over the same keys (twice the programs, each small enough to share an SM with
-    another); the launch's tile / stages then default to those of the smaller block, the warps
-    to 4.
+    ``row_split`` (None: :func:`default_row_split`; 1 or 2): each sequence's query tokens in
+    ``row_split`` programs of half the rows over the same keys (twice the programs, each small
+    enough to share an SM with another); the launch's tile / stages then default to those of the
+    smaller block, the warps to 4.
 
     q: [T, Hq, D] (bf16/fp16), T = cu_seqlens_q[-1]; every sequence has 1..16 query tokens and
     ``max_query_len`` bounds them. ``num_splits`` None picks from ``max_seq_len`` (or the cache
@@ -686,7 +713,7 @@ def wide_verify_attention(
     if d_store < need or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
         raise ValueError(f"cache last dim {d_store} (stride {key_cache.stride(3)}) cannot hold "
                          f"{need} contiguous elements for kv_mode {kv_mode!r}")
-    if row_split not in (1, 2):
+    if row_split is not None and row_split not in (1, 2):
         raise ValueError(f"row_split={row_split} is not valid; valid: 1, 2")
     if head_split is not None and (head_split not in (1, 2) or head_dim // head_split < 16):
         raise ValueError(f"head_split={head_split} is not valid for head_dim {head_dim}; "
@@ -703,6 +730,8 @@ def wide_verify_attention(
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_q = max(triton.next_power_of_2(max_query_len), triton.cdiv(16, group_pad))
+    if row_split is None:
+        row_split = default_row_split(mode, block_q * group_pad, head_dim, q.device)
     if row_split > 1:
         # each program takes block_q / row_split query tokens (at least 16 rows for the dots)
         block_q = max(block_q // row_split, triton.cdiv(16, group_pad))
@@ -717,8 +746,11 @@ def wide_verify_attention(
     if head_split is None:
         head_split = default_head_split(mode, block_q * group_pad, head_dim, q.device)
     tile_n = d_tile if tile_n is None else tile_n
-    if row_split > 1 and num_warps is None:
-        d_warps = 4  # one warpgroup: two programs' registers fit an SM (sm_90: 240 x 128 threads)
+    if row_split > 1:
+        # one warpgroup, and stages whose shared memory lets two programs share an SM (sm_90,
+        # q=16: int8 / int4 tile 16 x 3 stages 64 KiB, bf16 tile 32 x 2 stages 96 KiB; 255
+        # registers x 128 threads = half the register file)
+        d_warps, d_stages = 4, min(d_stages, 2 if mode == 0 else 3)
     num_warps = d_warps if num_warps is None else num_warps
     num_stages = d_stages if num_stages is None else num_stages
 
