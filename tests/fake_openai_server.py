@@ -201,10 +201,17 @@ def make_handler(state: FakeState):
     return H
 
 
+class _Httpd(ThreadingHTTPServer):
+    # socketserver's default listen backlog is 5: eight streams connecting at once (a C8 level)
+    # plus the /metrics sampler overflowed it, and the kernel's SYN retry (1 s) made some streams
+    # start after others had finished (the decode window then saw no instant with all 8 running)
+    request_queue_size = 128
+
+
 class FakeServer:
     def __init__(self, port: int = 0, **kw):
         self.state = FakeState(**kw)
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), make_handler(self.state))
+        self.httpd = _Httpd(("127.0.0.1", port), make_handler(self.state))
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

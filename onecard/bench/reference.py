@@ -218,6 +218,23 @@ def haystack_set(tokens: int, cal: dict | None = None) -> P.PromptSet:
                        prompts=(text,), ids=(f"haystack-{tokens}",))
 
 
+def pool_levels(ns: list[int], ctx: int, out_tokens: int, pool: int | None) -> tuple[list[int], dict[int, str]]:
+    """The concurrency levels worth running at ``ctx``-token prompts, and why the others are not:
+    a level whose streams' KV cannot all be resident in the boot's pool (n x (prompt + output) >
+    pool tokens; the prompts are salted, so nothing is shared) never decodes n streams together —
+    vLLM queues the rest, and the level would spend n prefills to show that (CTX=fast's 80,827
+    tokens hold two 32k streams: C4 and C8 took ~65 s an arm in session 26 for a "2 of N"
+    footnote). The prompt counts as 98 % of ``ctx`` (calibrated sizes land within ~1 %), so a
+    skipped level is one that certainly cannot fit; C1 always runs."""
+    if not pool:
+        return ns, {}
+    need = int(ctx * 0.98) + out_tokens
+    fits = max(1, pool // need)
+    run = [n for n in ns if n == 1 or n <= fits]
+    return run, {n: (f"the KV pool ({pool:,} tokens) holds {fits} stream(s) of ~{_k(ctx)} + {out_tokens} tokens, "
+                     f"so {n} never decode together (not run)") for n in ns if n not in run}
+
+
 def parse_boot_log(text: str) -> dict:
     m, c, b = RE_POOL.search(text), RE_CONC.search(text), RE_BLOCK.findall(text)
     return {"pool_tokens": int(m.group(1).replace(",", "")) if m else None,
@@ -424,7 +441,13 @@ class Reference:
         from . import runner
         tier, cal = self.cfg.tier, self.doc.get("calibration")
         for ctx, ns in tier.decode:
-            self.keep(rec, f"decode {_k(ctx)}", runner.ladder(t, haystack_set(ctx, cal), list(ns), tier.decode_tokens,
+            run_ns, cannot = pool_levels(list(ns), ctx, tier.decode_tokens, rec.get("pool_tokens"))
+            if cannot:
+                # str keys: the record goes through JSON (a rebuild reads it back)
+                rec.setdefault("decode_unfit", {})[f"decode {_k(ctx)}"] = {str(k): v for k, v in cannot.items()}
+                self.cfg.log(f"[reference] {rec.get('name', '')}: decode {_k(ctx)} C{', C'.join(map(str, cannot))} "
+                             f"not run: {next(iter(cannot.values()))}")
+            self.keep(rec, f"decode {_k(ctx)}", runner.ladder(t, haystack_set(ctx, cal), run_ns, tier.decode_tokens,
                                                               tier.reps))
         if tier.prefill:
             self.keep(rec, "prefill", runner.depth(t, [est(n, cal) for n in tier.prefill], tier.prefill_tokens))
@@ -624,7 +647,9 @@ def estimate_s(b: dict, tier: Tier) -> float:
     work = 0.0
     if b["steps"] == "plain":
         for ctx, ns in tier.decode:
-            work += req(ctx, 16) + sum(tier.reps * (req(ctx, tier.decode_tokens, n) + REQUEST_OVERHEAD_S) for n in ns)
+            run_ns = pool_levels(list(ns), ctx, tier.decode_tokens, pool or None)[0]  # plain_steps skips the rest
+            work += req(ctx, 16) + sum(tier.reps * (req(ctx, tier.decode_tokens, n) + REQUEST_OVERHEAD_S)
+                                       for n in run_ns)
         if tier.prefill:
             work += sum(req(n, tier.prefill_tokens) + REQUEST_OVERHEAD_S for n in tier.prefill) + 1.0
         if tier.prefix_context:
@@ -934,7 +959,13 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
             toks = [_ladder_prompt_tokens(r) for c in row["arms"].values() for r in c["_res"]]
             row["prompt_tokens"] = next((t for t in toks if t), None)
             if n > 1:
-                for c in row["arms"].values():
+                for a, c in row["arms"].items():
+                    unfit = next((((b.get("decode_unfit") or {}).get(f"decode {_k(ctx)}") or {}).get(str(n))
+                                  for b in boots if b["arm"] == a and b["spec"] == "off" and not b["pool_only"]
+                                  and b["ctx"] == tier.ctx and b.get("decode_unfit")), None)
+                    if unfit and c.get("value") is None:
+                        c["note"], c["measured"], c["pct_roofline"] = unfit, True, None
+                        continue
                     ov = [o for o in (decode_overlap(r, n) for r in c["_res"]) if o]
                     windowed = any("decode_window_tps" in (_level(r, n) or {}) for r in c["_res"])
                     if ov and min(m for m, _ in ov) < n:
@@ -1191,7 +1222,9 @@ def markdown(doc: dict) -> str:
           "first token to the first stream's last; each stream's `usage.completion_tokens` apportioned by its "
           "chunks' arrival times in that window), so the streams' prefills are not in it; `—` when vLLM never "
           "ran all C together. Results written before 2026-12-05 (session 26) carry only the wall-time "
-          "aggregate (tokens / wall from the first request's start, prefills included), which a rebuild shows.",
+          "aggregate (tokens / wall from the first request's start, prefills included), which a rebuild shows. "
+          "A level whose C streams cannot all be resident in the boot's KV pool (C x (prompt + output) > pool "
+          "tokens) is not run and says so (since session 26).",
           "- ms per step = 1000 x tokens per step (server spec counters, 1 without drafts) / decode tok/s at C1.",
           "- The SPEC=mtp verify roofline adds k x (MTP module + lm_head): the drafter's k passes each compute "
           "logits (the full bf16 lm_head each time, an upper bound: a prepared model's int8 lm_head and draft "
