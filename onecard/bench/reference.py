@@ -130,7 +130,8 @@ TIERS: dict[str, Tier] = {
                    "verify mtp/plain long", "verify dflash2/plain long"),
         patched_only=("pool huge/off", "verify dflash2/plain long"),
         doc="one boot per arm, every row of issue 11, for one 30-minute GPU lease (budget 1,050 s; "
-            "~1,150-1,200 s warm for all of it): CTX=fast SPEC=off per arm (pools, C1/C2/C4/C8 at 1k "
+            "~1,150-1,200 s warm for all of it in session 25, less since 32k C4/C8 are not run where "
+            "the pool cannot hold them): CTX=fast SPEC=off per arm (pools, C1/C2/C4/C8 at 1k "
             "and 32k, prefill 1k/16k/60k, prefix 2 turns at 60k); CTX=long plain step per arm (long "
             "pool); SPEC=mtp verify on CTX=long per arm; SPEC=dflash2 verify on CTX=long (patched only: "
             "stock 0.27.1 has no DFlash2); the CTX=huge pool (patched only: KVarN). Later boots run only "
