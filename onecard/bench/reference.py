@@ -625,7 +625,7 @@ def missing_rows(rows: list[dict], tier: Tier, arm_names: list[str]) -> list[str
                 continue
             cell = (row or {}).get("arms", {}).get(arm) or {}
             if row is None or (cell.get("value") is None and not cell.get("measured")):
-                why = ((row or {}).get("arms", {}).get(arm) or {}).get("note") or "not measured"
+                why = cell.get("note") or "not measured"
                 missing.append(f"{key} [{arm}]: {why}")
     return missing
 
@@ -973,8 +973,8 @@ def build_rows(boots: list[dict], results: dict, doc: dict, tier: Tier) -> list[
                         m, w = min(ov)
                         queued = (f"at most {m} of {n} streams decoded at once: vLLM kept the others waiting "
                                   f"(waiting peak {'?' if w is None else int(w)}), "
-                                  + ("so there is no rate of {n} streams decoding together (the KV pool or the "
-                                     "scheduler held them back)".format(n=n) if windowed else
+                                  + (f"so there is no rate of {n} streams decoding together (the KV pool or the "
+                                     f"scheduler held them back)" if windowed else
                                      f"so this aggregate includes their queueing and prefill and is not the "
                                      f"decode rate of {n} concurrent streams (no % of roofline)"))
                         c["pct_roofline"] = None

@@ -289,12 +289,12 @@ def _ladder_level(n: int, reps: list[dict]) -> dict:
     def g(key):
         return [r[key] for r in reps]
     kv = [((r["metrics"].get("gauges") or {}).get("kv_usage") or {}) for r in reps]
+    windows = g("decode_window_tps")
     return {
         "n": n, "reps": reps,
         "aggregate_tps": _median(g("aggregate_tps")),
         # None unless every rep had a window in which all n streams decoded (see decode_window)
-        "decode_window_tps": (_median(g("decode_window_tps"))
-                              if all(x is not None for x in g("decode_window_tps")) else None),
+        "decode_window_tps": _median(windows) if all(x is not None for x in windows) else None,
         "per_stream_decode_tps": _median(g("per_stream_decode_tps_mean")),
         "per_stream_decode_tps_min": min((x for x in g("per_stream_decode_tps_min") if x), default=None),
         "ttft_mean": _median(g("ttft_mean")),
