@@ -527,14 +527,10 @@ def _live_metrics(ctx):
     """The server's /metrics parsed (onecard.bench.metrics.Snapshot), fetched once per verify run;
     a one-line reason (str) when unreadable."""
     if "_metrics" not in ctx:
-        import httpx
-
         from onecard.bench import metrics
 
         try:
-            r = httpx.get(f"{ctx['url']}/metrics", headers=ctx["headers"], timeout=10)
-            r.raise_for_status()
-            ctx["_metrics"] = metrics.parse(r.text)
+            ctx["_metrics"] = metrics.scrape(ctx["url"], timeout=10, headers=ctx["headers"])
         except Exception as exc:  # noqa: BLE001
             ctx["_metrics"] = f"{ctx['url']}/metrics unreadable ({type(exc).__name__}: {exc})"
     return ctx["_metrics"]

@@ -78,12 +78,14 @@ def parse(text: str, t: float | None = None) -> Snapshot:
     return snap
 
 
-def scrape(base_url: str, timeout: float = 5.0, api_key: str | None = None, http=None) -> Snapshot:
+def scrape(base_url: str, timeout: float = 5.0, api_key: str | None = None, http=None,
+           headers: dict[str, str] | None = None) -> Snapshot:
+    """/metrics of a server, parsed; ``headers`` (e.g. a caller's Authorization) or ``api_key``."""
     import httpx
     url = base_url.rstrip("/")
     if url.endswith("/v1"):
         url = url[:-3]
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = {**(headers or {}), **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     r = (http or httpx).get(url + "/metrics", timeout=timeout, headers=headers)
     r.raise_for_status()
     return parse(r.text)
