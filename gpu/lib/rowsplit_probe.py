@@ -40,7 +40,9 @@ def main(argv=None) -> int:
     from onecard.kernels.wide_verify import _sm_count, choose_num_splits
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    gen = torch.Generator().manual_seed(26)
+    gen = torch.Generator().manual_seed(26)  # make_verify_case builds on the CPU
+    # timing_case fills its caches on the device: a generator of that device
+    tgen = torch.Generator(device=dev).manual_seed(26)
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
@@ -75,7 +77,13 @@ def main(argv=None) -> int:
     q, ctxs, batches = (16, (64,), (1,)) if a.smoke else (16, (32768,), (1, 4))
     block = 16 if a.smoke else 64
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size if dev.type == "cuda" else 2 ** 20
-    arms = {"int8": [{"tile_n": 16, "num_warps": 8, "num_stages": 4}, RS2["int8"]],
+    # each dtype's default first, then row_split 2 at the stage counts and head splits whose sm_90
+    # compiles fit two programs an SM (scripts/wide_verify_sass.py --row-split 2)
+    rs = {"tile_n": 16, "num_warps": 4, "row_split": 2}
+    arms = {"int8": [{"tile_n": 16, "num_warps": 8, "num_stages": 4}, RS2["int8"],
+                     {**rs, "num_stages": 2}, {**rs, "num_stages": 4},
+                     {**rs, "num_stages": 3, "head_split": 2},
+                     {**rs, "tile_n": 32, "num_stages": 2, "head_split": 2}],
             "bf16": [{"tile_n": 32, "num_warps": 8, "num_stages": 4}, RS2["bf16"]]}
     for ctx in ctxs:
         for b in batches:
@@ -84,7 +92,7 @@ def main(argv=None) -> int:
                 for kw in kws:
                     if a.smoke:
                         kw = {k: v for k, v in kw.items() if k not in ("num_warps", "num_stages")}
-                    r = time_config(q, ctx, b, kv, device=dev, gen=gen, block_size=block, l2_bytes=l2,
+                    r = time_config(q, ctx, b, kv, device=dev, gen=tgen, block_size=block, l2_bytes=l2,
                                     have_stock=False, ours_kw={**kw, "num_splits": ns}, with_stock=False)
                     r.pop("case", None)
                     res["timing"].append(r)
