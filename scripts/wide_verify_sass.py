@@ -148,7 +148,8 @@ def _sass_histogram(sass: str) -> dict:
 
 def compile_config(kv: str, *, tile_n: int, num_warps: int, num_stages: int, q_len: int,
                    page: int, splits: int, keep: Path | None, arch: int = 90,
-                   lazy: bool = False, head_split: int | None = None, row_split: int = 1) -> dict:
+                   lazy: bool = False, head_split: int | None = None, row_split: int = 1,
+                   flat_words: bool | None = None) -> dict:
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -173,7 +174,7 @@ def compile_config(kv: str, *, tile_n: int, num_warps: int, num_stages: int, q_l
             k_scale_cache=case.k_scale_cache, v_scale_cache=case.v_scale_cache,
             max_seq_len=case.max_seq_len, num_splits=splits, tile_n=tile_n,
             num_warps=num_warps, num_stages=num_stages, lazy_rescale=lazy,
-            head_split=head_split, row_split=row_split)
+            head_split=head_split, row_split=row_split, flat_words=flat_words)
     finally:
         wv._wide_verify_split_kernel, wv._wide_verify_reduce_kernel, wv._rht_rows_kernel = saved
     grid, args, kwargs = cap.calls[0]
@@ -224,6 +225,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lazy", action="store_true", help="the lazy-rescale variant (lazy_rescale=True)")
     ap.add_argument("--head-split", type=int, default=None, help="1 or 2 (default: the wrapper's)")
     ap.add_argument("--row-split", type=int, default=1, help="1 or 2 (the wrapper's row_split)")
+    ap.add_argument("--flat-words", type=int, choices=(0, 1), default=None,
+                    help="int8 / int4: load a tile's words flat (1) or 2-D (0); default: the wrapper's")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     rows = []
@@ -235,7 +238,8 @@ def main(argv=None) -> int:
                                        page=a.page, splits=a.splits,
                                        keep=Path(a.keep) if a.keep else None, arch=a.arch,
                                        lazy=a.lazy, head_split=a.head_split,
-                                       row_split=a.row_split)
+                                       row_split=a.row_split,
+                                       flat_words=None if a.flat_words is None else bool(a.flat_words))
                     rows.append(r)
                     h = r["sass"]
                     print(f"sm_{a.arch} {kv:>5} tile {t:>3} warps {w:>2} stages {s} | "

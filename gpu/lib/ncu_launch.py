@@ -15,12 +15,17 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (REPO, Path(__file__).resolve().parent):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 LAUNCHES = {
-    "int8-default": ("int8", {"tile_n": 16, "num_warps": 8, "num_stages": 4}),
-    "int8-rs2": ("int8", {"tile_n": 16, "num_warps": 4, "num_stages": 3, "row_split": 2}),
+    "int8-default": ("int8", {"tile_n": 16, "num_warps": 8, "num_stages": 4, "flat_words": False}),
+    "int8-flat": ("int8", {"tile_n": 16, "num_warps": 8, "num_stages": 4, "flat_words": True}),
+    "int4-default": ("int4", {"tile_n": 16, "num_warps": 8, "num_stages": 4, "head_split": 2,
+                              "flat_words": False}),
+    "int4-hs1": ("int4", {"tile_n": 16, "num_warps": 8, "num_stages": 4, "head_split": 1,
+                          "flat_words": False}),
     "bf16-default": ("bf16", {"tile_n": 32, "num_warps": 8, "num_stages": 4}),
 }
 
@@ -37,6 +42,9 @@ def main(argv=None) -> int:
         return 0
     if a.label is None:
         ap.error("--label is required (valid: " + ", ".join(sorted(LAUNCHES)) + ")")
+    from verify_probe import install_rht_stub  # int4 without vLLM: fixed +-1 signs
+
+    install_rht_stub()
     import torch
 
     from bench.kernel_verify import rel_err, run_ours, timing_case

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where a wide-verify tile's time goes (issue #7): Nsight Compute on one launch of the q=16 verify
-# kernel at 32k, batch 1, for each launch named in gpu/lib/ncu_launch.py (int8 / bf16 defaults
-# and row_split 2). No vLLM needed (the image's torch + Triton, this tree):
+# kernel at 32k, batch 1, for each launch named in gpu/lib/ncu_launch.py (int8 / int4 / bf16;
+# 2-D and flat word loads). No vLLM needed (the image's torch + Triton, this tree):
 #   bash gpu/lib/ncu_probe.sh [OUT_DIR]
 # Writes ncu-<label>.txt (speed of light, warp state / stall reasons, scheduler, occupancy, memory
 # workload) per launch. When ncu is absent or the driver refuses counters (ERR_NVGPUCTRPERM), it

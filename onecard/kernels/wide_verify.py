@@ -44,6 +44,9 @@ import triton.language as tl
 KV_MODES = {"auto": 0, "bf16": 0, "fp16": 0, "int8": 2, "int4": 4}
 MAX_QUERY_LEN = 16
 _LOG2E = 1.4426950408889634
+# int8 / int4 tiles loaded as one flat vector of words (FLAT_WORDS in the split kernel); False
+# until a GPU times it against the 2-D load (docs/wide-verify.md, "bank conflicts")
+DEFAULT_FLAT_WORDS = False
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -173,7 +176,15 @@ def _wide_verify_split_kernel(
     LAZY_RESCALE: tl.constexpr = False,
     HEAD_SPLIT: tl.constexpr = 1,
     ROW_SPLIT: tl.constexpr = 1,
+    FLAT_WORDS: tl.constexpr = False,
 ):
+    # FLAT_WORDS (int8 / int4 on the PAGE_TILES path): load a tile's K / V words as one flat
+    # [TILE_N * WORDS] vector and reshape it in registers. The 2-D [TILE_N, WORDS] load gives each
+    # thread words of 4 different keys (one column, rows 4 apart); Triton's pipeliner then stages
+    # the tile in shared memory key-fastest (order [0, 1], from the registers' order), so the 32
+    # lanes of a warp, one word column each, hit 2 banks: a 16-way conflict on every cp.async
+    # store and every LDS of the words (ncu on the H100, session 27: 16.1 M excess shared
+    # wavefronts of 25.5 M, L1 72.7 % busy vs DRAM 9.6 %). A flat vector is staged in load order.
     # ROW_SPLIT == 2 (opt-in, bench/kernel_verify.py's sweep; docs/wide-verify.md "row split"):
     # a sequence's verify block in two programs of BLOCK_Q query tokens each (axis 0 = sequence x
     # part), both over the same keys: half the rows, half the accumulator, so that a program
@@ -250,8 +261,15 @@ def _wide_verify_split_kernel(
         # without a mask (the tile's page is this sequence's, so the slots exist; keys past hi
         # are dropped by the score mask and a zero V scale): no per-load predicates
         # (682 -> 603). bf16 keeps the per-key, masked path (it is the measured reference).
-        k_rows = (offs_n[:, None] * stride_k_slot + offs_w[None, :]).to(tl.int32)
-        v_rows = (offs_n[:, None] * stride_v_slot + offs_w[None, :]).to(tl.int32)
+        if FLAT_WORDS:
+            # the tile's words as one flat vector (row-major), reshaped after the load: see
+            # FLAT_WORDS in the signature
+            offs_f = tl.arange(0, TILE_N * WORDS)
+            k_rows = ((offs_f // WORDS) * stride_k_slot + offs_f % WORDS).to(tl.int32)
+            v_rows = ((offs_f // WORDS) * stride_v_slot + offs_f % WORDS).to(tl.int32)
+        else:
+            k_rows = (offs_n[:, None] * stride_k_slot + offs_w[None, :]).to(tl.int32)
+            v_rows = (offs_n[:, None] * stride_v_slot + offs_w[None, :]).to(tl.int32)
         ks_rows = (offs_n * stride_ks_slot).to(tl.int32)
         vs_rows = (offs_n * stride_vs_slot).to(tl.int32)
         k_head = k_ptr + kvh * stride_k_head
@@ -301,6 +319,10 @@ def _wide_verify_split_kernel(
                 if HEAD_SPLIT == 2:
                     kw1 = tl.load(k_head + (blk * stride_k_blk + slot0 * stride_k_slot + WORDS)
                                   + k_rows)
+                if FLAT_WORDS:
+                    kw = tl.reshape(kw, (TILE_N, WORDS))
+                    if HEAD_SPLIT == 2:
+                        kw1 = tl.reshape(kw1, (TILE_N, WORDS))
                 k_sc = tl.load(ks_head + (blk * stride_ks_blk + slot0 * stride_ks_slot)
                                + ks_rows)
             else:
@@ -388,6 +410,10 @@ def _wide_verify_split_kernel(
                 if HEAD_SPLIT == 2:
                     vw1 = tl.load(v_head + (blk * stride_v_blk + slot0 * stride_v_slot + WORDS)
                                   + v_rows)
+                if FLAT_WORDS:
+                    vw = tl.reshape(vw, (TILE_N, WORDS))
+                    if HEAD_SPLIT == 2:
+                        vw1 = tl.reshape(vw1, (TILE_N, WORDS))
                 v_sc = tl.load(vs_head + (blk * stride_vs_blk + slot0 * stride_vs_slot)
                                + vs_rows)
             else:
@@ -680,6 +706,7 @@ def wide_verify_attention(
     lazy_rescale: bool = False,
     head_split: int | None = None,
     row_split: int | None = None,
+    flat_words: bool | None = None,
 ) -> torch.Tensor:
     """Verify attention over vLLM's paged cache; writes ``out`` [T, Hq, D] and returns it.
     ``causal`` (default): query i of a sequence sees keys p < seq_len - q_len + i + 1; False: every
@@ -690,6 +717,9 @@ def wide_verify_attention(
     else 1; 1 or 2 for any kv_mode): the head dim in two halves, two Q.K^T dots summed and two P.V
     accumulators of head_dim / 2, so that a tile's unpacked K / V is half as wide in registers
     (docs/wide-verify.md, "head split").
+    ``flat_words`` (None: ``DEFAULT_FLAT_WORDS``): int8 / int4 tiles loaded as one flat vector of
+    words, so that they are staged in shared memory without bank conflicts (docs/wide-verify.md,
+    "bank conflicts").
     ``row_split`` (None: :func:`default_row_split`; 1 or 2): each sequence's query tokens in
     ``row_split`` programs of half the rows over the same keys (twice the programs, each small
     enough to share an SM with another); the launch's tile / stages then default to those of the
@@ -804,6 +834,7 @@ def wide_verify_attention(
         DOT_F32=q.device.type != "cuda",  # CPU tensors only run under TRITON_INTERPRET
         PAGE_TILES=mode != 0 and page % tile_n == 0, CAUSAL=bool(causal),
         LAZY_RESCALE=bool(lazy_rescale), HEAD_SPLIT=int(head_split), ROW_SPLIT=int(row_split),
+        FLAT_WORDS=bool(DEFAULT_FLAT_WORDS if flat_words is None else flat_words),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:

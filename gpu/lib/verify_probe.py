@@ -1,0 +1,159 @@
+"""Wide-verify kernel probe for a short lease: no vLLM needed (the image's torch + Triton, this tree).
+
+  PYTHONPATH=. python3 gpu/lib/verify_probe.py [--out DIR] [--smoke] [--arms NAME,...]
+
+1. correctness of the probed launches against the float64 reference at the model's head
+   geometry (24 q / 4 kv heads, head_dim 256), bf16 / int8 / int4 KV;
+2. the q=16 verify kernel at 32k (batch 1 and 4) and 128k (batch 1): each arm's launches, same
+   split count (one wave of programs), CUDA-event medians (triton.testing.do_bench).
+int4 needs vLLM's Hadamard sign vector; without vLLM a stand-in (fixed random +-1 signs, the same
+for the kernel and the reference) is installed, which changes nothing in the timing.
+Prints one line per row and writes verify_probe.json (each row as it lands) under --out. The full
+comparison (stock, the sweep) is job 30's; this is the quick look when the budget is short.
+Session 26 built it for row_split (slower: docs/wide-verify.md), session 27 for flat_words.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+_D8 = {"tile_n": 16, "num_warps": 8, "num_stages": 4}
+# arm -> [(kv, launch kwargs), ...]; the first launch of an arm is its baseline
+ARMS = {
+    # session 27: int8 / int4 tiles staged flat (no 16-way bank conflicts) vs the 2-D load
+    "flat": [("int8", {**_D8, "flat_words": False}), ("int8", {**_D8, "flat_words": True}),
+             ("int8", {**_D8, "head_split": 2, "flat_words": True}),
+             ("int8", {"tile_n": 32, "num_warps": 8, "num_stages": 3, "flat_words": True}),
+             ("int4", {**_D8, "head_split": 2, "flat_words": False}),
+             ("int4", {**_D8, "head_split": 2, "flat_words": True}),
+             ("int4", {**_D8, "head_split": 1, "flat_words": False}),
+             ("int4", {**_D8, "head_split": 1, "flat_words": True}),
+             ("bf16", {"tile_n": 32, "num_warps": 8, "num_stages": 4})],
+    # session 26: row_split 2 (4 warps, two programs an SM) vs each default
+    "rowsplit": [("int8", dict(_D8)),
+                 ("int8", {"tile_n": 16, "num_warps": 4, "num_stages": 3, "row_split": 2}),
+                 ("bf16", {"tile_n": 32, "num_warps": 8, "num_stages": 4}),
+                 ("bf16", {"tile_n": 32, "num_warps": 4, "num_stages": 2, "row_split": 2})],
+}
+
+
+def install_rht_stub() -> bool:
+    """Without vLLM: a stand-in for ``vllm.v1.attention.ops.int4_per_token_head._get_rht_signs``
+    (fixed random +-1 signs per (d, seed)), so int4 runs and its reference agrees. True if
+    installed."""
+    try:
+        from vllm.v1.attention.ops.int4_per_token_head import _get_rht_signs  # noqa: F401
+        return False
+    except Exception:  # noqa: BLE001 - no vLLM, or one that lacks the helper
+        pass
+    import types
+
+    import torch
+
+    cache: dict = {}
+
+    def _get_rht_signs(d, seed, device):
+        key = (int(d), int(seed), str(device))
+        if key not in cache:
+            g = torch.Generator().manual_seed(4242 + int(seed))
+            cache[key] = (torch.randint(0, 2, (int(d),), generator=g) * 2 - 1).float().to(device)
+        return cache[key]
+
+    names = ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops")
+    for name in names:
+        sys.modules.setdefault(name, types.ModuleType(name))
+    mod = types.ModuleType("vllm.v1.attention.ops.int4_per_token_head")
+    mod._get_rht_signs = _get_rht_signs
+    sys.modules[mod.__name__] = mod
+    return True
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (the CPU interpreter)")
+    ap.add_argument("--arms", default="flat",
+                    help="comma-separated; valid: " + ", ".join(ARMS))
+    a = ap.parse_args(argv)
+    arms = [x for x in a.arms.split(",") if x]
+    bad = [x for x in arms if x not in ARMS]
+    if bad or not arms:
+        ap.error(f"--arms {a.arms!r} is not valid; valid: {', '.join(ARMS)}")
+    stub = install_rht_stub()
+    import torch
+
+    from bench.kernel_verify import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, rel_err, run_ours, time_config
+    from onecard.kernels.reference import make_verify_case
+    from onecard.kernels.wide_verify import _sm_count, choose_num_splits
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(26)  # make_verify_case builds on the CPU
+    # timing_case fills its caches on the device: a generator of that device
+    tgen = torch.Generator(device=dev).manual_seed(26)
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "rht_signs": "stand-in (no vLLM)" if stub else "vLLM", "arms": arms,
+           "correctness": [], "timing": []}
+
+    def save():
+        tmp = out_dir / "verify_probe.json.tmp"
+        tmp.write_text(json.dumps(res, indent=1))
+        tmp.replace(out_dir / "verify_probe.json")
+
+    def launch(kw):
+        if a.smoke:  # the interpreter ignores warps / stages; keep the compile-shaping knobs
+            return {k: v for k, v in kw.items() if k not in ("num_warps", "num_stages")}
+        return kw
+
+    launches = [(kv, kw) for arm in arms for kv, kw in ARMS[arm]]
+    heads, d = ((6, 2), 32) if a.smoke else ((NUM_Q_HEADS, NUM_KV_HEADS), HEAD_DIM)
+    lens = ([16, 3], [70, 21]) if a.smoke else ([16, 9, 1, 16], [1000, 4099, 37, 8192])
+    cases = {}
+    for kv, kw in launches:
+        if kv not in cases:
+            # page 16: PAGE_TILES holds for tile 16 only; tile 32 takes the per-key path here
+            # (the timing cases below use page 64)
+            c = make_verify_case(q_lens=lens[0], seq_lens=lens[1], num_q_heads=heads[0],
+                                 num_kv_heads=heads[1], head_dim=d, block_size=16, kv_dtype=kv,
+                                 device=dev, generator=gen)
+            cases[kv] = (c, c.reference())
+        c, ref = cases[kv]
+        o = torch.full_like(c.q, float("nan"))
+        run_ours(c, o, **launch({**kw, "num_splits": 7}))
+        e = rel_err(o, ref)
+        ok = e <= 3e-2 and not bool(torch.isnan(o).any())
+        res["correctness"].append({"kv": kv, "kw": kw, "rel_err": e, "ok": ok})
+        print(f"correctness {kv} {kw}: rel err {e:.4f} {'OK' if ok else 'FAILED'}", flush=True)
+    save()
+
+    q = 16
+    shapes = [(64, 1)] if a.smoke else [(32768, 1), (32768, 4), (131072, 1)]
+    block = 16 if a.smoke else 64
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size if dev.type == "cuda" else 2 ** 20
+    for ctx, b in shapes:
+        ns = choose_num_splits(ctx, b, NUM_KV_HEADS, _sm_count(dev))
+        for kv, kw in launches:
+            r = time_config(q, ctx, b, kv, device=dev, gen=tgen, block_size=block, l2_bytes=l2,
+                            have_stock=False, ours_kw={**launch(kw), "num_splits": ns},
+                            with_stock=False)
+            r.pop("case", None)
+            res["timing"].append(r)
+            save()
+            t = f"{r['ours_ms'] * 1e3:8.1f} us" if "ours_ms" in r else r.get("ours_error", "?")[:80]
+            print(f"q{q} ctx {ctx} b{b} {kv} {kw} splits {ns}: {t}", flush=True)
+    print(f"verify_probe.json in {out_dir}")
+    return 0 if all(x["ok"] for x in res["correctness"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
