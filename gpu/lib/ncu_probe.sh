@@ -4,7 +4,7 @@
 # 2-D and flat word loads). No vLLM needed (the image's torch + Triton, this tree):
 #   bash gpu/lib/ncu_probe.sh [OUT_DIR]
 # Writes ncu-<label>.txt (speed of light, warp state / stall reasons, scheduler, occupancy, memory
-# workload) per launch. When ncu is absent or the driver refuses counters (ERR_NVGPUCTRPERM), it
+# workload) and sass-<label>-summary.txt (stalls and bank conflicts by SASS instruction) per launch. When ncu is absent or the driver refuses counters (ERR_NVGPUCTRPERM), it
 # says so on one line and exits 0: the probe is informational.
 set -u
 out="${1:-${OUT:-.}}"
@@ -30,6 +30,15 @@ for label in $(PYTHONPATH="$here" python3 "$here/gpu/lib/ncu_launch.py" --list);
     exit 0
   fi
   echo "ncu_probe: $label rc=$rc -> $out/ncu-$label.txt"
+  # the per-instruction view (SASS): bank conflicts and stall reasons by instruction, summarized
+  # here (the CSV itself is ~1 MB) by gpu/probe/ncu_source_summary.py
+  csv="${TMPDIR:-/tmp}/ncu-src-$label.csv"
+  PYTHONPATH="$here" timeout -k 5 120 "$ncu_bin" --target-processes all \
+    --kernel-name regex:_wide_verify_split_kernel --launch-skip 2 --launch-count 1 \
+    --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
+    python3 "$here/gpu/lib/ncu_launch.py" --label "$label" > "$csv" 2>&1 \
+    && python3 "$here/gpu/probe/ncu_source_summary.py" "$csv" > "$out/sass-$label-summary.txt" 2>&1
+  head -n 14 "$out/sass-$label-summary.txt" 2>/dev/null
   grep -E "Duration|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy|Memory Throughput|DRAM Throughput|Stall|No Eligible" \
     "$out/ncu-$label.txt" | head -n 20
 done
