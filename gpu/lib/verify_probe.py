@@ -31,6 +31,7 @@ ARMS = {
     # session 27: int8 / int4 tiles staged flat (no 16-way bank conflicts) vs the 2-D load
     "flat": [("int8", {**_D8, "flat_words": False}), ("int8", {**_D8, "flat_words": True}),
              ("int8", {**_D8, "head_split": 2, "flat_words": True}),
+             ("int8", {**_D8, "flat_words": True, "lazy_rescale": True}),
              ("int8", {"tile_n": 32, "num_warps": 8, "num_stages": 3, "flat_words": True}),
              ("int4", {**_D8, "head_split": 2, "flat_words": False}),
              ("int4", {**_D8, "head_split": 2, "flat_words": True}),
