@@ -480,7 +480,8 @@ def main(argv=None) -> int:
         sweep = {kv: [{"tile_n": 16, "num_warps": 4, "num_stages": 1},
                       {"tile_n": 16, "num_warps": 4, "num_stages": 1, "lazy_rescale": True},
                       {"tile_n": 16, "num_warps": 4, "num_stages": 1, "head_split": 2},
-                      {"tile_n": 16, "num_warps": 4, "num_stages": 1, "row_split": 2}]
+                      {"tile_n": 16, "num_warps": 4, "num_stages": 1, "row_split": 2},
+                      {"tile_n": 16, "num_warps": 4, "num_stages": 1, "flat_words": True}]
                  for kv in KV_DTYPES}
         sweep_at = (4, 64, 1)
     else:
@@ -551,6 +552,15 @@ def main(argv=None) -> int:
                         {"tile_n": 16, "num_warps": 4, "num_stages": 4, "row_split": 2}]}
         for kv in sweep:
             sweep[kv] = sweep[kv][:1] + rs2[kv] + sweep[kv][1:]
+        # flat_words (session 27, docs/wide-verify.md "bank conflicts"): int8 / int4 words loaded
+        # as one flat vector, so Triton stages them row-major instead of key-fastest (a 16-way
+        # bank conflict on every cp.async store and LDS of the words, ncu). The default with it
+        # toggled comes right after the default; every row names its flat_words from here on.
+        from onecard.kernels.wide_verify import DEFAULT_FLAT_WORDS
+        for kv in ("int8", "int4"):
+            first = sweep[kv][0]
+            sweep[kv] = [first, {**first, "flat_words": not DEFAULT_FLAT_WORDS}] + sweep[kv][1:]
+            sweep[kv] = [{"flat_words": DEFAULT_FLAT_WORDS, **kw} for kw in sweep[kv]]
         for kv in sweep:
             sweep[kv] = [{"head_split": 1, **kw} for kw in sweep[kv]]
         sweep_at = (16, 32768, 1)
@@ -637,6 +647,7 @@ def main(argv=None) -> int:
                 f"{' lazy' if kw.get('lazy_rescale') else ''}"
                 f"{' head_split %d' % kw['head_split'] if kw.get('head_split', 1) != 1 else ''}"
                 f"{' row_split %d' % kw['row_split'] if kw.get('row_split', 1) != 1 else ''}"
+                f"{' flat_words %d' % kw['flat_words'] if 'flat_words' in kw else ''}"
                 f"{'' if r['block_size'] == args.block_size else ' page %d' % r['block_size']}"
                 f": {t} {pct}")
     long_rows = [r for r in result["table"] if r["ctx"] >= 32768 and "ours_ms" in r
