@@ -16,7 +16,8 @@ if [ -z "$ncu_bin" ]; then
 fi
 echo "ncu_probe: $ncu_bin ($("$ncu_bin" --version 2>&1 | tail -n1))"
 here="$(cd "$(dirname "$0")/../.." && pwd)"
-for label in $(PYTHONPATH="$here" python3 "$here/gpu/lib/ncu_launch.py" --list); do
+# NCU_LABELS="int8-flat bf16-default" profiles those only (default: every label)
+for label in ${NCU_LABELS:-$(PYTHONPATH="$here" python3 "$here/gpu/lib/ncu_launch.py" --list)}; do
   # launch-skip 2: the first calls compile and warm up; one profiled launch of the split kernel
   PYTHONPATH="$here" timeout -k 5 120 "$ncu_bin" --target-processes all \
     --kernel-name regex:_wide_verify_split_kernel --launch-skip 2 --launch-count 1 \
