@@ -556,11 +556,12 @@ def main(argv=None) -> int:
         # as one flat vector, so Triton stages them row-major instead of key-fastest (a 16-way
         # bank conflict on every cp.async store and LDS of the words, ncu). The default with it
         # toggled comes right after the default; every row names its flat_words from here on.
-        from onecard.kernels.wide_verify import DEFAULT_FLAT_WORDS
+        from onecard.kernels.wide_verify import KV_MODES, default_flat_words
         for kv in ("int8", "int4"):
+            flat = default_flat_words(KV_MODES[kv], device)
             first = sweep[kv][0]
-            sweep[kv] = [first, {**first, "flat_words": not DEFAULT_FLAT_WORDS}] + sweep[kv][1:]
-            sweep[kv] = [{"flat_words": DEFAULT_FLAT_WORDS, **kw} for kw in sweep[kv]]
+            sweep[kv] = [first, {**first, "flat_words": not flat}] + sweep[kv][1:]
+            sweep[kv] = [{"flat_words": flat, **kw} for kw in sweep[kv]]
         for kv in sweep:
             sweep[kv] = [{"head_split": 1, **kw} for kw in sweep[kv]]
         sweep_at = (16, 32768, 1)

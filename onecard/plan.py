@@ -837,7 +837,17 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
             plan.notes.append("VERIFY_ROW_SPLIT=2 has no effect with SPEC=off (no verify blocks of 9..16 tokens)")
         else:
             plan.notes.append("VERIFY_ROW_SPLIT=2: verify blocks of 9..16 tokens in two programs of half the rows "
-                              "(docs/wide-verify.md \"row split\"); not yet measured on a GPU")
+                              "(docs/wide-verify.md \"row split\"); measured slower in the kernel on an H100 "
+                              "(int8 32k: 243 vs 183 us), kept as an A/B")
+    # VERIFY_FLAT_WORDS: the same reader (ONECARD_VERIFY_FLAT_WORDS, read at import)
+    _to_server(plan, "VERIFY_FLAT_WORDS")
+    if plan.get("VERIFY_FLAT_WORDS") in ("0", "1"):
+        if plan.get("WIDE_VERIFY") != "1":
+            plan.notes.append(f"VERIFY_FLAT_WORDS={plan.get('VERIFY_FLAT_WORDS')} has no effect with WIDE_VERIFY=0 "
+                              "(the wide-verify kernel is off)")
+        elif plan.get("KV") not in ("int8_per_token_head", "int4_per_token_head"):
+            plan.notes.append(f"VERIFY_FLAT_WORDS={plan.get('VERIFY_FLAT_WORDS')} has no effect with "
+                              f"KV={plan.get('KV')} (it changes how int8 / int4 KV tiles are loaded)")
     # GDN_SHARED_META's only reader is patch 0082 (gdn_attn.py, ONECARD_GDN_SHARED_META)
     _to_server(plan, "GDN_SHARED_META")
     # PREFILL_LAUNCH's only reader is patch 0083 (triton_unified_attention.py), checked in resolve

@@ -157,8 +157,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          "not yet run end to end (opt-in; patch 0070). Passed to the server as ONECARD_WIDE_DECODE", BOOL),
     Knob("VERIFY_ROW_SPLIT", "auto", "auto|1|2", "wide-verify kernel: 2: a verify block of 9..16 tokens in two "
          "programs of half the query rows over the same keys, 4 warps each (two share an SM on Hopper; "
-         "docs/wide-verify.md \"row split\", not yet measured); 1: one program (today's launch); auto: 1 until a GPU "
-         "measurement moves it. Passed to the server as ONECARD_VERIFY_ROW_SPLIT", ("auto", "1", "2")),
+         "docs/wide-verify.md \"row split\": measured slower on an H100, int8 32k 243 vs 183 us); 1: one program; "
+         "auto: 1. Passed to the server as ONECARD_VERIFY_ROW_SPLIT", ("auto", "1", "2")),
+    Knob("VERIFY_FLAT_WORDS", "auto", "auto|0|1", "wide-verify kernel, int8/int4 KV: 1: a tile's K/V words "
+         "loaded as one flat vector, staged in shared memory without the 16-way bank conflicts of the 2-D load "
+         "(docs/wide-verify.md \"bank conflicts\"); 0: the 2-D load; auto: the kernel's default for the GPU "
+         "(default_flat_words). Passed to the server as ONECARD_VERIFY_FLAT_WORDS", ("auto", "0", "1")),
     Knob("GDN_SHARED_META", "1", "0|1", "1: one GDN attention-metadata build per step serves every GDN KV cache "
          "group (patch 0082; 10 groups beside a DFlash2 drafter, 3 otherwise); 0: stock, a build per group. "
          "Passed to the server as ONECARD_GDN_SHARED_META", BOOL),
@@ -233,7 +237,7 @@ AMPERE_GEMM_ENV: dict[str, str] = {
 # child environment, so an exported variable of the same name never wins over the knob).
 SERVER_ENV: dict[str, str] = {
     "WIDE_VERIFY": "ONECARD_WIDE_VERIFY", "WIDE_DECODE": "ONECARD_WIDE_DECODE",
-    "VERIFY_ROW_SPLIT": "ONECARD_VERIFY_ROW_SPLIT",
+    "VERIFY_ROW_SPLIT": "ONECARD_VERIFY_ROW_SPLIT", "VERIFY_FLAT_WORDS": "ONECARD_VERIFY_FLAT_WORDS",
     "GDN_SHARED_META": "ONECARD_GDN_SHARED_META",
     "PREFILL_LAUNCH": "ONECARD_PREFILL_LAUNCH", "DFLASH_RING": "ONECARD_DFLASH_RING",
     "LOOKUP_LANE": "ONECARD_DFLASH_LANE", "KVARN_WINDOW": "ONECARD_KVARN_WINDOW",

@@ -131,3 +131,47 @@ def test_patch_reads_wide_decode_off_by_default():
     text = (Path(__file__).resolve().parent.parent / "patches" / "0070-wide-verify-triton-attn.patch").read_text()
     assert 'os.environ.get("ONECARD_WIDE_DECODE", "0")' in text
     assert 'if raw in ("1", "on", "true", "yes"):' in text and 'if raw in ("", "0", "off", "false", "no"):' in text
+
+
+def test_verify_flat_words_knob_passed_by_env_with_notes(tmp_path):
+    """VERIFY_FLAT_WORDS (the kernel's ONECARD_VERIFY_FLAT_WORDS): auto by default, sent either
+    way; an explicit 0 / 1 notes when it does nothing (wide-verify off, bf16 KV); bad values are one
+    line naming the valid ones; the argv never changes."""
+    plan = mk({"CTX": "long", "SPEC": "mtp"}, tmp_path)
+    assert plan.child_env["ONECARD_VERIFY_FLAT_WORDS"] == "auto"
+    assert not any(n.startswith("VERIFY_FLAT_WORDS") for n in plan.notes)
+    for v in ("0", "1"):
+        on = mk({"CTX": "long", "SPEC": "mtp", "VERIFY_FLAT_WORDS": v}, tmp_path)
+        assert on.child_env["ONECARD_VERIFY_FLAT_WORDS"] == v and on.argv == plan.argv
+        assert not any(n.startswith("VERIFY_FLAT_WORDS") for n in on.notes)
+    assert any(n.startswith("VERIFY_FLAT_WORDS=1 has no effect with KV=bf16") for n in mk(
+        {"CTX": "fast", "SPEC": "mtp", "VERIFY_FLAT_WORDS": "1"}, tmp_path).notes)
+    assert any(n.startswith("VERIFY_FLAT_WORDS=0 has no effect with WIDE_VERIFY=0") for n in mk(
+        {"CTX": "long", "SPEC": "mtp", "VERIFY_FLAT_WORDS": "0", "WIDE_VERIFY": "0"}, tmp_path).notes)
+    with pytest.raises(P.PlanError, match="VERIFY_FLAT_WORDS.*auto.*0.*1"):
+        mk({"VERIFY_FLAT_WORDS": "2"}, tmp_path)
+
+
+def test_kernel_reads_verify_flat_words(monkeypatch):
+    """The kernel's side: auto -> the GPU's default (never on the CPU, never for bf16); 0 / 1 ->
+    that load for int8 / int4; a bad value is one line naming the valid ones."""
+    wv = pytest.importorskip("onecard.kernels.wide_verify")
+    torch = pytest.importorskip("torch")
+    cpu = torch.device("cpu")
+    for raw, want in (("auto", None), ("", None), ("0", False), (" 1 ", True)):
+        monkeypatch.setenv("ONECARD_VERIFY_FLAT_WORDS", raw)
+        assert wv._flat_words_setting() == want
+    monkeypatch.setenv("ONECARD_VERIFY_FLAT_WORDS", "yes")
+    with pytest.raises(ValueError, match="ONECARD_VERIFY_FLAT_WORDS='yes' is not valid; valid: auto, 0, 1"):
+        wv._flat_words_setting()
+    monkeypatch.setattr(wv, "_FLAT_WORDS_SETTING", None)
+    monkeypatch.setattr(wv, "FLAT_WORDS_HOPPER", True)
+    assert wv.default_flat_words(2, cpu) is False  # no Hopper shared memory on the CPU
+    monkeypatch.setattr(wv, "block_shared", lambda d: 232448)
+    assert wv.default_flat_words(2, cpu) is True and wv.default_flat_words(4, cpu) is True
+    assert wv.default_flat_words(0, cpu) is False  # bf16 reads no words
+    monkeypatch.setattr(wv, "FLAT_WORDS_HOPPER", False)
+    assert wv.default_flat_words(2, cpu) is False
+    monkeypatch.setattr(wv, "_FLAT_WORDS_SETTING", True)
+    monkeypatch.setattr(wv, "block_shared", lambda d: 101376)
+    assert wv.default_flat_words(4, cpu) is True and wv.default_flat_words(0, cpu) is False

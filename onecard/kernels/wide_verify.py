@@ -44,9 +44,9 @@ import triton.language as tl
 KV_MODES = {"auto": 0, "bf16": 0, "fp16": 0, "int8": 2, "int4": 4}
 MAX_QUERY_LEN = 16
 _LOG2E = 1.4426950408889634
-# int8 / int4 tiles loaded as one flat vector of words (FLAT_WORDS in the split kernel); False
-# until a GPU times it against the 2-D load (docs/wide-verify.md, "bank conflicts")
-DEFAULT_FLAT_WORDS = False
+# int8 / int4 tiles loaded as one flat vector of words (FLAT_WORDS in the split kernel) on GPUs
+# with Hopper's shared memory when ONECARD_VERIFY_FLAT_WORDS is auto: default_flat_words()
+FLAT_WORDS_HOPPER = False
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -654,6 +654,36 @@ def default_row_split(mode: int, block_m: int, head_dim: int, device: torch.devi
     return 1
 
 
+def _flat_words_setting() -> bool | None:
+    """ONECARD_VERIFY_FLAT_WORDS (the launcher's VERIFY_FLAT_WORDS; read once, at import): auto
+    (default) -> None, :func:`default_flat_words` decides; 0 / 1 -> that load for every int8 / int4
+    launch (an A/B for a server, e.g. on a 3090 where it is not timed)."""
+    raw = os.environ.get("ONECARD_VERIFY_FLAT_WORDS", "auto").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw in ("0", "1"):
+        return raw == "1"
+    raise ValueError(f"ONECARD_VERIFY_FLAT_WORDS={raw!r} is not valid; valid: auto, 0, 1")
+
+
+_FLAT_WORDS_SETTING = _flat_words_setting()
+
+
+def default_flat_words(mode: int, device: torch.device) -> bool:
+    """``flat_words`` when the caller gives none (int8 / int4; bf16 never reads words):
+    ONECARD_VERIFY_FLAT_WORDS's 0 / 1 if set, else ``FLAT_WORDS_HOPPER`` on a GPU with Hopper's
+    shared memory and False elsewhere. Why (docs/wide-verify.md "bank conflicts"): the 2-D words
+    load makes Triton stage a tile key-fastest in shared memory, a 16-way bank conflict on every
+    cp.async store and LDS of the words (ncu on the H100, session 27); the flat load stages it in
+    load order. On sm_86 the flat launch spills a little more (int8 16 / 8 / 2: 224 -> 284 B) and
+    no 3090 has timed either."""
+    if mode == 0:
+        return False
+    if _FLAT_WORDS_SETTING is not None:
+        return _FLAT_WORDS_SETTING
+    return FLAT_WORDS_HOPPER and block_shared(device) >= DEEP_PIPELINE_SHARED
+
+
 def default_head_split(mode: int, block_m: int, head_dim: int, device: torch.device) -> int:
     """``head_split`` when the caller gives none: 2 for int4 KV at 128 query rows x 256 (a verify
     block of 9..16 tokens) on a GPU with Hopper's shared memory, else 1.
@@ -717,8 +747,8 @@ def wide_verify_attention(
     else 1; 1 or 2 for any kv_mode): the head dim in two halves, two Q.K^T dots summed and two P.V
     accumulators of head_dim / 2, so that a tile's unpacked K / V is half as wide in registers
     (docs/wide-verify.md, "head split").
-    ``flat_words`` (None: ``DEFAULT_FLAT_WORDS``): int8 / int4 tiles loaded as one flat vector of
-    words, so that they are staged in shared memory without bank conflicts (docs/wide-verify.md,
+    ``flat_words`` (None: :func:`default_flat_words`): int8 / int4 tiles loaded as one flat vector
+    of words, so that they are staged in shared memory without bank conflicts (docs/wide-verify.md,
     "bank conflicts").
     ``row_split`` (None: :func:`default_row_split`; 1 or 2): each sequence's query tokens in
     ``row_split`` programs of half the rows over the same keys (twice the programs, each small
@@ -834,7 +864,7 @@ def wide_verify_attention(
         DOT_F32=q.device.type != "cuda",  # CPU tensors only run under TRITON_INTERPRET
         PAGE_TILES=mode != 0 and page % tile_n == 0, CAUSAL=bool(causal),
         LAZY_RESCALE=bool(lazy_rescale), HEAD_SPLIT=int(head_split), ROW_SPLIT=int(row_split),
-        FLAT_WORDS=bool(DEFAULT_FLAT_WORDS if flat_words is None else flat_words),
+        FLAT_WORDS=bool(default_flat_words(mode, q.device) if flat_words is None else flat_words),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
