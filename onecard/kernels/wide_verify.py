@@ -646,8 +646,9 @@ _ROW_SPLIT_SETTING = _row_split_setting()
 def default_row_split(mode: int, block_m: int, head_dim: int, device: torch.device) -> int:
     """``row_split`` when the caller gives none: ONECARD_VERIFY_ROW_SPLIT's 1 / 2 for a verify block
     of 128 query rows (9..16 tokens with 6 query heads per KV head), else 1. ``auto`` is 1 on every
-    GPU until job 30's sweep measures the split (docs/wide-verify.md "row split": predicted
-    int8 -15..-40 %, not measured); smaller blocks keep one program (half of a 64-row block is
+    GPU: measured slower on an H100 (session 27, q=16, 32k, b1: int8 243 vs 183 us, bf16 108 vs
+    81 us; the two programs share the SM's shared-memory pipe, which the int8 words' bank
+    conflicts already saturate: docs/wide-verify.md "bank conflicts"); smaller blocks keep one program (half of a 64-row block is
     the 32 rows that a decode or a short verify block already pads to)."""
     if block_m * head_dim > 64 * 256 and _ROW_SPLIT_SETTING is not None:
         return _ROW_SPLIT_SETTING
