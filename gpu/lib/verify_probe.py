@@ -38,6 +38,11 @@ ARMS = {
              ("int4", {**_D8, "head_split": 1, "flat_words": False}),
              ("int4", {**_D8, "head_split": 1, "flat_words": True}),
              ("bf16", {"tile_n": 32, "num_warps": 8, "num_stages": 4})],
+    # the same question in five launches (a lease with ~5 minutes left)
+    "flat-lean": [("int8", {**_D8, "flat_words": False}), ("int8", {**_D8, "flat_words": True}),
+                  ("int4", {**_D8, "head_split": 1, "flat_words": False}),
+                  ("int4", {**_D8, "head_split": 1, "flat_words": True}),
+                  ("int4", {**_D8, "head_split": 2, "flat_words": True})],
     # session 26: row_split 2 (4 warps, two programs an SM) vs each default
     "rowsplit": [("int8", dict(_D8)),
                  ("int8", {"tile_n": 16, "num_warps": 4, "num_stages": 3, "row_split": 2}),
