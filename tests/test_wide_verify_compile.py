@@ -12,7 +12,8 @@ tensors in vLLM's layout, intercepts each launch, and compiles it with Triton's 
 on a device.
 Shapes: the 27B target (24 query / 4 KV heads x 256, causal) for bf16 / int8 / int4 KV at every
 block of query rows (verify blocks of 1..16 tokens), and the DFlash2 drafter's own attention (32 /
-8 x 128, non-causal block of 8 or 16) for bf16 / int8.
+8 x 128, non-causal block of 8 or 16) for bf16 / int8; and int8 / int4 with ``flat_words=True``
+(VERIFY_FLAT_WORDS=1) at blocks of 1 and 16 tokens.
 """
 from __future__ import annotations
 
@@ -41,11 +42,11 @@ def case(hq, hkv, d, kv, q_len, page=64, ctx=256):
                 softmax_scale=d ** -0.5, max_seq_len=ctx, num_splits=4)
 
 
-def run(name, hq, hkv, d, kv, q_len, causal):
+def run(name, hq, hkv, d, kv, q_len, causal, **kw):
     a = case(hq, hkv, d, kv, q_len)
     out = a.pop("out")
     compile_calls(f"{name} {kv} q{q_len}", wv, NAMES, lambda: wv.wide_verify_attention(
-        a.pop("q"), a.pop("key_cache"), a.pop("value_cache"), out, causal=causal, **a))
+        a.pop("q"), a.pop("key_cache"), a.pop("value_cache"), out, causal=causal, **kw, **a))
 
 
 for kv in ("bf16", "int8", "int4"):
@@ -54,6 +55,10 @@ for kv in ("bf16", "int8", "int4"):
 for kv in ("bf16", "int8"):
     for q_len in (8, 16):
         run("drafter", 32, 8, 128, kv, q_len, False)
+# VERIFY_FLAT_WORDS=1 on a 3090 (the A/B the knob exists for): the flat load at the defaults
+for kv in ("int8", "int4"):
+    for q_len in (1, 16):
+        run("target-flat", 24, 4, 256, kv, q_len, True, flat_words=True)
 '''
 
 
@@ -67,7 +72,8 @@ def test_default_launches_fit_an_rtx_3090(tmp_path):
     kernels = {r["kernel"] for r in rows}
     assert kernels == {"_wide_verify_split_kernel", "_wide_verify_reduce_kernel", "_rht_rows_kernel"}, kernels
     assert {(r["case"], r["kv"]) for r in rows if r["kernel"] == "_wide_verify_split_kernel"} == {
-        ("target", "bf16"), ("target", "int8"), ("target", "int4"), ("drafter", "bf16"), ("drafter", "int8")}
+        ("target", "bf16"), ("target", "int8"), ("target", "int4"), ("drafter", "bf16"), ("drafter", "int8"),
+        ("target-flat", "int8"), ("target-flat", "int4")}
     over = [r for r in rows if r["shared"] > SM86_SHARED]
     assert not over, over
     # the case that did not fit before: 128 query rows x 256, bf16 KV
