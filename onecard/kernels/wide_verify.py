@@ -648,8 +648,9 @@ def default_row_split(mode: int, block_m: int, head_dim: int, device: torch.devi
     of 128 query rows (9..16 tokens with 6 query heads per KV head), else 1. ``auto`` is 1 on every
     GPU: measured slower on an H100 (session 27, q=16, 32k, b1: int8 243 vs 183 us, bf16 108 vs
     81 us; the two programs share the SM's shared-memory pipe, which the int8 words' bank
-    conflicts already saturate: docs/wide-verify.md "bank conflicts"); smaller blocks keep one program (half of a 64-row block is
-    the 32 rows that a decode or a short verify block already pads to)."""
+    conflicts already saturate: docs/wide-verify.md "bank conflicts"); smaller blocks keep one
+    program (half of a 64-row block is the 32 rows that a decode or a short verify block already
+    pads to)."""
     if block_m * head_dim > 64 * 256 and _ROW_SPLIT_SETTING is not None:
         return _ROW_SPLIT_SETTING
     return 1
@@ -865,7 +866,8 @@ def wide_verify_attention(
         DOT_F32=q.device.type != "cuda",  # CPU tensors only run under TRITON_INTERPRET
         PAGE_TILES=mode != 0 and page % tile_n == 0, CAUSAL=bool(causal),
         LAZY_RESCALE=bool(lazy_rescale), HEAD_SPLIT=int(head_split), ROW_SPLIT=int(row_split),
-        FLAT_WORDS=bool(default_flat_words(mode, q.device) if flat_words is None else flat_words),
+        FLAT_WORDS=mode != 0 and bool(default_flat_words(mode, q.device) if flat_words is None
+                                      else flat_words),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
