@@ -62,6 +62,15 @@ CASES = {
 }
 
 
+def _named_case(name, kv_dtype, gen):
+    """A CASES entry as a fresh random case, with its split count and tile."""
+    q_lens, seq_lens, (hq, hkv), bs, splits, tile = CASES[name]
+    case = ref_mod.make_verify_case(
+        q_lens=q_lens, seq_lens=seq_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=32,
+        block_size=bs, kv_dtype=kv_dtype, generator=gen)
+    return case, splits, tile
+
+
 # head_split=2 (an opt-in A/B of bench/kernel_verify.py's sweep): the head dim in two halves, two
 # Q.K^T dots summed and two P.V accumulators. Every format (int8 / int4 words 0..W/2 hold
 # elements 0..D/2), ragged lengths, page / block boundaries, splits, PAGE_TILES (tile divides the
@@ -71,10 +80,7 @@ CASES = {
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_reference(kv_dtype, name, head_split, gen):
-    q_lens, seq_lens, (hq, hkv), bs, splits, tile = CASES[name]
-    case = ref_mod.make_verify_case(
-        q_lens=q_lens, seq_lens=seq_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=32,
-        block_size=bs, kv_dtype=kv_dtype, generator=gen)
+    case, splits, tile = _named_case(name, kv_dtype, gen)
     _check(case, _run(case, num_splits=splits, tile_n=tile, head_split=head_split), gen.initial_seed())
 
 
@@ -86,10 +92,7 @@ def test_matches_reference(kv_dtype, name, head_split, gen):
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_row_split_matches_reference(kv_dtype, name, gen):
-    q_lens, seq_lens, (hq, hkv), bs, splits, tile = CASES[name]
-    case = ref_mod.make_verify_case(
-        q_lens=q_lens, seq_lens=seq_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=32,
-        block_size=bs, kv_dtype=kv_dtype, generator=gen)
+    case, splits, tile = _named_case(name, kv_dtype, gen)
     _check(case, _run(case, num_splits=splits, tile_n=tile, row_split=2), gen.initial_seed())
 
 
@@ -107,28 +110,9 @@ def test_row_split_non_causal_and_head_split(kv_dtype, gen):
         _run(case, row_split=3)
 
 
-# flat_words (session 27): int8 / int4 tiles loaded as one flat vector of words and reshaped in
-# registers (no 16-way shared-memory bank conflicts when Triton stages the tile). Both defaults of
-# the wrapper are exercised by the other tests; here the explicit True and False on every case
-# (PAGE_TILES and the per-key path, which ignores it), head_split 1 and 2, row_split 2 on top,
-# non-causal, and the extreme codes with NaN slots past the end.
-@inproc
-@pytest.mark.parametrize("flat", [False, True])
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
-@pytest.mark.parametrize("name", list(CASES))
-def test_flat_words_matches_reference(kv_dtype, name, flat, gen):
-    q_lens, seq_lens, (hq, hkv), bs, splits, tile = CASES[name]
-    case = ref_mod.make_verify_case(
-        q_lens=q_lens, seq_lens=seq_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=32,
-        block_size=bs, kv_dtype=kv_dtype, generator=gen)
-    for head_split in (1, 2):
-        out = _run(case, num_splits=splits, tile_n=tile, head_split=head_split, flat_words=flat)
-        _check(case, out, gen.initial_seed())
-
-
-@inproc
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
-def test_flat_words_row_split_non_causal_extreme(kv_dtype, gen):
+def _extreme_codes_case(kv_dtype, gen):
+    """Extreme codes in both head halves (byte / nibble order, sign, zero point of each half's
+    words), and NaN scales / 0xFF codes in the slots past seq_len that PAGE_TILES reads unmasked."""
     case = ref_mod.make_verify_case(
         q_lens=[3, 1, 7], seq_lens=[21, 5, 50], num_q_heads=4, num_kv_heads=2, head_dim=32,
         block_size=16, kv_dtype=kv_dtype, generator=gen)
@@ -140,6 +124,29 @@ def test_flat_words_row_split_non_causal_extreme(kv_dtype, gen):
                              (case.value_cache, case.v_scale_cache)):
                 sc[blk, slot] = float("nan")
                 half[blk, slot].view(torch.uint8)[..., :n] = 0xFF
+    return case
+
+
+# flat_words (session 27): int8 / int4 tiles loaded as one flat vector of words and reshaped in
+# registers (no 16-way shared-memory bank conflicts when Triton stages the tile). Both defaults of
+# the wrapper are exercised by the other tests; here the explicit True and False on every case
+# (PAGE_TILES and the per-key path, which ignores it), head_split 1 and 2, row_split 2 on top,
+# non-causal, and the extreme codes with NaN slots past the end.
+@inproc
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_flat_words_matches_reference(kv_dtype, name, flat, gen):
+    case, splits, tile = _named_case(name, kv_dtype, gen)
+    for head_split in (1, 2):
+        out = _run(case, num_splits=splits, tile_n=tile, head_split=head_split, flat_words=flat)
+        _check(case, out, gen.initial_seed())
+
+
+@inproc
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_flat_words_row_split_non_causal_extreme(kv_dtype, gen):
+    case = _extreme_codes_case(kv_dtype, gen)
     for causal in (True, False):
         for kw in ({}, {"row_split": 2}, {"head_split": 2, "row_split": 2}):
             out = _run(case, num_splits=3, tile_n=16, causal=causal, flat_words=True, **kw)
@@ -358,17 +365,7 @@ def test_head_split_halves_are_not_swapped(kv_dtype, gen):
 def test_head_split_extreme_codes_and_slots_past_the_end(kv_dtype, gen):
     # extreme codes in both halves (byte / nibble order, sign, zero point of each half's words),
     # and NaN scales / 0xFF codes in the slots past seq_len that PAGE_TILES reads unmasked
-    case = ref_mod.make_verify_case(
-        q_lens=[3, 1, 7], seq_lens=[21, 5, 50], num_q_heads=4, num_kv_heads=2, head_dim=32,
-        block_size=16, kv_dtype=kv_dtype, generator=gen)
-    n = _fill_extreme_codes(case, kv_dtype, gen)
-    for s, sl in enumerate(case.seq_lens.tolist()):
-        for p in range(sl, -(-sl // 16) * 16):
-            blk, slot = int(case.block_table[s, p // 16]), p % 16
-            for half, sc in ((case.key_cache, case.k_scale_cache),
-                             (case.value_cache, case.v_scale_cache)):
-                sc[blk, slot] = float("nan")
-                half[blk, slot].view(torch.uint8)[..., :n] = 0xFF
+    case = _extreme_codes_case(kv_dtype, gen)
     for splits in (1, 3):
         _check(case, _run(case, num_splits=splits, tile_n=16, head_split=2), gen.initial_seed())
 

@@ -108,17 +108,11 @@ def test_verify_row_split_knob_passed_by_env_with_notes(tmp_path):
 
 
 def test_kernel_reads_verify_row_split(monkeypatch):
-    """The kernel's side: auto -> one program; 1 / 2 -> that split for 128-row blocks only; a bad
-    value is one line naming the valid ones (raised at import in the server)."""
+    """The kernel's side: auto -> one program; 1 / 2 -> that split for 128-row blocks only (the
+    environment reader itself: test_kernel_env_settings)."""
     wv = pytest.importorskip("onecard.kernels.wide_verify")
     torch = pytest.importorskip("torch")
     cpu = torch.device("cpu")
-    for raw, want in (("auto", None), ("", None), ("1", 1), (" 2 ", 2)):
-        monkeypatch.setenv("ONECARD_VERIFY_ROW_SPLIT", raw)
-        assert wv._row_split_setting() == want
-    monkeypatch.setenv("ONECARD_VERIFY_ROW_SPLIT", "3")
-    with pytest.raises(ValueError, match="ONECARD_VERIFY_ROW_SPLIT='3' is not valid; valid: auto, 1, 2"):
-        wv._row_split_setting()
     monkeypatch.setattr(wv, "_ROW_SPLIT_SETTING", None)
     assert wv.default_row_split(2, 128, 256, cpu) == 1
     monkeypatch.setattr(wv, "_ROW_SPLIT_SETTING", 2)
@@ -154,16 +148,10 @@ def test_verify_flat_words_knob_passed_by_env_with_notes(tmp_path):
 
 def test_kernel_reads_verify_flat_words(monkeypatch):
     """The kernel's side: auto -> the GPU's default (never on the CPU, never for bf16); 0 / 1 ->
-    that load for int8 / int4; a bad value is one line naming the valid ones."""
+    that load for int8 / int4 (the environment reader itself: test_kernel_env_settings)."""
     wv = pytest.importorskip("onecard.kernels.wide_verify")
     torch = pytest.importorskip("torch")
     cpu = torch.device("cpu")
-    for raw, want in (("auto", None), ("", None), ("0", False), (" 1 ", True)):
-        monkeypatch.setenv("ONECARD_VERIFY_FLAT_WORDS", raw)
-        assert wv._flat_words_setting() == want
-    monkeypatch.setenv("ONECARD_VERIFY_FLAT_WORDS", "yes")
-    with pytest.raises(ValueError, match="ONECARD_VERIFY_FLAT_WORDS='yes' is not valid; valid: auto, 0, 1"):
-        wv._flat_words_setting()
     monkeypatch.setattr(wv, "_FLAT_WORDS_SETTING", None)
     monkeypatch.setattr(wv, "FLAT_WORDS_HOPPER", True)
     assert wv.default_flat_words(2, cpu) is False  # no Hopper shared memory on the CPU
@@ -175,3 +163,21 @@ def test_kernel_reads_verify_flat_words(monkeypatch):
     monkeypatch.setattr(wv, "_FLAT_WORDS_SETTING", True)
     monkeypatch.setattr(wv, "block_shared", lambda d: 101376)
     assert wv.default_flat_words(4, cpu) is True and wv.default_flat_words(0, cpu) is False
+
+
+@pytest.mark.parametrize("reader, var, cases, bad, valid", [
+    ("_row_split_setting", "ONECARD_VERIFY_ROW_SPLIT", (("1", 1), (" 2 ", 2)), "3", "auto, 1, 2"),
+    ("_flat_words_setting", "ONECARD_VERIFY_FLAT_WORDS", (("0", False), (" 1 ", True)), "yes",
+     "auto, 0, 1"),
+])
+def test_kernel_env_settings(monkeypatch, reader, var, cases, bad, valid):
+    """The kernel's environment knobs (read once at import in the server): auto / empty -> None,
+    each valid value -> its setting, anything else one line naming the valid ones."""
+    wv = pytest.importorskip("onecard.kernels.wide_verify")
+    read = getattr(wv, reader)
+    for raw, want in (("auto", None), ("", None), *cases):
+        monkeypatch.setenv(var, raw)
+        assert read() == want
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(ValueError, match=f"{var}='{bad}' is not valid; valid: {valid}"):
+        read()

@@ -628,16 +628,23 @@ def default_launch(mode: int, block_m: int, head_dim: int, device: torch.device)
     return {0: (32, warps, 2), 2: (16, warps, 2), 4: (16, warps, 1)}[mode]
 
 
-def _row_split_setting() -> int | None:
-    """ONECARD_VERIFY_ROW_SPLIT (the launcher's VERIFY_ROW_SPLIT; read once, at import): auto
-    (default) -> None, :func:`default_row_split` decides; 1 / 2 -> that row split for every verify
-    block of 9..16 tokens (128 query rows), an A/B for a server (job 31 arms)."""
-    raw = os.environ.get("ONECARD_VERIFY_ROW_SPLIT", "auto").strip().lower()
+def _env_setting(name: str, values: dict):
+    """A kernel knob from the server's environment, read once at import: auto / unset -> None (the
+    GPU's default decides), a key of ``values`` -> its value; anything else is one line naming the
+    valid values (raised at import in the server)."""
+    raw = os.environ.get(name, "auto").strip().lower()
     if raw in ("", "auto"):
         return None
-    if raw in ("1", "2"):
-        return int(raw)
-    raise ValueError(f"ONECARD_VERIFY_ROW_SPLIT={raw!r} is not valid; valid: auto, 1, 2")
+    if raw in values:
+        return values[raw]
+    raise ValueError(f"{name}={raw!r} is not valid; valid: auto, {', '.join(values)}")
+
+
+def _row_split_setting() -> int | None:
+    """ONECARD_VERIFY_ROW_SPLIT (the launcher's VERIFY_ROW_SPLIT): auto (default) -> None,
+    :func:`default_row_split` decides; 1 / 2 -> that row split for every verify block of 9..16
+    tokens (128 query rows), an A/B for a server (job 31 arms)."""
+    return _env_setting("ONECARD_VERIFY_ROW_SPLIT", {"1": 1, "2": 2})
 
 
 _ROW_SPLIT_SETTING = _row_split_setting()
@@ -657,15 +664,10 @@ def default_row_split(mode: int, block_m: int, head_dim: int, device: torch.devi
 
 
 def _flat_words_setting() -> bool | None:
-    """ONECARD_VERIFY_FLAT_WORDS (the launcher's VERIFY_FLAT_WORDS; read once, at import): auto
-    (default) -> None, :func:`default_flat_words` decides; 0 / 1 -> that load for every int8 / int4
-    launch (an A/B for a server, e.g. on a 3090 where it is not timed)."""
-    raw = os.environ.get("ONECARD_VERIFY_FLAT_WORDS", "auto").strip().lower()
-    if raw in ("", "auto"):
-        return None
-    if raw in ("0", "1"):
-        return raw == "1"
-    raise ValueError(f"ONECARD_VERIFY_FLAT_WORDS={raw!r} is not valid; valid: auto, 0, 1")
+    """ONECARD_VERIFY_FLAT_WORDS (the launcher's VERIFY_FLAT_WORDS): auto (default) -> None,
+    :func:`default_flat_words` decides; 0 / 1 -> that load for every int8 / int4 launch (an A/B
+    for a server, e.g. on a 3090 where it is not timed)."""
+    return _env_setting("ONECARD_VERIFY_FLAT_WORDS", {"0": False, "1": True})
 
 
 _FLAT_WORDS_SETTING = _flat_words_setting()
