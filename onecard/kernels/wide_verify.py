@@ -852,6 +852,7 @@ def wide_verify_attention(
                              dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
 
+    page_tiles = mode != 0 and page % tile_n == 0
     _wide_verify_split_kernel[(num_seqs * row_split, num_kv_heads, num_splits)](
         q_in, key_cache, value_cache, k_scale_cache, v_scale_cache,
         block_table, seq_lens, cu_seqlens_q,
@@ -866,10 +867,11 @@ def wide_verify_attention(
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, TILE_N=tile_n, KV_MODE=mode, DIRECT=direct,
         DOT_F32=q.device.type != "cuda",  # CPU tensors only run under TRITON_INTERPRET
-        PAGE_TILES=mode != 0 and page % tile_n == 0, CAUSAL=bool(causal),
+        PAGE_TILES=page_tiles, CAUSAL=bool(causal),
         LAZY_RESCALE=bool(lazy_rescale), HEAD_SPLIT=int(head_split), ROW_SPLIT=int(row_split),
-        FLAT_WORDS=mode != 0 and bool(default_flat_words(mode, q.device) if flat_words is None
-                                      else flat_words),
+        # only the PAGE_TILES path reads words tile by tile: no other launch compiles a flat variant
+        FLAT_WORDS=page_tiles and bool(default_flat_words(mode, q.device) if flat_words is None
+                                       else flat_words),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
