@@ -22,6 +22,8 @@ from onecard import memory, profiles
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 # variables onecard reads besides its knobs (a near-miss of a knob name that is not a typo)
 NOT_KNOBS = {"MODELS"}
+# the quantized KV caches stock vLLM serves on TRITON_ATTN only, and the wide-verify kernel reads
+PER_TOKEN_HEAD_KV = ("int8_per_token_head", "int4_per_token_head")
 SERVE_PREFIX = ["-m", "vllm.entrypoints.cli.main", "serve"]
 
 
@@ -760,7 +762,7 @@ def build_argv(plan: ServePlan, python: str = sys.executable, model_path: str | 
     ctx = profiles.CTX_PROFILES[v("CTX")]
     if ctx.attention_backend and v("KV") == ctx.kv:
         argv += ["--attention-backend", ctx.attention_backend]
-    elif v("KV") in ("int8_per_token_head", "int4_per_token_head"):
+    elif v("KV") in PER_TOKEN_HEAD_KV:
         argv += ["--attention-backend", "TRITON_ATTN"]
     if v("SSM_DTYPE") != "auto":
         argv += ["--mamba-ssm-cache-dtype", v("SSM_DTYPE")]
@@ -819,7 +821,7 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     # WIDE_DECODE's only reader is patch 0070 too (ONECARD_WIDE_DECODE: decode batches marked)
     _to_server(plan, "WIDE_DECODE")
     if plan.get("WIDE_DECODE") == "1":
-        if plan.get("KV") not in ("int8_per_token_head", "int4_per_token_head"):
+        if plan.get("KV") not in PER_TOKEN_HEAD_KV:
             plan.notes.append(f"WIDE_DECODE=1 has no effect with KV={plan.get('KV')} (only TRITON_ATTN with int8 / "
                               f"int4 per-token-head KV routes decode to the wide-verify kernel: CTX=long, or KV=...)")
         elif plan.get("WIDE_VERIFY") != "1":
@@ -845,7 +847,7 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
         if plan.get("WIDE_VERIFY") != "1":
             plan.notes.append(f"VERIFY_FLAT_WORDS={plan.get('VERIFY_FLAT_WORDS')} has no effect with WIDE_VERIFY=0 "
                               "(the wide-verify kernel is off)")
-        elif plan.get("KV") not in ("int8_per_token_head", "int4_per_token_head"):
+        elif plan.get("KV") not in PER_TOKEN_HEAD_KV:
             plan.notes.append(f"VERIFY_FLAT_WORDS={plan.get('VERIFY_FLAT_WORDS')} has no effect with "
                               f"KV={plan.get('KV')} (it changes how int8 / int4 KV tiles are loaded)")
     # GDN_SHARED_META's only reader is patch 0082 (gdn_attn.py, ONECARD_GDN_SHARED_META)
