@@ -47,14 +47,14 @@ def main(argv=None) -> int:
     install_rht_stub()
     import torch
 
-    from bench.kernel_verify import rel_err, run_ours, timing_case
+    from bench.kernel_verify import NUM_KV_HEADS, rel_err, run_ours, timing_case
     from onecard.kernels.wide_verify import _sm_count, choose_num_splits
 
     kv, kw = LAUNCHES[a.label]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: TRITON_INTERPRET smoke
     gen = torch.Generator(device=dev).manual_seed(27)  # timing_case fills on the device
     case = timing_case(q_len=16, ctx=a.ctx, batch=1, kv_dtype=kv, block_size=64, device=dev, gen=gen)
-    ns = choose_num_splits(a.ctx, 1, 4, _sm_count(dev))
+    ns = choose_num_splits(a.ctx, 1, NUM_KV_HEADS, _sm_count(dev))
     out = torch.empty_like(case.q)
     for _ in range(a.calls):
         run_ours(case, out, num_splits=ns, **kw)

@@ -4,8 +4,9 @@
 # 2-D and flat word loads). No vLLM needed (the image's torch + Triton, this tree):
 #   bash gpu/lib/ncu_probe.sh [OUT_DIR]
 # Writes ncu-<label>.txt (speed of light, warp state / stall reasons, scheduler, occupancy, memory
-# workload) and sass-<label>-summary.txt (stalls and bank conflicts by SASS instruction) per launch. When ncu is absent or the driver refuses counters (ERR_NVGPUCTRPERM), it
-# says so on one line and exits 0: the probe is informational.
+# workload) and sass-<label>-summary.txt (stalls and bank conflicts by SASS instruction) per
+# launch. When ncu is absent or the driver refuses counters (ERR_NVGPUCTRPERM), it says so on one
+# line and exits 0: the probe is informational.
 set -u
 out="${1:-${OUT:-.}}"
 mkdir -p "$out"
