@@ -820,15 +820,12 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     _to_server(plan, "WIDE_VERIFY")
     # WIDE_DECODE's only reader is patch 0070 too (ONECARD_WIDE_DECODE: decode batches marked)
     _to_server(plan, "WIDE_DECODE")
-    if plan.get("WIDE_DECODE") == "1":
+    if plan.get("WIDE_DECODE") == "1" and plan.values["WIDE_DECODE"].source != "default":
         if plan.get("KV") not in PER_TOKEN_HEAD_KV:
             plan.notes.append(f"WIDE_DECODE=1 has no effect with KV={plan.get('KV')} (only TRITON_ATTN with int8 / "
                               f"int4 per-token-head KV routes decode to the wide-verify kernel: CTX=long, or KV=...)")
         elif plan.get("WIDE_VERIFY") != "1":
             plan.notes.append("WIDE_DECODE=1 has no effect with WIDE_VERIFY=0 (the wide-verify kernel is off)")
-        else:
-            plan.notes.append("WIDE_DECODE=1: plain decode batches run the wide-verify kernel (patch 0070); not yet "
-                              "run end to end on a GPU")
     # VERIFY_ROW_SPLIT's only reader is the wide-verify kernel (patch 0070's copy of
     # onecard/kernels/wide_verify.py, ONECARD_VERIFY_ROW_SPLIT, read at import)
     _to_server(plan, "VERIFY_ROW_SPLIT")

@@ -74,7 +74,7 @@ def test_patched_backend_imports_and_reads_knob(patched_view):
         print("OK", t.__file__)
         """
     )
-    env = {k: v for k, v in os.environ.items() if k != "ONECARD_WIDE_VERIFY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("ONECARD_WIDE_VERIFY", "ONECARD_WIDE_DECODE")}
     env["PYTHONPATH"] = str(patched_view) + os.pathsep + str(REPO)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300, cwd=str(patched_view))
@@ -126,7 +126,7 @@ def common(q_lens, seq_lens, prefilling, block_table=None, cu=None, sl=None, cau
 
 
 def _run_child(patched_view, code: str, env_extra=None):
-    env = {k: v for k, v in os.environ.items() if k != "ONECARD_WIDE_VERIFY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("ONECARD_WIDE_VERIFY", "ONECARD_WIDE_DECODE")}
     env["PYTHONPATH"] = str(patched_view) + os.pathsep + str(REPO)
     env["TRITON_INTERPRET"] = "1"
     env.update(env_extra or {})
@@ -143,6 +143,8 @@ def test_builder_marks_only_spec_verify_batches(patched_view):
     verify rows), 17 tokens, unknown is_prefilling and the knob off are all stock."""
     _run_child(patched_view, """
         b = builder()
+        assert t._ONECARD_WIDE_DECODE is True  # unset -> auto -> on (the default since session 28)
+        t._ONECARD_WIDE_DECODE = False         # the verify-only rule first
         def mark(q_lens, prefilling, knob=True):
             t._ONECARD_WIDE_VERIFY = knob
             return b.build(0, common(q_lens, [40] * len(q_lens), prefilling)).onecard_verify
@@ -198,6 +200,7 @@ def test_patched_forward_routes_and_matches_stock(patched_view):
         layer = types.SimpleNamespace(_k_scale=torch.ones(1), _v_scale=torch.ones(1),
                                       _q_scale=torch.ones(1))
         b = builder()
+        t._ONECARD_WIDE_DECODE = False  # verify-only routing first (on by default: see below)
 
         def run(kv, q_lens, seq_lens, prefilling, knob=True, causal=True):
             c = make_verify_case(q_lens=q_lens, seq_lens=seq_lens, num_q_heads=4,

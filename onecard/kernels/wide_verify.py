@@ -45,8 +45,9 @@ KV_MODES = {"auto": 0, "bf16": 0, "fp16": 0, "int8": 2, "int4": 4}
 MAX_QUERY_LEN = 16
 _LOG2E = 1.4426950408889634
 # int8 / int4 tiles loaded as one flat vector of words (FLAT_WORDS in the split kernel) on GPUs
-# with Hopper's shared memory when ONECARD_VERIFY_FLAT_WORDS is auto: default_flat_words()
-FLAT_WORDS_HOPPER = False
+# with Hopper's shared memory when ONECARD_VERIFY_FLAT_WORDS is auto: default_flat_words().
+# On since session 28 (H100, q=16, 32k, b1: int8 182 -> 122 us, twice; docs/wide-verify.md)
+FLAT_WORDS_HOPPER = True
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -675,12 +676,17 @@ _FLAT_WORDS_SETTING = _flat_words_setting()
 
 def default_flat_words(mode: int, device: torch.device) -> bool:
     """``flat_words`` when the caller gives none (int8 / int4; bf16 never reads words):
-    ONECARD_VERIFY_FLAT_WORDS's 0 / 1 if set, else ``FLAT_WORDS_HOPPER`` on a GPU with Hopper's
-    shared memory and False elsewhere. Why (docs/wide-verify.md "bank conflicts"): the 2-D words
-    load makes Triton stage a tile key-fastest in shared memory, a 16-way bank conflict on every
-    cp.async store and LDS of the words (ncu on the H100, session 27); the flat load stages it in
-    load order. On sm_86 the flat launch spills a little more (int8 16 / 8 / 2: 224 -> 284 B) and
-    no 3090 has timed either."""
+    ONECARD_VERIFY_FLAT_WORDS's 0 / 1 if set, else ``FLAT_WORDS_HOPPER`` (True) on a GPU with
+    Hopper's shared memory and False elsewhere. Why (docs/wide-verify.md "bank conflicts"): the 2-D
+    words load makes Triton stage a tile key-fastest in shared memory, a 16-way bank conflict on
+    every cp.async store and LDS of the words (ncu on the H100, session 27); the flat load stages it
+    in load order (ncu, session 28: 0 excess wavefronts, was 16.1 M of 25.5 M). Measured on the
+    lent H100 twice (session 28, q=16, page 64, 16 / 8 / 4): int8 32k b1 182.2 / 182.2 -> 122.0 /
+    122.4 us, b4 656.9 / 647.2 -> 431.0 / 425.6 us, 131k b1 634.8 / 646.1 -> 424.6 / 421.1 us; int4
+    whole head 152 -> 125 us, int4 head_split 2 (its Hopper default, no conflict) unchanged (120.1
+    vs 120.4 us); end to end DFlash2 k15 at 32k 20.13 -> 18.28 ms per step, the same text. On sm_86
+    the flat launch spills a little more (int8 16 / 8 / 2: 224 -> 284 B) and no 3090 has timed
+    either, so it stays off there (VERIFY_FLAT_WORDS=1 is the A/B)."""
     if mode == 0:
         return False
     if _FLAT_WORDS_SETTING is not None:
@@ -695,9 +701,14 @@ def default_head_split(mode: int, block_m: int, head_dim: int, device: torch.dev
     Measured twice on the lent H100 (bench/kernel_verify.py sweep, q=16, 32k, batch 1, page 64,
     tile 16 / 8 warps / 4 stages): 120.2 vs 150.8 us (2026-12-05, session 24) and 122.6 vs 153.1 us
     (session 25), -20 % both times; the half-width unpacked K / V tile takes the int4 kernel from
-    244 to 218 registers on sm_90. Not the default elsewhere: int8 gained 4 % (173.5 vs 180.7 us)
-    and bf16 5 % (75.4 vs 79.3 us), under the 10 % a default moves on; q <= 8 (64 rows) and the
-    sm_8x launches (1 stage, 99 KiB of shared memory) were not timed with it."""
+    244 to 218 registers on sm_90. Most of that -20 % was the words' bank conflict (int4's
+    half-tile is one word per thread, staged without it; docs/wide-verify.md "bank conflicts"):
+    with flat words (session 28) int4 whole head is 124.9 us against head_split 2's 120.1, still
+    4 % behind, so int4 keeps 2. Not the default elsewhere: int8 gained 4 % (173.5 vs 180.7 us) and
+    with flat words 5-7 % (115.3 vs 122.4 us at 32k b1, 408.3 vs 425.6 at b4, 396.0 vs 421.1 at
+    131k; session 28, twice), bf16 5 % (75.4 vs 79.3 us), each under the 10 % a default moves on;
+    q <= 8 (64 rows) and the sm_8x launches (1 stage, 99 KiB of shared memory) were not timed
+    with it."""
     if mode == 4 and block_m * head_dim > 64 * 256 and head_dim >= 32 \
             and block_shared(device) >= DEEP_PIPELINE_SHARED:
         return 2
