@@ -27,6 +27,9 @@ LAUNCHES = {
     "int4-hs1": ("int4", {"tile_n": 16, "num_warps": 8, "num_stages": 4, "head_split": 1,
                           "flat_words": False}),
     "bf16-default": ("bf16", {"tile_n": 32, "num_warps": 8, "num_stages": 4}),
+    # session 28's question: two programs per SM once the words' bank conflicts are gone
+    "int8-rs2-flat": ("int8", {"tile_n": 16, "num_warps": 4, "num_stages": 3, "row_split": 2,
+                               "flat_words": True}),
 }
 
 

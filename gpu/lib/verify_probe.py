@@ -10,7 +10,8 @@ int4 needs vLLM's Hadamard sign vector; without vLLM a stand-in (fixed random +-
 for the kernel and the reference) is installed, which changes nothing in the timing.
 Prints one line per row and writes verify_probe.json (each row as it lands) under --out. The full
 comparison (stock, the sweep) is job 30's; this is the quick look when the budget is short.
-Session 26 built it for row_split (slower: docs/wide-verify.md), session 27 for flat_words.
+Session 26 built it for row_split (slower: docs/wide-verify.md), session 27 for flat_words
+(-33 % on int8, measured in session 28), session 28 added the occupancy arm.
 """
 from __future__ import annotations
 
@@ -43,6 +44,20 @@ ARMS = {
                   ("int4", {**_D8, "head_split": 1, "flat_words": False}),
                   ("int4", {**_D8, "head_split": 1, "flat_words": True}),
                   ("int4", {**_D8, "head_split": 2, "flat_words": True})],
+    # session 28, after flat words: the kernel now waits on its MMAs at 1 program of 8 warps per
+    # SM (255 registers, 131 KiB of shared memory, occupancy 12.5 %). Do two programs per SM (row
+    # split, 4 warps, fewer stages) win now that the shared-memory pipe is free? The int8
+    # head_split 2 row a third time (5-7 % in session 28, under the 10 % a default moves on).
+    "occupancy": [("int8", {**_D8, "flat_words": True}),
+                  ("int8", {"tile_n": 16, "num_warps": 4, "num_stages": 3, "row_split": 2, "flat_words": True}),
+                  ("int8", {"tile_n": 16, "num_warps": 4, "num_stages": 2, "row_split": 2, "flat_words": True}),
+                  ("int8", {"tile_n": 16, "num_warps": 4, "num_stages": 3, "row_split": 2, "head_split": 2,
+                            "flat_words": True}),
+                  ("int8", {**_D8, "head_split": 2, "flat_words": True}),
+                  ("int8", {"tile_n": 16, "num_warps": 8, "num_stages": 2, "flat_words": True}),
+                  ("int4", {**_D8, "head_split": 2, "flat_words": True}),
+                  ("int4", {"tile_n": 16, "num_warps": 4, "num_stages": 3, "row_split": 2, "head_split": 2,
+                            "flat_words": True})],
     # session 26: row_split 2 (4 warps, two programs an SM) vs each default
     "rowsplit": [("int8", dict(_D8)),
                  ("int8", {"tile_n": 16, "num_warps": 4, "num_stages": 3, "row_split": 2}),
