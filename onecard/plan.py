@@ -826,6 +826,17 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
                               f"int4 per-token-head KV routes decode to the wide-verify kernel: CTX=long, or KV=...)")
         elif plan.get("WIDE_VERIFY") != "1":
             plan.notes.append("WIDE_DECODE=1 has no effect with WIDE_VERIFY=0 (the wide-verify kernel is off)")
+    # MTP_DRAFT_WIDE's only reader is patch 0087 (llm_base_proposer.py, ONECARD_MTP_DRAFT_WIDE)
+    _to_server(plan, "MTP_DRAFT_WIDE")
+    if plan.values["MTP_DRAFT_WIDE"].source != "default":
+        knob = f"MTP_DRAFT_WIDE={plan.get('MTP_DRAFT_WIDE')}"
+        if plan.get("SPEC") != "mtp":
+            plan.notes.append(f"{knob} has no effect with SPEC={plan.get('SPEC')} (it concerns the MTP drafter)")
+        elif plan.get("WIDE_VERIFY") != "1":
+            plan.notes.append(f"{knob} has no effect with WIDE_VERIFY=0 (the wide-verify kernel is off)")
+        elif plan.get("KV") not in PER_TOKEN_HEAD_KV:
+            plan.notes.append(f"{knob} has no effect with KV={plan.get('KV')} (only TRITON_ATTN with int8 / int4 "
+                              f"per-token-head KV runs the wide-verify kernel)")
     # VERIFY_ROW_SPLIT's only reader is the wide-verify kernel (patch 0070's copy of
     # onecard/kernels/wide_verify.py, ONECARD_VERIFY_ROW_SPLIT, read at import)
     _to_server(plan, "VERIFY_ROW_SPLIT")

@@ -156,6 +156,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          "decode path (H100, SPEC=off, 27B geometry: 16.88 -> 12.44 ms per step at 32k, 24.01 -> 14.19 ms at 72k, "
          "the same greedy text; docs/wide-verify.md); needs WIDE_VERIFY=1; 0: stock decode. Passed to the server "
          "as ONECARD_WIDE_DECODE (patch 0070)", BOOL),
+    Knob("MTP_DRAFT_WIDE", "1", "0|1", "SPEC=mtp: 1: the MTP layer's draft passes (its first pass of 1 + k "
+         "tokens over the whole context, and with WIDE_DECODE its one-token steps) run the wide-verify kernel "
+         "(patch 0087 hands the proposer the runner's is_prefilling; before it every draft pass ran stock "
+         "unified_attention, 1.07 ms a step at 8k on an H200, growing with depth); 0: stock, the A/B. Not yet "
+         "run on a GPU. Passed to the server as ONECARD_MTP_DRAFT_WIDE", BOOL),
     Knob("VERIFY_ROW_SPLIT", "auto", "auto|1|2", "wide-verify kernel: 2: a verify block of 9..16 tokens in two "
          "programs of half the query rows over the same keys, 4 warps each (two share an SM on Hopper; "
          "docs/wide-verify.md \"row split\": measured slower on an H100, int8 32k 243 vs 183 us); 1: one program; "
@@ -239,6 +244,7 @@ AMPERE_GEMM_ENV: dict[str, str] = {
 # child environment, so an exported variable of the same name never wins over the knob).
 SERVER_ENV: dict[str, str] = {
     "WIDE_VERIFY": "ONECARD_WIDE_VERIFY", "WIDE_DECODE": "ONECARD_WIDE_DECODE",
+    "MTP_DRAFT_WIDE": "ONECARD_MTP_DRAFT_WIDE",
     "VERIFY_ROW_SPLIT": "ONECARD_VERIFY_ROW_SPLIT", "VERIFY_FLAT_WORDS": "ONECARD_VERIFY_FLAT_WORDS",
     "GDN_SHARED_META": "ONECARD_GDN_SHARED_META",
     "PREFILL_LAUNCH": "ONECARD_PREFILL_LAUNCH", "DFLASH_RING": "ONECARD_DFLASH_RING",

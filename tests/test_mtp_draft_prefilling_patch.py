@@ -111,18 +111,39 @@ print("JSON" + json.dumps(out))
 """
 
 
+def _child(site, extra=None):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ONECARD_WIDE_VERIFY", "ONECARD_WIDE_DECODE", "ONECARD_MTP_DRAFT_WIDE")}
+    env.update(PYTHONPATH=f"{site}{os.pathsep}{REPO}", TRITON_INTERPRET="1", **(extra or {}))
+    return subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env,
+                          cwd=site, timeout=600)
+
+
+def _out(r):
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("JSON")]
+    assert r.returncode == 0 and line, r.stdout[-2000:] + r.stderr[-3000:]
+    return json.loads(line[0][4:])
+
+
+def test_knob_off_is_stock_and_a_bad_value_is_one_line(site):
+    """ONECARD_MTP_DRAFT_WIDE=0 (launcher MTP_DRAFT_WIDE=0, the A/B): no draft pass keeps
+    is_prefilling, none is marked; a bad value stops the import with the valid values."""
+    out = _out(_child(site, {"ONECARD_MTP_DRAFT_WIDE": "0"}))
+    assert not out["decoding"]["padded_same"] and not out["decoding"]["plain_kept"]
+    for row in out.values():
+        assert not any(row[k] for k in ("first_pass", "first_pass_plain", "step_wide_decode",
+                                        "step_stock_decode")), row
+    r = _child(site, {"ONECARD_MTP_DRAFT_WIDE": "maybe"})
+    assert r.returncode != 0
+    assert "ONECARD_MTP_DRAFT_WIDE='maybe' is not valid; valid: 1, on, 0, off" in r.stderr
+
+
 def test_draft_passes_keep_is_prefilling_and_are_marked(site):
     """Both proposer paths keep is_prefilling. The builder marks the first draft pass of a batch
     whose requests all decode, and its q=1 steps with WIDE_DECODE (stock decode without it). One
     request in its prompt, or no is_prefilling at all (vLLM without 0087), keeps every draft
     pass on stock."""
-    env = {k: v for k, v in os.environ.items() if k not in ("ONECARD_WIDE_VERIFY", "ONECARD_WIDE_DECODE")}
-    env.update(PYTHONPATH=f"{site}{os.pathsep}{REPO}", TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env,
-                       cwd=site, timeout=600)
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("JSON")]
-    assert r.returncode == 0 and line, r.stdout[-2000:] + r.stderr[-3000:]
-    out = json.loads(line[0][4:])
+    out = _out(_child(site))
     assert out["decoding"] == {"padded_same": True, "plain_kept": True, "first_pass": True,
                                "first_pass_plain": True, "step_wide_decode": True,
                                "step_stock_decode": False}

@@ -93,6 +93,27 @@ def test_wide_decode_on_by_default_and_passed_by_env(tmp_path):
         mk({"WIDE_DECODE": "maybe"}, tmp_path)
 
 
+def test_mtp_draft_wide_knob_passed_by_env_with_notes(tmp_path):
+    """MTP_DRAFT_WIDE (patch 0087's ONECARD_MTP_DRAFT_WIDE): 1 by default, sent either way, silent
+    by default; an explicit value notes where it does nothing (no MTP drafter, the wide-verify
+    kernel off, KV the kernel does not run); bad values are one line; the argv never changes."""
+    plan = mk({"CTX": "long", "SPEC": "mtp"}, tmp_path)
+    assert profiles.KNOBS["MTP_DRAFT_WIDE"].default == "1" and plan.child_env["ONECARD_MTP_DRAFT_WIDE"] == "1"
+    assert not any(n.startswith("MTP_DRAFT_WIDE") for n in plan.notes)
+    for env in ({"CTX": "long", "SPEC": "off"}, {"CTX": "fast", "SPEC": "mtp"}):
+        assert not any(n.startswith("MTP_DRAFT_WIDE") for n in mk(env, tmp_path).notes)
+    ab = mk({"CTX": "long", "SPEC": "mtp", "MTP_DRAFT_WIDE": "0"}, tmp_path)
+    assert ab.child_env["ONECARD_MTP_DRAFT_WIDE"] == "0" and ab.argv == plan.argv
+    assert not any(n.startswith("MTP_DRAFT_WIDE") for n in ab.notes)
+    for env, why in (({"CTX": "long", "SPEC": "off"}, "with SPEC=off"),
+                     ({"CTX": "long", "SPEC": "mtp", "WIDE_VERIFY": "0"}, "with WIDE_VERIFY=0"),
+                     ({"CTX": "fast", "SPEC": "mtp"}, "with KV=bf16")):
+        notes = mk({**env, "MTP_DRAFT_WIDE": "0"}, tmp_path).notes
+        assert any(n.startswith(f"MTP_DRAFT_WIDE=0 has no effect {why}") for n in notes), (env, notes)
+    with pytest.raises(P.PlanError, match="MTP_DRAFT_WIDE"):
+        mk({"MTP_DRAFT_WIDE": "maybe"}, tmp_path)
+
+
 def test_verify_row_split_knob_passed_by_env_with_notes(tmp_path):
     """VERIFY_ROW_SPLIT (the kernel's ONECARD_VERIFY_ROW_SPLIT): auto by default, sent either way;
     2 notes that it is unmeasured, or that it does nothing without verify blocks; bad values are
