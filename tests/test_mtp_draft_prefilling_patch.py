@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from onecard import patching
+from tests.child_code import TRITON_ATTN_BUILDER, TRITON_DRIVER_ACTIVE
 
 REPO = Path(__file__).resolve().parent.parent
 PATCH = REPO / "patches" / "0087-mtp-draft-prefilling.patch"
@@ -33,13 +34,9 @@ def site(vllm_dir, tmp_path_factory):
     return patching.overlay(vllm_dir, tmp_path_factory.mktemp("p0087"))
 
 
-_CHILD = r"""
+_CHILD = TRITON_DRIVER_ACTIVE + r"""
 import json, types
 import numpy as np
-import triton.backends as _tb
-for _name, _b in _tb.backends.items():
-    if _b.driver is not None:
-        _b.driver.is_active = staticmethod(lambda n=_name: n == "nvidia")
 import torch
 import vllm.v1.attention.backends.triton_attn as t
 from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -49,19 +46,7 @@ from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 LBP.eagle_prepare_inputs_padded_kernel = {(2,): lambda *a: None}
 LBP.PIN_MEMORY = False
 LBP.async_tensor_h2d = lambda data, device: torch.as_tensor(data).to(device)
-
-
-def builder():
-    b = object.__new__(t.TritonAttentionMetadataBuilder)
-    b.device = torch.device("cpu")
-    b.seq_threshold_3D = 32
-    b.num_par_softmax_segments = 16
-    b.softmax_segm_output = torch.empty(32, 4, 16, 32)
-    b.softmax_segm_max = torch.empty(32, 4, 16)
-    b.softmax_segm_expsum = torch.empty(32, 4, 16)
-    b.rswa_window = None
-    return b
-
+""" + TRITON_ATTN_BUILDER + r"""
 
 def cam(prefilling, q=4):
     # the runner's verify batch: two requests of 1 + 3 tokens (CTX=long's MTP draft count)

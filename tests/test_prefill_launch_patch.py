@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from onecard import patching
+from tests.child_code import TRITON_DRIVER_ACTIVE
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,11 +26,7 @@ def series_view(vllm_dir, tmp_path_factory):
     return patching.overlay(vllm_dir, tmp_path_factory.mktemp("prefill-launch"))
 
 
-_CODE = r'''
-import triton.backends as _tb
-for _name, _b in _tb.backends.items():
-    if _b.driver is not None:
-        _b.driver.is_active = staticmethod(lambda n=_name: n == "nvidia")
+_CODE = TRITON_DRIVER_ACTIVE + r'''
 import torch
 import vllm.v1.attention.ops.triton_unified_attention as U
 from vllm.v1.kv_cache_interface import KVQuantMode

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from onecard import patching
+from tests.child_code import TRITON_DRIVER_ACTIVE
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -102,11 +103,7 @@ def test_scale_views_leave_shared_state_pages_alone(vllm_dir, series_view):
     assert patched.count("CHANGED 0") == 2, patched
 
 
-_DRIVER = """
-import triton.backends as _tb
-for _name, _b in _tb.backends.items():
-    if _b.driver is not None:
-        _b.driver.is_active = staticmethod(lambda n=_name: n == "nvidia")
+_DRIVER = TRITON_DRIVER_ACTIVE + """
 import types
 """
 

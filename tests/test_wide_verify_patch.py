@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from onecard import patching
+from tests.child_code import TRITON_ATTN_BUILDER, TRITON_DRIVER_ACTIVE
 
 REPO = Path(__file__).resolve().parent.parent
 _NAME = "0070-wide-verify-triton-attn.patch"
@@ -87,30 +88,14 @@ def test_patched_backend_imports_and_reads_knob(patched_view):
 # driver is active, so the child makes Triton's nvidia driver report active before vLLM is
 # imported (kernels then run through TRITON_INTERPRET=1). fp16 queries: the interpreter
 # mis-multiplies bf16 dot operands in the stock kernel (our kernel upcasts on CPU).
-_CHILD_PRELUDE = """
-import triton.backends as _tb
-for _name, _b in _tb.backends.items():
-    if _b.driver is not None:
-        _b.driver.is_active = staticmethod(lambda n=_name: n == "nvidia")
+_CHILD_PRELUDE = TRITON_DRIVER_ACTIVE + """
 import types, torch
 import vllm.v1.attention.backends.triton_attn as t
 from vllm.triton_utils import HAS_TRITON
 assert HAS_TRITON, "stock Triton kernels are not runnable in this child"
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from onecard.kernels.reference import make_verify_case
-
-def builder():
-    # the real build() on a builder whose __init__ (vllm_config, device) is skipped
-    b = object.__new__(t.TritonAttentionMetadataBuilder)
-    b.device = torch.device("cpu")
-    b.seq_threshold_3D = 32
-    b.num_par_softmax_segments = 16
-    b.softmax_segm_output = torch.empty(32, 4, 16, 32)
-    b.softmax_segm_max = torch.empty(32, 4, 16)
-    b.softmax_segm_expsum = torch.empty(32, 4, 16)
-    b.rswa_window = None
-    return b
-
+""" + TRITON_ATTN_BUILDER + """
 def common(q_lens, seq_lens, prefilling, block_table=None, cu=None, sl=None, causal=True):
     cu = cu if cu is not None else torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(),
                                                 dtype=torch.int32)
