@@ -820,44 +820,36 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     _to_server(plan, "WIDE_VERIFY")
     # WIDE_DECODE's only reader is patch 0070 too (ONECARD_WIDE_DECODE: decode batches marked)
     _to_server(plan, "WIDE_DECODE")
+    kv, wide_off = plan.get("KV"), plan.get("WIDE_VERIFY") != "1"
+    wide_off_why = "WIDE_VERIFY=0 (the wide-verify kernel is off)"
     if plan.get("WIDE_DECODE") == "1" and plan.values["WIDE_DECODE"].source != "default":
-        if plan.get("KV") not in PER_TOKEN_HEAD_KV:
-            plan.notes.append(f"WIDE_DECODE=1 has no effect with KV={plan.get('KV')} (only TRITON_ATTN with int8 / "
-                              f"int4 per-token-head KV routes decode to the wide-verify kernel: CTX=long, or KV=...)")
-        elif plan.get("WIDE_VERIFY") != "1":
-            plan.notes.append("WIDE_DECODE=1 has no effect with WIDE_VERIFY=0 (the wide-verify kernel is off)")
+        _note_no_effect(plan, "WIDE_DECODE", [
+            (kv not in PER_TOKEN_HEAD_KV, f"KV={kv} (only TRITON_ATTN with int8 / int4 per-token-head KV routes "
+                                          f"decode to the wide-verify kernel: CTX=long, or KV=...)"),
+            (wide_off, wide_off_why)])
     # MTP_DRAFT_WIDE's only reader is patch 0087 (llm_base_proposer.py, ONECARD_MTP_DRAFT_WIDE)
     _to_server(plan, "MTP_DRAFT_WIDE")
     if plan.values["MTP_DRAFT_WIDE"].source != "default":
-        knob = f"MTP_DRAFT_WIDE={plan.get('MTP_DRAFT_WIDE')}"
-        if plan.get("SPEC") != "mtp":
-            plan.notes.append(f"{knob} has no effect with SPEC={plan.get('SPEC')} (it concerns the MTP drafter)")
-        elif plan.get("WIDE_VERIFY") != "1":
-            plan.notes.append(f"{knob} has no effect with WIDE_VERIFY=0 (the wide-verify kernel is off)")
-        elif plan.get("KV") not in PER_TOKEN_HEAD_KV:
-            plan.notes.append(f"{knob} has no effect with KV={plan.get('KV')} (only TRITON_ATTN with int8 / int4 "
-                              f"per-token-head KV runs the wide-verify kernel)")
+        _note_no_effect(plan, "MTP_DRAFT_WIDE", [
+            (plan.get("SPEC") != "mtp", f"SPEC={plan.get('SPEC')} (it concerns the MTP drafter)"),
+            (wide_off, wide_off_why),
+            (kv not in PER_TOKEN_HEAD_KV, f"KV={kv} (only TRITON_ATTN with int8 / int4 per-token-head KV runs "
+                                          f"the wide-verify kernel)")])
     # VERIFY_ROW_SPLIT's only reader is the wide-verify kernel (patch 0070's copy of
     # onecard/kernels/wide_verify.py, ONECARD_VERIFY_ROW_SPLIT, read at import)
     _to_server(plan, "VERIFY_ROW_SPLIT")
-    if plan.get("VERIFY_ROW_SPLIT") == "2":
-        if plan.get("WIDE_VERIFY") != "1":
-            plan.notes.append("VERIFY_ROW_SPLIT=2 has no effect with WIDE_VERIFY=0 (the wide-verify kernel is off)")
-        elif plan.get("SPEC") == "off":
-            plan.notes.append("VERIFY_ROW_SPLIT=2 has no effect with SPEC=off (no verify blocks of 9..16 tokens)")
-        else:
-            plan.notes.append("VERIFY_ROW_SPLIT=2: verify blocks of 9..16 tokens in two programs of half the rows "
-                              "(docs/wide-verify.md \"row split\"); measured slower in the kernel on an H100 "
-                              "(int8 32k: 243 vs 183 us), kept as an A/B")
+    if plan.get("VERIFY_ROW_SPLIT") == "2" and not _note_no_effect(plan, "VERIFY_ROW_SPLIT", [
+            (wide_off, wide_off_why),
+            (plan.get("SPEC") == "off", "SPEC=off (no verify blocks of 9..16 tokens)")]):
+        plan.notes.append("VERIFY_ROW_SPLIT=2: verify blocks of 9..16 tokens in two programs of half the rows "
+                          "(docs/wide-verify.md \"row split\"); measured slower in the kernel on an H100 "
+                          "(int8 32k: 243 vs 183 us), kept as an A/B")
     # VERIFY_FLAT_WORDS: the same reader (ONECARD_VERIFY_FLAT_WORDS, read at import)
     _to_server(plan, "VERIFY_FLAT_WORDS")
     if plan.get("VERIFY_FLAT_WORDS") in ("0", "1"):
-        if plan.get("WIDE_VERIFY") != "1":
-            plan.notes.append(f"VERIFY_FLAT_WORDS={plan.get('VERIFY_FLAT_WORDS')} has no effect with WIDE_VERIFY=0 "
-                              "(the wide-verify kernel is off)")
-        elif plan.get("KV") not in PER_TOKEN_HEAD_KV:
-            plan.notes.append(f"VERIFY_FLAT_WORDS={plan.get('VERIFY_FLAT_WORDS')} has no effect with "
-                              f"KV={plan.get('KV')} (it changes how int8 / int4 KV tiles are loaded)")
+        _note_no_effect(plan, "VERIFY_FLAT_WORDS", [
+            (wide_off, wide_off_why),
+            (kv not in PER_TOKEN_HEAD_KV, f"KV={kv} (it changes how int8 / int4 KV tiles are loaded)")])
     # GDN_SHARED_META's only reader is patch 0082 (gdn_attn.py, ONECARD_GDN_SHARED_META)
     _to_server(plan, "GDN_SHARED_META")
     # PREFILL_LAUNCH's only reader is patch 0083 (triton_unified_attention.py), checked in resolve
@@ -974,6 +966,16 @@ def oom_hint(plan: ServePlan) -> str:
 def _to_server(plan: ServePlan, knob: str) -> None:
     """The knob's value into the server's environment under its variable (profiles.SERVER_ENV)."""
     plan.child_env[profiles.SERVER_ENV[knob]] = str(plan.get(knob))
+
+
+def _note_no_effect(plan: ServePlan, knob: str, reasons: list[tuple[bool, str]]) -> bool:
+    """A knob value that does nothing in this plan: a note naming the first reason that holds
+    ("KNOB=VALUE has no effect with WHY"); True if one did."""
+    for holds, why in reasons:
+        if holds:
+            plan.notes.append(f"{knob}={plan.get(knob)} has no effect with {why}")
+            return True
+    return False
 
 
 def _note_kvarn_only(plan: ServePlan, knob: str) -> None:
