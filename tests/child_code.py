@@ -1,4 +1,5 @@
-"""Source that tests run at the top of a child interpreter importing vLLM from a patched overlay.
+"""Source that tests run at the top of a child interpreter importing vLLM from a patched overlay,
+and ``run_child``, which runs it.
 
 ``TRITON_DRIVER_ACTIVE``: vLLM turns its Triton wrappers off when no GPU driver is active, so the
 child reports Triton's nvidia driver active before vLLM is imported; the kernels then run through
@@ -8,6 +9,24 @@ child reports Triton's nvidia driver active before vLLM is imported; the kernels
 and the backend module imported as ``t``.
 """
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# the server variables the patches read at import: a test sets them itself, never inherits them
+PATCH_KNOBS = ("ONECARD_WIDE_VERIFY", "ONECARD_WIDE_DECODE", "ONECARD_MTP_DRAFT_WIDE")
+
+
+def run_child(site: Path, code: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter importing vLLM from ``site`` (a patched overlay) and onecard
+    from this tree, under TRITON_INTERPRET=1, without the patches' knobs from this environment."""
+    env = {k: v for k, v in os.environ.items() if k not in PATCH_KNOBS}
+    env.update(PYTHONPATH=f"{site}{os.pathsep}{REPO}", TRITON_INTERPRET="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=str(site), timeout=600)
 
 TRITON_DRIVER_ACTIVE = """
 import triton.backends as _tb

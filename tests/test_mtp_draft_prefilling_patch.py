@@ -6,15 +6,12 @@ build() decides on the metadata they return, then on the draft steps' in-place e
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from onecard import patching
-from tests.child_code import TRITON_ATTN_BUILDER, TRITON_DRIVER_ACTIVE
+from tests.child_code import TRITON_ATTN_BUILDER, TRITON_DRIVER_ACTIVE, run_child
 
 REPO = Path(__file__).resolve().parent.parent
 PATCH = REPO / "patches" / "0087-mtp-draft-prefilling.patch"
@@ -97,11 +94,7 @@ print("JSON" + json.dumps(out))
 
 
 def _child(site, extra=None):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("ONECARD_WIDE_VERIFY", "ONECARD_WIDE_DECODE", "ONECARD_MTP_DRAFT_WIDE")}
-    env.update(PYTHONPATH=f"{site}{os.pathsep}{REPO}", TRITON_INTERPRET="1", **(extra or {}))
-    return subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env,
-                          cwd=site, timeout=600)
+    return run_child(site, _CHILD, extra)
 
 
 def _out(r):

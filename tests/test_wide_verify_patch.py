@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from onecard import patching
-from tests.child_code import TRITON_ATTN_BUILDER, TRITON_DRIVER_ACTIVE
+from tests.child_code import TRITON_ATTN_BUILDER, TRITON_DRIVER_ACTIVE, run_child
 
 REPO = Path(__file__).resolve().parent.parent
 _NAME = "0070-wide-verify-triton-attn.patch"
@@ -111,12 +111,7 @@ def common(q_lens, seq_lens, prefilling, block_table=None, cu=None, sl=None, cau
 
 
 def _run_child(patched_view, code: str, env_extra=None):
-    env = {k: v for k, v in os.environ.items() if k not in ("ONECARD_WIDE_VERIFY", "ONECARD_WIDE_DECODE")}
-    env["PYTHONPATH"] = str(patched_view) + os.pathsep + str(REPO)
-    env["TRITON_INTERPRET"] = "1"
-    env.update(env_extra or {})
-    proc = subprocess.run([sys.executable, "-c", _CHILD_PRELUDE + textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=str(patched_view))
+    proc = run_child(patched_view, _CHILD_PRELUDE + textwrap.dedent(code), env_extra)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "OK" in proc.stdout
     return proc.stdout
