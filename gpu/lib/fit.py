@@ -196,7 +196,7 @@ PRETEND_LAUNCH = r"""
 import sys, tempfile
 from onecard.profiles import pretend_installed
 from onecard.launch import main
-with pretend_installed(tempfile.mkdtemp(prefix="fit-pretend-")):
+with tempfile.TemporaryDirectory(prefix="fit-pretend-") as d, pretend_installed(d):
     rc = main(sys.argv[1:])
 sys.exit(rc)
 """
