@@ -137,7 +137,8 @@ def _sass_histogram(sass: str) -> dict:
             width = next((w for w in ("128", "64", "U8", "S8", "U16", "S16") if f".{w}" in op),
                          "32")
             h[f"{base}.{width}"] += 1
-        elif base in ("LDL", "STL", "I2F", "F2F", "F2FP", "I2FP", "HGMMA", "HMMA", "MUFU", "SHFL",
+        elif base in ("LDL", "STL", "I2F", "F2F", "F2FP", "I2FP", "HGMMA", "HMMA", "IGMMA", "IMMA",
+                      "F2I", "MUFU", "SHFL",
                       "BAR", "PRMT", "LOP3", "IMAD", "FMUL", "FFMA", "FADD", "BSSY", "SYNCS",
                       "UTMALDG", "WARPGROUP", "IADD3", "LEA", "ISETP", "SEL", "SHF", "IABS",
                       "VIADD"):
@@ -149,7 +150,7 @@ def _sass_histogram(sass: str) -> dict:
 def compile_config(kv: str, *, tile_n: int, num_warps: int, num_stages: int, q_len: int,
                    page: int, splits: int, keep: Path | None, arch: int = 90,
                    lazy: bool = False, head_split: int | None = None, row_split: int = 1,
-                   flat_words: bool | None = None) -> dict:
+                   flat_words: bool | None = None, qk_int8: bool = False) -> dict:
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -174,7 +175,7 @@ def compile_config(kv: str, *, tile_n: int, num_warps: int, num_stages: int, q_l
             k_scale_cache=case.k_scale_cache, v_scale_cache=case.v_scale_cache,
             max_seq_len=case.max_seq_len, num_splits=splits, tile_n=tile_n,
             num_warps=num_warps, num_stages=num_stages, lazy_rescale=lazy,
-            head_split=head_split, row_split=row_split, flat_words=flat_words)
+            head_split=head_split, row_split=row_split, flat_words=flat_words, qk_int8=qk_int8)
     finally:
         wv._wide_verify_split_kernel, wv._wide_verify_reduce_kernel, wv._rht_rows_kernel = saved
     grid, args, kwargs = cap.calls[0]
@@ -227,6 +228,7 @@ def main(argv=None) -> int:
     ap.add_argument("--row-split", type=int, default=1, help="1 or 2 (the wrapper's row_split)")
     ap.add_argument("--flat-words", type=int, choices=(0, 1), default=None,
                     help="int8 / int4: load a tile's words flat (1) or 2-D (0); default: the wrapper's")
+    ap.add_argument("--qk-int8", action="store_true", help="int8: Q.K^T as an int8 dot (qk_int8=True)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     rows = []
@@ -239,7 +241,8 @@ def main(argv=None) -> int:
                                        keep=Path(a.keep) if a.keep else None, arch=a.arch,
                                        lazy=a.lazy, head_split=a.head_split,
                                        row_split=a.row_split,
-                                       flat_words=None if a.flat_words is None else bool(a.flat_words))
+                                       flat_words=None if a.flat_words is None else bool(a.flat_words),
+                                       qk_int8=a.qk_int8)
                     rows.append(r)
                     h = r["sass"]
                     print(f"sm_{a.arch} {kv:>5} tile {t:>3} warps {w:>2} stages {s} | "
@@ -248,8 +251,8 @@ def main(argv=None) -> int:
                           f"smem {r['shared_bytes']} | "
                           + " ".join(f"{k}={v}" for k, v in h.items()
                                      if k.split(".")[0] in ("LDG", "LDGSTS", "STL", "LDL", "I2F",
-                                                            "F2F", "F2FP", "HGMMA", "STS",
-                                                            "LDS", "LDSM", "total")),
+                                                            "F2F", "F2FP", "HGMMA", "IGMMA", "IMMA", "HMMA",
+                                                            "STS", "LDS", "LDSM", "total")),
                           flush=True)
                     lp = r["loop"]
                     print("    tile loop: " + " ".join(
@@ -257,7 +260,9 @@ def main(argv=None) -> int:
                         if k.split(".")[0] in ("IMAD", "LEA", "IADD3", "ISETP", "SEL", "SHF",
                                                "IABS", "LOP3", "PRMT", "FADD", "FMUL", "F2FP",
                                                "I2F", "LDGSTS", "LDG", "STS", "LDS", "STL", "LDL",
-                                               "HGMMA", "SHFL", "BAR", "total")), flush=True)
+                                               "HGMMA", "IGMMA", "IMMA", "HMMA", "SHFL", "BAR",
+                                               "total")),
+                          flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -153,6 +153,67 @@ def test_flat_words_row_split_non_causal_extreme(kv_dtype, gen):
             _check(case, out, gen.initial_seed(), causal=causal)
 
 
+# qk_int8 (session 29, opt-in): Q.K^T as an int8 dot of the row-quantized query with the key
+# bytes as stored. Against the float64 reference fed the same quantized query (the kernel's only
+# new error is that quantization), and against the plain reference (how far the quantization
+# moves the output); head_split 1 / 2, row_split 2, non-causal, and the extreme codes with NaN
+# scales and 0xFF bytes in the slots past the end, which the int8 dot reads unmasked.
+_PAGE_TILE_CASES = [n for n, c in CASES.items() if c[3] % c[5] == 0]
+
+
+@inproc
+@pytest.mark.parametrize("name", _PAGE_TILE_CASES)
+def test_qk_int8_matches_reference(name, gen):
+    case, splits, tile = _named_case(name, "int8", gen)
+    want_q8 = ref_mod.reference_verify_attention(
+        ref_mod.quantize_query_rows_int8(case.q), case.key_cache, case.value_cache,
+        cu_seqlens_q=case.cu_seqlens_q, seq_lens=case.seq_lens, block_table=case.block_table,
+        softmax_scale=case.softmax_scale, kv_dtype="int8", k_scale_cache=case.k_scale_cache,
+        v_scale_cache=case.v_scale_cache)
+    for kw in ({}, {"head_split": 2}, {"row_split": 2}):
+        out = _run(case, num_splits=splits, tile_n=tile, qk_int8=True, **kw)
+        _check(case, out, gen.initial_seed())
+        err = (out.double() - want_q8).abs().max()
+        assert err <= TOL * want_q8.abs().amax().clamp_min(1.0), (kw, float(err), gen.initial_seed())
+
+
+@inproc
+def test_qk_int8_quantizes_the_query_like_the_reference(gen):
+    # one outlier element per query row makes the row's int8 codes coarse: the plain reference is
+    # then far off, the quantized-query reference is not (the kernel quantizes exactly so)
+    case, splits, tile = _named_case("q16-q8-ragged-splits4", "int8", gen)
+    case.q[..., 0] = 40.0 * case.q.abs().amax()
+    case.q[..., 1:] *= 8.0  # scores large enough that the coarse codes move the softmax
+    want_q8 = ref_mod.reference_verify_attention(
+        ref_mod.quantize_query_rows_int8(case.q), case.key_cache, case.value_cache,
+        cu_seqlens_q=case.cu_seqlens_q, seq_lens=case.seq_lens, block_table=case.block_table,
+        softmax_scale=case.softmax_scale, kv_dtype="int8", k_scale_cache=case.k_scale_cache,
+        v_scale_cache=case.v_scale_cache)
+    plain = case.reference()
+    scale = want_q8.abs().amax().clamp_min(1.0)
+    assert (want_q8 - plain).abs().max() > 4 * TOL * scale, "the case does not separate the two"
+    for kw in ({}, {"head_split": 2}):
+        out = _run(case, num_splits=splits, tile_n=tile, qk_int8=True, **kw)
+        err = (out.double() - want_q8).abs().max()
+        assert err <= TOL * scale, (kw, float(err), gen.initial_seed())
+
+
+@inproc
+def test_qk_int8_non_causal_extreme_and_bad_input(gen):
+    case = _extreme_codes_case("int8", gen)
+    for causal in (True, False):
+        for kw in ({}, {"head_split": 2, "row_split": 2}):
+            out = _run(case, num_splits=3, tile_n=16, causal=causal, qk_int8=True, **kw)
+            _check(case, out, gen.initial_seed(), causal=causal)
+    with pytest.raises(ValueError, match="qk_int8 is not valid for kv_mode 'int8' with page 16 and "
+                                         "tile_n 32; valid: int8 KV with page a multiple of tile_n"):
+        _run(case, tile_n=32, qk_int8=True)
+    for kv_dtype in ("bf16", "int4"):
+        other, _, _ = _named_case("decode-q1-ragged", kv_dtype, gen)
+        with pytest.raises(ValueError, match=f"qk_int8 is not valid for kv_mode '{kv_dtype}'"):
+            _run(other, qk_int8=True)
+
+
 @inproc
 def test_more_splits_than_tiles_and_auto_splits(gen):
     case = ref_mod.make_verify_case(

@@ -136,6 +136,19 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y.to(torch.int8), scale
 
 
+def quantize_query_rows_int8(q: torch.Tensor) -> torch.Tensor:
+    """The query as the wide-verify kernel's ``qk_int8`` sees it, float64: each [D] row scaled
+    by 127 / its absmax in float32, rounded half away from zero to -127..127, times absmax / 127
+    (an all-zero row stays zero). Feed it to :func:`reference_verify_attention` in place of q."""
+    qf = q.float()
+    amax = qf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    y = qf * inv
+    codes = torch.where(y >= 0, y + 0.5, y - 0.5).trunc()
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return codes.double() * scale.double()
+
+
 def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., D] -> packed uint8 [..., D/2] (rotated, asymmetric) and float32 scale with zp bits."""
     r = rht_forward(x.float(), torch.float32)

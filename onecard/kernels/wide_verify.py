@@ -68,6 +68,12 @@ def _dot_acc(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _round_to_int8(x):
+    """float32 in [-127, 127] -> int8, rounding half away from zero (the cast truncates)."""
+    return tl.where(x >= 0.0, x + 0.5, x - 0.5).to(tl.int8)
+
+
+@triton.jit
 def _hadamard_vec(x, D: tl.constexpr, LOG2_D: tl.constexpr):
     """Unnormalized Sylvester Walsh-Hadamard transform of a [D] float32 vector: the butterfly
     of vLLM's ``fast_hadamard_transform`` (torch tier: pairs h apart -> (a + b, a - b))."""
@@ -178,6 +184,7 @@ def _wide_verify_split_kernel(
     HEAD_SPLIT: tl.constexpr = 1,
     ROW_SPLIT: tl.constexpr = 1,
     FLAT_WORDS: tl.constexpr = False,
+    QK_INT8: tl.constexpr = False,
 ):
     # FLAT_WORDS (int8 / int4 on the PAGE_TILES path): load a tile's K / V words as one flat
     # [TILE_N * WORDS] vector and reshape it in registers. The 2-D [TILE_N, WORDS] load gives each
@@ -191,6 +198,12 @@ def _wide_verify_split_kernel(
     # part), both over the same keys: half the rows, half the accumulator, so that a program
     # fits twice per SM and one program's per-tile wait (copy, unpack, barrier, wgmma) overlaps
     # the other's work. Every query token is still owned by exactly one program.
+    # QK_INT8 (int8 KV on the PAGE_TILES path; opt-in, an A/B of gpu/lib/verify_probe.py): each
+    # query row quantized once to int8 (symmetric, its absmax / 127), and Q.K^T an int8 x int8
+    # dot into int32 over the key tile's bytes as stored: no unpack of K, no bf16 copy of it in
+    # shared memory, and the int8 tensor rate (2x bf16 on Hopper, 4x on an RTX 3090's fp32
+    # accumulate). A second quantization error beside the cache's (docs/wide-verify.md, "int8
+    # Q.K^T"). P.V is unchanged.
     seq = tl.program_id(0) // ROW_SPLIT
     part = tl.program_id(0) % ROW_SPLIT
     kvh = tl.program_id(1)
@@ -243,6 +256,19 @@ def _wide_verify_split_kernel(
     if HEAD_SPLIT == 2:
         q1 = tl.load(q_ptr + q_row + DH + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         acc1 = tl.zeros([BLOCK_M, DH], dtype=tl.float32)
+    if QK_INT8:
+        # per row: q ~= q_sc * q8, q8 in -127..127 (round half away from zero); an all-zero row
+        # (masked) keeps scale 1 and codes 0
+        q_f = q.to(tl.float32)
+        q_amax = tl.max(tl.abs(q_f), axis=1)
+        if HEAD_SPLIT == 2:
+            q1_f = q1.to(tl.float32)
+            q_amax = tl.maximum(q_amax, tl.max(tl.abs(q1_f), axis=1))
+        q_inv = tl.where(q_amax > 0.0, 127.0 / tl.maximum(q_amax, 1e-30), 0.0)
+        q_sc = tl.where(q_amax > 0.0, q_amax / 127.0, 1.0)
+        q8 = _round_to_int8(q_f * q_inv[:, None])
+        if HEAD_SPLIT == 2:
+            q8_1 = _round_to_int8(q1_f * q_inv[:, None])
     # int8 / int4 caches are read as int32 words (rows are 4-byte aligned, not 16: 260 / 132
     # byte rows), 4 bytes / 8 nibbles per word; WORDS per head-dim part
     WORDS: tl.constexpr = (HEAD_DIM // 4 if KV_MODE == 2 else HEAD_DIM // 8) // HEAD_SPLIT
@@ -272,6 +298,10 @@ def _wide_verify_split_kernel(
             k_rows = (offs_n[:, None] * stride_k_slot + offs_w[None, :]).to(tl.int32)
             v_rows = (offs_n[:, None] * stride_v_slot + offs_w[None, :]).to(tl.int32)
         ks_rows = (offs_n * stride_ks_slot).to(tl.int32)
+        if QK_INT8:
+            # the key tile's bytes [TILE_N, DH] (4 bytes a word): the int8 dot's B operand as
+            # stored, rows head_dim-contiguous (K-major, what int8 MMAs take)
+            kb_rows = (offs_n[:, None] * (4 * stride_k_slot) + offs_d[None, :]).to(tl.int32)
         vs_rows = (offs_n * stride_vs_slot).to(tl.int32)
         k_head = k_ptr + kvh * stride_k_head
         v_head = v_ptr + kvh * stride_v_head
@@ -316,14 +346,21 @@ def _wide_verify_split_kernel(
             s = s * qk_scale
         else:
             if PAGE_TILES:
-                kw = tl.load(k_head + (blk * stride_k_blk + slot0 * stride_k_slot) + k_rows)
-                if HEAD_SPLIT == 2:
-                    kw1 = tl.load(k_head + (blk * stride_k_blk + slot0 * stride_k_slot + WORDS)
-                                  + k_rows)
-                if FLAT_WORDS:
-                    kw = tl.reshape(kw, (TILE_N, WORDS))
+                if QK_INT8:
+                    kb = (k_head + (blk * stride_k_blk + slot0 * stride_k_slot)).to(
+                        tl.pointer_type(tl.int8))
+                    k8 = tl.load(kb + kb_rows)
                     if HEAD_SPLIT == 2:
-                        kw1 = tl.reshape(kw1, (TILE_N, WORDS))
+                        k8_1 = tl.load(kb + DH + kb_rows)
+                else:
+                    kw = tl.load(k_head + (blk * stride_k_blk + slot0 * stride_k_slot) + k_rows)
+                    if HEAD_SPLIT == 2:
+                        kw1 = tl.load(k_head + (blk * stride_k_blk + slot0 * stride_k_slot
+                                                + WORDS) + k_rows)
+                    if FLAT_WORDS:
+                        kw = tl.reshape(kw, (TILE_N, WORDS))
+                        if HEAD_SPLIT == 2:
+                            kw1 = tl.reshape(kw1, (TILE_N, WORDS))
                 k_sc = tl.load(ks_head + (blk * stride_ks_blk + slot0 * stride_ks_slot)
                                + ks_rows)
             else:
@@ -348,13 +385,22 @@ def _wide_verify_split_kernel(
                 k_sc = (kbits & -16).to(tl.float32, bitcast=True)
             else:
                 k_off = tl.zeros([TILE_N], dtype=tl.float32)
-            k = _unpack_words(kw, k_off, KV_MODE, TILE_N, DH).to(q.dtype)
-            # per-token scale: a column scale of the scores, the tile itself is only converted
-            s = _dot(q, tl.trans(k), DOT_F32)
-            if HEAD_SPLIT == 2:
-                k1 = _unpack_words(kw1, k_off, KV_MODE, TILE_N, DH).to(q.dtype)
-                s = _dot_acc(q1, tl.trans(k1), s, DOT_F32)
-            s = s * (qk_scale * k_sc[None, :])
+            if QK_INT8:
+                # int32 scores (float32 under the interpreter: exact, |sum| < 2^24), scaled
+                # by the query row's and the key's scales
+                s = _dot(q8, tl.trans(k8), DOT_F32)
+                if HEAD_SPLIT == 2:
+                    s = _dot_acc(q8_1, tl.trans(k8_1), s, DOT_F32)
+                s = s.to(tl.float32) * (q_sc[:, None] * (qk_scale * k_sc[None, :]))
+            else:
+                k = _unpack_words(kw, k_off, KV_MODE, TILE_N, DH).to(q.dtype)
+                # per-token scale: a column scale of the scores, the tile itself is only
+                # converted
+                s = _dot(q, tl.trans(k), DOT_F32)
+                if HEAD_SPLIT == 2:
+                    k1 = _unpack_words(kw1, k_off, KV_MODE, TILE_N, DH).to(q.dtype)
+                    s = _dot_acc(q1, tl.trans(k1), s, DOT_F32)
+                s = s * (qk_scale * k_sc[None, :])
         if PAGE_TILES:
             s = tl.where(pos[None, :] < lim_hi[:, None], s, float("-inf"))
         else:
@@ -674,6 +720,22 @@ def _flat_words_setting() -> bool | None:
 _FLAT_WORDS_SETTING = _flat_words_setting()
 
 
+def _qk_int8_setting() -> bool | None:
+    """ONECARD_VERIFY_QK_INT8 (the launcher's VERIFY_QK_INT8): auto (default) / 0 -> off; 1 ->
+    ``qk_int8`` for every int8 launch that can take it (the PAGE_TILES path), an A/B for a server
+    (speed: job 31 arms; numerics: job 32's perplexity). Never a default before both."""
+    return _env_setting("ONECARD_VERIFY_QK_INT8", {"0": False, "1": True})
+
+
+_QK_INT8_SETTING = _qk_int8_setting()
+
+
+def default_qk_int8(mode: int, page_tiles: bool) -> bool:
+    """``qk_int8`` when the caller gives none: ONECARD_VERIFY_QK_INT8=1 on an int8 launch whose
+    tiles lie in one page; off otherwise (int4 / bf16 ignore the knob)."""
+    return bool(_QK_INT8_SETTING) and mode == 2 and page_tiles
+
+
 def default_flat_words(mode: int, device: torch.device) -> bool:
     """``flat_words`` when the caller gives none (int8 / int4; bf16 never reads words):
     ONECARD_VERIFY_FLAT_WORDS's 0 / 1 if set, else ``FLAT_WORDS_HOPPER`` (True) on a GPU with
@@ -752,6 +814,7 @@ def wide_verify_attention(
     head_split: int | None = None,
     row_split: int | None = None,
     flat_words: bool | None = None,
+    qk_int8: bool | None = None,
 ) -> torch.Tensor:
     """Verify attention over vLLM's paged cache; writes ``out`` [T, Hq, D] and returns it.
     ``causal`` (default): query i of a sequence sees keys p < seq_len - q_len + i + 1; False: every
@@ -765,6 +828,9 @@ def wide_verify_attention(
     ``flat_words`` (None: :func:`default_flat_words`): int8 / int4 tiles loaded as one flat vector
     of words, so that they are staged in shared memory without bank conflicts (docs/wide-verify.md,
     "bank conflicts").
+    ``qk_int8`` (None: :func:`default_qk_int8`, off unless ONECARD_VERIFY_QK_INT8=1; True: int8 KV
+    with page a multiple of tile_n only): Q.K^T as an int8 dot of the query, quantized per row,
+    with the key tile's bytes as stored (docs/wide-verify.md, "int8 Q.K^T"). An A/B, not a default.
     ``row_split`` (None: :func:`default_row_split`; 1 or 2): each sequence's query tokens in
     ``row_split`` programs of half the rows over the same keys (twice the programs, each small
     enough to share an SM with another); the launch's tile / stages then default to those of the
@@ -864,6 +930,11 @@ def wide_verify_attention(
         part_l = torch.empty_like(part_m)
 
     page_tiles = mode != 0 and page % tile_n == 0
+    if qk_int8 is None:
+        qk_int8 = default_qk_int8(mode, page_tiles)
+    elif qk_int8 and not (mode == 2 and page_tiles):
+        raise ValueError(f"qk_int8 is not valid for kv_mode {kv_mode!r} with page {page} and tile_n "
+                         f"{tile_n}; valid: int8 KV with page a multiple of tile_n")
     _wide_verify_split_kernel[(num_seqs * row_split, num_kv_heads, num_splits)](
         q_in, key_cache, value_cache, k_scale_cache, v_scale_cache,
         block_table, seq_lens, cu_seqlens_q,
@@ -883,6 +954,7 @@ def wide_verify_attention(
         # only the PAGE_TILES path reads words tile by tile: no other launch compiles a flat variant
         FLAT_WORDS=page_tiles and bool(default_flat_words(mode, q.device) if flat_words is None
                                        else flat_words),
+        QK_INT8=bool(qk_int8),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
