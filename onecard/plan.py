@@ -850,6 +850,15 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
         _note_no_effect(plan, "VERIFY_FLAT_WORDS", [
             (wide_off, wide_off_why),
             (kv not in PER_TOKEN_HEAD_KV, f"KV={kv} (it changes how int8 / int4 KV tiles are loaded)")])
+    # VERIFY_QK_INT8: the same reader (ONECARD_VERIFY_QK_INT8, read at import)
+    _to_server(plan, "VERIFY_QK_INT8")
+    if plan.get("VERIFY_QK_INT8") == "1" and not _note_no_effect(plan, "VERIFY_QK_INT8", [
+            (wide_off, wide_off_why),
+            (kv != "int8_per_token_head", f"KV={kv} (it concerns int8 KV: the key tile's bytes are the int8 dot's "
+                                          f"operand)")]):
+        plan.notes.append("VERIFY_QK_INT8=1: the wide-verify kernel's Q.K^T is an int8 dot of the query quantized "
+                          "per row (docs/wide-verify.md \"int8 Q.K^T\"); a second quantization error, so greedy "
+                          "text may differ from VERIFY_QK_INT8=0; not yet run on a GPU")
     # GDN_SHARED_META's only reader is patch 0082 (gdn_attn.py, ONECARD_GDN_SHARED_META)
     _to_server(plan, "GDN_SHARED_META")
     # PREFILL_LAUNCH's only reader is patch 0083 (triton_unified_attention.py), checked in resolve

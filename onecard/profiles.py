@@ -170,6 +170,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          "(docs/wide-verify.md \"bank conflicts\"; H100 int8 32k: 182 -> 122 us a layer); 0: the 2-D load; "
          "auto: 1 on Hopper-class GPUs, 0 on sm_8x (a 3090 has not timed it; its flat launch spills a little "
          "more). Passed to the server as ONECARD_VERIFY_FLAT_WORDS", ("auto", "0", "1")),
+    Knob("VERIFY_QK_INT8", "auto", "auto|0|1", "wide-verify kernel, int8 KV: 1: Q.K^T as an int8 x int8 dot "
+         "(each query row quantized to int8 once, the key tile used as stored: no unpack of K, the int8 tensor "
+         "rate; docs/wide-verify.md \"int8 Q.K^T\"). It adds a second quantization error beside the cache's, so "
+         "greedy text may differ from 0. auto / 0: off. Not yet run on a GPU: an A/B for speed and "
+         "quality. Passed to the server as ONECARD_VERIFY_QK_INT8", ("auto", "0", "1")),
     Knob("GDN_SHARED_META", "1", "0|1", "1: one GDN attention-metadata build per step serves every GDN KV cache "
          "group (patch 0082; 10 groups beside a DFlash2 drafter, 3 otherwise); 0: stock, a build per group. "
          "Passed to the server as ONECARD_GDN_SHARED_META", BOOL),
@@ -246,6 +251,7 @@ SERVER_ENV: dict[str, str] = {
     "WIDE_VERIFY": "ONECARD_WIDE_VERIFY", "WIDE_DECODE": "ONECARD_WIDE_DECODE",
     "MTP_DRAFT_WIDE": "ONECARD_MTP_DRAFT_WIDE",
     "VERIFY_ROW_SPLIT": "ONECARD_VERIFY_ROW_SPLIT", "VERIFY_FLAT_WORDS": "ONECARD_VERIFY_FLAT_WORDS",
+    "VERIFY_QK_INT8": "ONECARD_VERIFY_QK_INT8",
     "GDN_SHARED_META": "ONECARD_GDN_SHARED_META",
     "PREFILL_LAUNCH": "ONECARD_PREFILL_LAUNCH", "DFLASH_RING": "ONECARD_DFLASH_RING",
     "LOOKUP_LANE": "ONECARD_DFLASH_LANE", "KVARN_WINDOW": "ONECARD_KVARN_WINDOW",

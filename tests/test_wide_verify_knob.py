@@ -173,6 +173,42 @@ def test_verify_flat_words_knob_passed_by_env_with_notes(tmp_path):
         mk({"VERIFY_FLAT_WORDS": "2"}, tmp_path)
 
 
+def test_verify_qk_int8_knob_passed_by_env_with_notes(tmp_path):
+    """VERIFY_QK_INT8 (the kernel's ONECARD_VERIFY_QK_INT8): auto (off) by default and sent either
+    way; 1 notes what it changes (numerics), or that it does nothing (bf16 / int4 KV, wide-verify
+    off); bad values are one line naming the valid ones; the argv never changes."""
+    plan = mk({"CTX": "long", "SPEC": "mtp"}, tmp_path)
+    assert plan.child_env["ONECARD_VERIFY_QK_INT8"] == "auto"
+    assert not any(n.startswith("VERIFY_QK_INT8") for n in plan.notes)
+    on = mk({"CTX": "long", "SPEC": "mtp", "VERIFY_QK_INT8": "1"}, tmp_path)
+    assert on.child_env["ONECARD_VERIFY_QK_INT8"] == "1" and on.argv == plan.argv
+    assert any(n.startswith("VERIFY_QK_INT8=1: the wide-verify kernel's Q.K^T is an int8 dot") for n in on.notes)
+    off = mk({"CTX": "long", "SPEC": "mtp", "VERIFY_QK_INT8": "0"}, tmp_path)
+    assert off.child_env["ONECARD_VERIFY_QK_INT8"] == "0" and not any(
+        n.startswith("VERIFY_QK_INT8") for n in off.notes)
+    assert any(n.startswith("VERIFY_QK_INT8=1 has no effect with KV=bf16") for n in mk(
+        {"CTX": "fast", "SPEC": "mtp", "VERIFY_QK_INT8": "1"}, tmp_path).notes)
+    assert any(n.startswith("VERIFY_QK_INT8=1 has no effect with KV=int4_per_token_head") for n in mk(
+        {"CTX": "long", "SPEC": "mtp", "KV": "int4_per_token_head", "VERIFY_QK_INT8": "1"}, tmp_path).notes)
+    assert any(n.startswith("VERIFY_QK_INT8=1 has no effect with WIDE_VERIFY=0") for n in mk(
+        {"CTX": "long", "SPEC": "mtp", "VERIFY_QK_INT8": "1", "WIDE_VERIFY": "0"}, tmp_path).notes)
+    with pytest.raises(P.PlanError, match="VERIFY_QK_INT8.*auto.*0.*1"):
+        mk({"VERIFY_QK_INT8": "yes"}, tmp_path)
+
+
+def test_kernel_reads_verify_qk_int8(monkeypatch):
+    """The kernel's side: off unless the setting is 1, and then only for int8 launches on the
+    page-tile path (int4 / bf16 and tiles that straddle pages keep the bf16 dot)."""
+    wv = pytest.importorskip("onecard.kernels.wide_verify")
+    for setting in (None, False):
+        monkeypatch.setattr(wv, "_QK_INT8_SETTING", setting)
+        assert wv.default_qk_int8(2, True) is False
+    monkeypatch.setattr(wv, "_QK_INT8_SETTING", True)
+    assert wv.default_qk_int8(2, True) is True
+    assert wv.default_qk_int8(2, False) is False
+    assert wv.default_qk_int8(4, True) is False and wv.default_qk_int8(0, False) is False
+
+
 def test_kernel_reads_verify_flat_words(monkeypatch):
     """The kernel's side: auto -> the GPU's default (never on the CPU, never for bf16); 0 / 1 ->
     that load for int8 / int4 (the environment reader itself: test_kernel_env_settings)."""
@@ -196,6 +232,7 @@ def test_kernel_reads_verify_flat_words(monkeypatch):
     ("_row_split_setting", "ONECARD_VERIFY_ROW_SPLIT", (("1", 1), (" 2 ", 2)), "3", "auto, 1, 2"),
     ("_flat_words_setting", "ONECARD_VERIFY_FLAT_WORDS", (("0", False), (" 1 ", True)), "yes",
      "auto, 0, 1"),
+    ("_qk_int8_setting", "ONECARD_VERIFY_QK_INT8", (("0", False), ("1", True)), "on", "auto, 0, 1"),
 ])
 def test_kernel_env_settings(monkeypatch, reader, var, cases, bad, valid):
     """The kernel's environment knobs (read once at import in the server): auto / empty -> None,
