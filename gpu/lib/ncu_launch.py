@@ -30,6 +30,9 @@ LAUNCHES = {
     # session 28's question: two programs per SM once the words' bank conflicts are gone
     "int8-rs2-flat": ("int8", {"tile_n": 16, "num_warps": 4, "num_stages": 3, "row_split": 2,
                                "flat_words": True}),
+    # session 29: Q.K^T as an int8 dot (IGMMA on the key bytes as stored; no K unpack)
+    "int8-qk8": ("int8", {"tile_n": 16, "num_warps": 8, "num_stages": 4, "flat_words": True,
+                          "qk_int8": True}),
 }
 
 

@@ -11,7 +11,7 @@ for the kernel and the reference) is installed, which changes nothing in the tim
 Prints one line per row and writes verify_probe.json (each row as it lands) under --out. The full
 comparison (stock, the sweep) is job 30's; this is the quick look when the budget is short.
 Session 26 built it for row_split (slower: docs/wide-verify.md), session 27 for flat_words
-(-33 % on int8, measured in session 28), session 28 added the occupancy arm.
+(-33 % on int8, measured in session 28), session 28 added the occupancy arm, session 29 the qkint8 arm.
 """
 from __future__ import annotations
 
@@ -58,6 +58,15 @@ ARMS = {
                   ("int4", {**_D8, "head_split": 2, "flat_words": True}),
                   ("int4", {"tile_n": 16, "num_warps": 4, "num_stages": 3, "row_split": 2, "head_split": 2,
                             "flat_words": True})],
+    # session 29: Q.K^T as an int8 dot of the row-quantized query with the key bytes as stored
+    # (qk_int8). The compiler (sm_90, Triton 3.9): 8 IGMMA instead of 16 HGMMA a tile, no K
+    # unpack or bf16 store of K, tile loop 592 -> 506 instructions (head_split 2: 579 -> 521).
+    # Correctness here is against the plain reference: the rel err shows what the query's
+    # quantization costs at the model's geometry.
+    "qkint8": [("int8", {**_D8, "flat_words": True}),
+               ("int8", {**_D8, "flat_words": True, "qk_int8": True}),
+               ("int8", {**_D8, "head_split": 2, "flat_words": True}),
+               ("int8", {**_D8, "head_split": 2, "flat_words": True, "qk_int8": True})],
     # session 26: row_split 2 (4 warps, two programs an SM) vs each default
     "rowsplit": [("int8", dict(_D8)),
                  ("int8", {"tile_n": 16, "num_warps": 4, "num_stages": 3, "row_split": 2}),
