@@ -114,16 +114,23 @@ def test_mtp_draft_wide_knob_passed_by_env_with_notes(tmp_path):
         mk({"MTP_DRAFT_WIDE": "maybe"}, tmp_path)
 
 
+def _sent_with_note(tmp_path, knob: str, var: str, value: str, note: str) -> None:
+    """A kernel knob on CTX=long SPEC=mtp: 'auto' sent by default with no note; `value` sent as
+    itself, the argv unchanged, and a note starting with `note`."""
+    plan = mk({"CTX": "long", "SPEC": "mtp"}, tmp_path)
+    assert plan.child_env[var] == "auto"
+    assert not any(n.startswith(knob) for n in plan.notes)
+    on = mk({"CTX": "long", "SPEC": "mtp", knob: value}, tmp_path)
+    assert on.child_env[var] == value and on.argv == plan.argv
+    assert any(n.startswith(note) for n in on.notes), on.notes
+
+
 def test_verify_row_split_knob_passed_by_env_with_notes(tmp_path):
     """VERIFY_ROW_SPLIT (the kernel's ONECARD_VERIFY_ROW_SPLIT): auto by default, sent either way;
     2 notes that it is unmeasured, or that it does nothing without verify blocks; bad values are
     one line naming the valid ones; the argv never changes."""
-    plan = mk({"CTX": "long", "SPEC": "mtp"}, tmp_path)
-    assert plan.child_env["ONECARD_VERIFY_ROW_SPLIT"] == "auto"
-    assert not any(n.startswith("VERIFY_ROW_SPLIT") for n in plan.notes)
-    on = mk({"CTX": "long", "SPEC": "mtp", "VERIFY_ROW_SPLIT": "2"}, tmp_path)
-    assert on.child_env["ONECARD_VERIFY_ROW_SPLIT"] == "2" and on.argv == plan.argv
-    assert any(n.startswith("VERIFY_ROW_SPLIT=2: verify blocks of 9..16 tokens") for n in on.notes)
+    _sent_with_note(tmp_path, "VERIFY_ROW_SPLIT", "ONECARD_VERIFY_ROW_SPLIT", "2",
+                    "VERIFY_ROW_SPLIT=2: verify blocks of 9..16 tokens")
     assert any(n.startswith("VERIFY_ROW_SPLIT=2 has no effect with SPEC=off")
                for n in mk({"CTX": "long", "SPEC": "off", "VERIFY_ROW_SPLIT": "2"}, tmp_path).notes)
     assert any(n.startswith("VERIFY_ROW_SPLIT=2 has no effect with WIDE_VERIFY=0") for n in mk(
@@ -177,12 +184,8 @@ def test_verify_qk_int8_knob_passed_by_env_with_notes(tmp_path):
     """VERIFY_QK_INT8 (the kernel's ONECARD_VERIFY_QK_INT8): auto (off) by default and sent either
     way; 1 notes what it changes (numerics), or that it does nothing (bf16 / int4 KV, wide-verify
     off); bad values are one line naming the valid ones; the argv never changes."""
-    plan = mk({"CTX": "long", "SPEC": "mtp"}, tmp_path)
-    assert plan.child_env["ONECARD_VERIFY_QK_INT8"] == "auto"
-    assert not any(n.startswith("VERIFY_QK_INT8") for n in plan.notes)
-    on = mk({"CTX": "long", "SPEC": "mtp", "VERIFY_QK_INT8": "1"}, tmp_path)
-    assert on.child_env["ONECARD_VERIFY_QK_INT8"] == "1" and on.argv == plan.argv
-    assert any(n.startswith("VERIFY_QK_INT8=1: the wide-verify kernel's Q.K^T is an int8 dot") for n in on.notes)
+    _sent_with_note(tmp_path, "VERIFY_QK_INT8", "ONECARD_VERIFY_QK_INT8", "1",
+                    "VERIFY_QK_INT8=1: the wide-verify kernel's Q.K^T is an int8 dot")
     off = mk({"CTX": "long", "SPEC": "mtp", "VERIFY_QK_INT8": "0"}, tmp_path)
     assert off.child_env["ONECARD_VERIFY_QK_INT8"] == "0" and not any(
         n.startswith("VERIFY_QK_INT8") for n in off.notes)
