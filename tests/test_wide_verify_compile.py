@@ -13,7 +13,8 @@ on a device.
 Shapes: the 27B target (24 query / 4 KV heads x 256, causal) for bf16 / int8 / int4 KV at every
 block of query rows (verify blocks of 1..16 tokens), and the DFlash2 drafter's own attention (32 /
 8 x 128, non-causal block of 8 or 16) for bf16 / int8; and int8 / int4 with ``flat_words=True``
-(VERIFY_FLAT_WORDS=1) at blocks of 1 and 16 tokens.
+(VERIFY_FLAT_WORDS=1) at blocks of 1 and 16 tokens; and int8 with ``qk_int8=True``
+(VERIFY_QK_INT8=1: the int8 Q.K^T dot) for the target at 1 and 16 tokens and the drafter's block.
 """
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ for kv in ("bf16", "int8"):
 for kv in ("int8", "int4"):
     for q_len in (1, 16):
         run("target-flat", 24, 4, 256, kv, q_len, True, flat_words=True)
+# VERIFY_QK_INT8=1 on a 3090: the int8 Q.K^T dot (IMMA) at the defaults
+for q_len in (1, 16):
+    run("target-qk8", 24, 4, 256, "int8", q_len, True, qk_int8=True)
+run("drafter-qk8", 32, 8, 128, "int8", 16, False, qk_int8=True)
 '''
 
 
@@ -73,7 +78,7 @@ def test_default_launches_fit_an_rtx_3090(tmp_path):
     assert kernels == {"_wide_verify_split_kernel", "_wide_verify_reduce_kernel", "_rht_rows_kernel"}, kernels
     assert {(r["case"], r["kv"]) for r in rows if r["kernel"] == "_wide_verify_split_kernel"} == {
         ("target", "bf16"), ("target", "int8"), ("target", "int4"), ("drafter", "bf16"), ("drafter", "int8"),
-        ("target-flat", "int8"), ("target-flat", "int4")}
+        ("target-flat", "int8"), ("target-flat", "int4"), ("target-qk8", "int8"), ("drafter-qk8", "int8")}
     over = [r for r in rows if r["shared"] > SM86_SHARED]
     assert not over, over
     # the case that did not fit before: 128 query rows x 256, bf16 KV
