@@ -53,3 +53,20 @@ def test_next_lease_arms_run_under_the_interpreter(tmp_path, arm, rows):
     res = json.loads((tmp_path / "verify_probe.json").read_text())
     assert len(res["correctness"]) == rows and all(x["ok"] for x in res["correctness"])
     assert len(res["timing"]) == rows and all("ours_ms" in x for x in res["timing"])
+
+
+def test_a_launch_that_raises_is_its_own_row(tmp_path):
+    """A launch that fails (a new option the device's Triton cannot compile, say) is recorded as an
+    error row; the other launches are still checked and timed, and the probe exits 1."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}:{REPO / 'gpu' / 'lib'}"}
+    code = ("import sys, verify_probe as vp\n"
+            "vp.ARMS['t'] = [('int8', {'row_split': 3}), ('int8', {'tile_n': 16})]\n"
+            f"sys.exit(vp.main(['--smoke', '--arms', 't', '--out', {str(tmp_path)!r}]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
+                       timeout=900)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads((tmp_path / "verify_probe.json").read_text())
+    bad, good = res["correctness"]
+    assert not bad["ok"] and "row_split=3 is not valid" in bad["error"] and good["ok"]
+    assert "ours_error" in res["timing"][0] and "ours_ms" in res["timing"][1]

@@ -159,7 +159,12 @@ def main(argv=None) -> int:
             cases[kv] = (c, c.reference())
         c, ref = cases[kv]
         o = torch.full_like(c.q, float("nan"))
-        run_ours(c, o, **launch({**kw, "num_splits": 7}))
+        try:  # one launch that does not compile (a new option on the device's Triton) is its own row
+            run_ours(c, o, **launch({**kw, "num_splits": 7}))
+        except Exception as exc:  # noqa: BLE001
+            res["correctness"].append({"kv": kv, "kw": kw, "error": repr(exc)[:300], "ok": False})
+            print(f"correctness {kv} {kw}: ERROR {repr(exc)[:200]}", flush=True)
+            continue
         e = rel_err(o, ref)
         ok = e <= 3e-2 and not bool(torch.isnan(o).any())
         res["correctness"].append({"kv": kv, "kw": kw, "rel_err": e, "ok": ok})
