@@ -127,12 +127,17 @@ def reference_verify_attention(
 # ---------------------------------------------------------------------------------------------
 
 
+def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest integer, halves away from zero (the kernels' and vLLM's quantizers)."""
+    return torch.where(x >= 0, x + 0.5, x - 0.5).trunc()
+
+
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., D] -> int8 data, float32 scale (absmax / 127, round half away from zero)."""
     xf = x.float()
     scale = (xf.abs().amax(-1) / 127.0).clamp_min(1e-6)
     y = xf / scale[..., None]
-    y = torch.where(y >= 0, y + 0.5, y - 0.5).trunc().clamp(-128, 127)
+    y = _round_half_away(y).clamp(-128, 127)
     return y.to(torch.int8), scale
 
 
@@ -144,7 +149,7 @@ def quantize_query_rows_int8(q: torch.Tensor) -> torch.Tensor:
     amax = qf.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     y = qf * inv
-    codes = torch.where(y >= 0, y + 0.5, y - 0.5).trunc()
+    codes = _round_half_away(y)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     return codes.double() * scale.double()
 
@@ -155,9 +160,9 @@ def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lo, hi = r.amin(-1), r.amax(-1)
     scale = ((hi - lo) / 15.0).clamp_min(1e-6)
     z = -lo / scale
-    zp = torch.where(z >= 0, z + 0.5, z - 0.5).trunc().clamp(0, 15)
+    zp = _round_half_away(z).clamp(0, 15)
     nib = (r / scale[..., None] + zp[..., None])
-    nib = torch.where(nib >= 0, nib + 0.5, nib - 0.5).trunc().clamp(0, 15).to(torch.int32)
+    nib = _round_half_away(nib).clamp(0, 15).to(torch.int32)
     packed = (nib[..., 0::2] | (nib[..., 1::2] << 4)).to(torch.uint8)
     bits = (scale.contiguous().view(torch.int32) & -16) | zp.to(torch.int32)
     return packed, bits.view(torch.float32)
