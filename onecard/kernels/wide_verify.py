@@ -723,7 +723,8 @@ _FLAT_WORDS_SETTING = _flat_words_setting()
 def _qk_int8_setting() -> bool | None:
     """ONECARD_VERIFY_QK_INT8 (the launcher's VERIFY_QK_INT8): auto (default) / 0 -> off; 1 ->
     ``qk_int8`` for every int8 launch that can take it (the PAGE_TILES path), an A/B for a server
-    (speed: job 31 arms; numerics: job 32's perplexity). Never a default before both."""
+    (speed: job 31 arms; numerics: job 32's int8qk arm, whose greedy continuation decodes on this
+    kernel; its teacher-forced perplexity runs prefill, which does not). Never a default before both."""
     return _env_setting("ONECARD_VERIFY_QK_INT8", {"0": False, "1": True})
 
 
