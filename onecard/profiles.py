@@ -151,16 +151,19 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("WIDE_VERIFY", "1", "0|1", "1: spec-decode verify batches on TRITON_ATTN (int8/int4 KV) run the split-KV "
          "wide-verify kernel (patch 0070, docs/wide-verify.md); 0: stock kernel. Passed to the server as "
          "ONECARD_WIDE_VERIFY", BOOL),
-    Knob("WIDE_DECODE", "1", "0|1", "1: plain decode batches (one token per request, none in its prompt) on "
-         "TRITON_ATTN (int8/int4 KV, CTX=long) also run the wide-verify kernel instead of stock unified_attention's "
-         "decode path (H100, SPEC=off, 27B geometry: 16.88 -> 12.44 ms per step at 32k, 24.01 -> 14.19 ms at 72k, "
-         "the same greedy text; docs/wide-verify.md); needs WIDE_VERIFY=1; 0: stock decode. Passed to the server "
-         "as ONECARD_WIDE_DECODE (patch 0070)", BOOL),
+    Knob("WIDE_DECODE", "auto", "auto|0|1", "plain decode batches (one token per request, none in its prompt) "
+         "on TRITON_ATTN with int8/int4 KV also run the wide-verify kernel instead of stock unified_attention's "
+         "decode path (H100, SPEC=off, int8 KV, 27B geometry: 16.88 -> 12.44 ms per step at 32k, 24.01 -> "
+         "14.19 ms at 72k, the same greedy text; docs/wide-verify.md). auto: int8 (CTX=long) yes, int4 no (an "
+         "int4 server's greedy decoding returned NaN on an H100, 2026-12-06, not yet explained); 1: int4 too; "
+         "0: stock decode. Needs WIDE_VERIFY=1. Passed to the server as ONECARD_WIDE_DECODE (patch 0070)",
+         ("auto", "0", "1")),
     Knob("MTP_DRAFT_WIDE", "1", "0|1", "SPEC=mtp: 1: the MTP layer's draft passes (its first pass of 1 + k "
          "tokens over the whole context, and with WIDE_DECODE its one-token steps) run the wide-verify kernel "
          "(patch 0087 hands the proposer the runner's is_prefilling; before it every draft pass ran stock "
-         "unified_attention, 1.07 ms a step at 8k on an H200, growing with depth); 0: stock, the A/B. Not yet "
-         "run on a GPU. Passed to the server as ONECARD_MTP_DRAFT_WIDE", BOOL),
+         "unified_attention, 1.07 ms a step at 8k on an H200, growing with depth; H100, 27B geometry: 19.88 -> "
+         "16.17 ms per step at 32k, 27.94 -> 18.83 ms at 72k, the same text); 0: stock, the A/B. Passed to the "
+         "server as ONECARD_MTP_DRAFT_WIDE", BOOL),
     Knob("VERIFY_ROW_SPLIT", "auto", "auto|1|2", "wide-verify kernel: 2: a verify block of 9..16 tokens in two "
          "programs of half the query rows over the same keys, 4 warps each (two share an SM on Hopper; "
          "docs/wide-verify.md \"row split\": measured slower on an H100, int8 32k 243 vs 183 us); 1: one program; "
@@ -173,8 +176,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("VERIFY_QK_INT8", "auto", "auto|0|1", "wide-verify kernel, int8 KV: 1: Q.K^T as an int8 x int8 dot "
          "(each query row quantized to int8 once, the key tile used as stored: no unpack of K, the int8 tensor "
          "rate; docs/wide-verify.md \"int8 Q.K^T\"). It adds a second quantization error beside the cache's, so "
-         "greedy text may differ from 0. auto / 0: off. Not yet run on a GPU: an A/B for speed and "
-         "quality. Passed to the server as ONECARD_VERIFY_QK_INT8", ("auto", "0", "1")),
+         "greedy text may differ from 0. auto / 0: off. The kernel was 22-27 % faster on an H100 (q=16, "
+         "32k-128k); the end-to-end step is not yet timed: an A/B for speed and quality. Passed to the server "
+         "as ONECARD_VERIFY_QK_INT8", ("auto", "0", "1")),
     Knob("GDN_SHARED_META", "1", "0|1", "1: one GDN attention-metadata build per step serves every GDN KV cache "
          "group (patch 0082; 10 groups beside a DFlash2 drafter, 3 otherwise); 0: stock, a build per group. "
          "Passed to the server as ONECARD_GDN_SHARED_META", BOOL),

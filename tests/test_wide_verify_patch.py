@@ -123,7 +123,7 @@ def test_builder_marks_only_spec_verify_batches(patched_view):
     verify rows), 17 tokens, unknown is_prefilling and the knob off are all stock."""
     _run_child(patched_view, """
         b = builder()
-        assert t._ONECARD_WIDE_DECODE is True  # unset -> auto -> on (the default since session 28)
+        assert t._ONECARD_WIDE_DECODE is None  # unset -> auto (int4 decode on stock since session 30)
         t._ONECARD_WIDE_DECODE = False         # the verify-only rule first
         def mark(q_lens, prefilling, knob=True):
             t._ONECARD_WIDE_VERIFY = knob
@@ -151,6 +151,8 @@ def test_builder_marks_only_spec_verify_batches(patched_view):
         assert mark([1, 1], [False, True]) is False and mark([1], None) is False
         assert mark([1, 1], [False, False], knob=False) is False   # needs WIDE_VERIFY
         assert mark([4, 1], [False, False]) is True and mark([17], [False]) is False
+        t._ONECARD_WIDE_DECODE = None   # auto marks decode batches too; forward picks by KV dtype
+        assert mark([1, 1], [False, False]) is True and mark([1], [False, True]) is False
         t._ONECARD_WIDE_DECODE = False
         assert mark([1, 1], [False, False]) is False
         print("OK")
@@ -233,6 +235,19 @@ def test_patched_forward_routes_and_matches_stock(patched_view):
             diff = float((ours_out.double() - stock_out.double()).abs().max())
             print(kv, "decode: ours vs ref", e1, "stock vs ref", e2, "ours vs stock", diff)
             assert e1 < 1e-2 and e2 < 1e-2 and diff < 1e-2, (kv, e1, e2, diff)
+        # auto (the default since session 30): bf16 / int8 decode on ours, int4 decode on stock
+        # (an int4 server's greedy decoding returned a NaN log-probability on an H100); an int4
+        # verify block still goes to ours
+        t._ONECARD_WIDE_DECODE = None
+        for kv, want in (("bf16", "ours"), ("int8", "ours"), ("int4", "stock")):
+            calls.clear()
+            g.manual_seed(5)
+            _, e = run(kv, [1, 1, 1], [40, 21, 77], [False, False, False])
+            assert calls == [(want, 1)] and e < 1e-2, (kv, calls, e)
+        calls.clear()
+        run("int4", [3, 5], [40, 21], [False, False])
+        assert calls == [("ours", 5)], calls
+        t._ONECARD_WIDE_DECODE = False
         # a DFlash drafter's non-causal block (8 rows per request, no is_prefilling): ours,
         # equal to stock's non-causal path and to the float64 reference
         for kv in ("bf16", "int8"):

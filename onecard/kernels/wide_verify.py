@@ -390,7 +390,10 @@ def _wide_verify_split_kernel(
                 # by the query row's and the key's scales
                 s = _dot(q8, tl.trans(k8), DOT_F32)
                 if HEAD_SPLIT == 2:
-                    s = _dot_acc(q8_1, tl.trans(k8_1), s, DOT_F32)
+                    # two int32 dots summed, not one dot accumulating into the other: Triton
+                    # 3.6 (the lent GPU's) refuses an int8 tl.dot with an int32 accumulator
+                    # (CompilationError, session 30; Triton 3.9 compiles both)
+                    s = s + _dot(q8_1, tl.trans(k8_1), DOT_F32)
                 s = s.to(tl.float32) * (q_sc[:, None] * (qk_scale * k_sc[None, :]))
             else:
                 k = _unpack_words(kw, k_off, KV_MODE, TILE_N, DH).to(q.dtype)
