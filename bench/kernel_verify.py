@@ -176,6 +176,14 @@ def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def error_text(exc: BaseException, limit: int = 1500) -> str:
+    """An exception for a result row: its type and the *tail* of its message. Triton's
+    CompilationError starts with the kernel's whole source and ends with the failing line and
+    its cause (session 30: a 300-character head named nothing but the kernel's arguments)."""
+    msg = str(exc)
+    return f"{type(exc).__name__}: {msg[-limit:] if len(msg) > limit else msg}"
+
+
 def rel_err(out, ref) -> float:
     return float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0))
 
@@ -353,7 +361,7 @@ def time_config(q_len, ctx, batch, kv, *, device, gen, block_size, l2_bytes, hav
     try:
         row["ours_ms"] = bench_ms(ours, device)
     except Exception as exc:  # noqa: BLE001
-        row["ours_error"] = repr(exc)[:300]
+        row["ours_error"] = error_text(exc)
     if graph and "ours_ms" in row:
         try:
             if (g := graph_ms(ours, device)) is not None:

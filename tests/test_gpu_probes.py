@@ -70,3 +70,39 @@ def test_a_launch_that_raises_is_its_own_row(tmp_path):
     bad, good = res["correctness"]
     assert not bad["ok"] and "row_split=3 is not valid" in bad["error"] and good["ok"]
     assert "ours_error" in res["timing"][0] and "ours_ms" in res["timing"][1]
+
+
+def test_decode_check_runs_under_the_interpreter(tmp_path):
+    """--decode-check alone (no arm): one-token and four-token launches with the server's defaults,
+    NaN scales and 0xFF codes past every sequence's end; every row matches the reference (session
+    30: int4 greedy decoding on the lent H100 returned a NaN log-probability; this is the probe's
+    first question next lease)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, str(REPO / "gpu" / "lib" / "verify_probe.py"), "--smoke",
+                        "--arms", "", "--decode-check", "--out", str(tmp_path)], capture_output=True,
+                       text=True, env=env, cwd=REPO, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads((tmp_path / "verify_probe.json").read_text())
+    rows = res["decode_check"]
+    assert len(rows) == 12 and all(x["ok"] for x in rows) and not res["timing"]
+    assert {x["kv"] for x in rows} == {"bf16", "int8", "int4"} and {x["q_len"] for x in rows} == {1, 4}
+
+
+def test_poison_reaches_past_the_end_only(gen_seed=30):
+    """The poison helper marks the slots past each end and the unowned blocks, never a live key."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm.v1.attention.ops.int4_per_token_head")
+    import verify_probe
+
+    from onecard.kernels.reference import make_verify_case
+
+    for kv in ("int8", "int4", "bf16"):
+        c = make_verify_case(q_lens=[1, 2], seq_lens=[5, 17], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                             block_size=16, kv_dtype=kv, generator=torch.Generator().manual_seed(gen_seed))
+        want = c.reference()
+        verify_probe.poison_past_the_end(c)
+        assert torch.equal(c.reference(), want)  # the live keys are untouched
+        blk = int(c.block_table[0, 0])
+        probe = c.k_scale_cache[blk, 5] if kv != "bf16" else c.key_cache[blk, 5]
+        assert torch.isnan(probe).all()

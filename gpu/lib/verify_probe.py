@@ -111,16 +111,21 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (the CPU interpreter)")
     ap.add_argument("--arms", default="flat",
-                    help="comma-separated; valid: " + ", ".join(ARMS))
+                    help="comma-separated; valid: " + ", ".join(ARMS) + " (or none: '' with --decode-check)")
+    ap.add_argument("--decode-check", action="store_true",
+                    help="first, one-token decode (and 4-token) launches as a server makes them (auto "
+                         "splits, default launch) for bf16 / int8 / int4 at SmolLM2's head geometry "
+                         "(9 q / 3 kv heads, d 64) and the model's, ragged contexts, NaN past the end")
     a = ap.parse_args(argv)
     arms = [x for x in a.arms.split(",") if x]
     bad = [x for x in arms if x not in ARMS]
-    if bad or not arms:
+    if bad or not (arms or a.decode_check):
         ap.error(f"--arms {a.arms!r} is not valid; valid: {', '.join(ARMS)}")
     stub = install_rht_stub()
     import torch
 
-    from bench.kernel_verify import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, rel_err, run_ours, time_config
+    from bench.kernel_verify import (HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, error_text, rel_err,
+                                     run_ours, time_config)
     from onecard.kernels.reference import make_verify_case
     from onecard.kernels.wide_verify import _sm_count, choose_num_splits
 
@@ -133,12 +138,16 @@ def main(argv=None) -> int:
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "rht_signs": "stand-in (no vLLM)" if stub else "vLLM", "arms": arms,
-           "correctness": [], "timing": []}
+           "correctness": [], "timing": [], "decode_check": []}
 
     def save():
         tmp = out_dir / "verify_probe.json.tmp"
         tmp.write_text(json.dumps(res, indent=1))
         tmp.replace(out_dir / "verify_probe.json")
+
+    if a.decode_check:
+        res["decode_check"] = decode_check(dev, gen, smoke=a.smoke)
+        save()
 
     def launch(kw):
         if a.smoke:  # the interpreter ignores warps / stages; keep the compile-shaping knobs
@@ -162,8 +171,9 @@ def main(argv=None) -> int:
         try:  # one launch that does not compile (a new option on the device's Triton) is its own row
             run_ours(c, o, **launch({**kw, "num_splits": 7}))
         except Exception as exc:  # noqa: BLE001
-            res["correctness"].append({"kv": kv, "kw": kw, "error": repr(exc)[:300], "ok": False})
-            print(f"correctness {kv} {kw}: ERROR {repr(exc)[:200]}", flush=True)
+            err = error_text(exc)
+            res["correctness"].append({"kv": kv, "kw": kw, "error": err, "ok": False})
+            print(f"correctness {kv} {kw}: ERROR {err}", flush=True)
             continue
         e = rel_err(o, ref)
         ok = e <= 3e-2 and not bool(torch.isnan(o).any())
@@ -184,10 +194,85 @@ def main(argv=None) -> int:
             r.pop("case", None)
             res["timing"].append(r)
             save()
-            t = f"{r['ours_ms'] * 1e3:8.1f} us" if "ours_ms" in r else r.get("ours_error", "?")[:80]
+            t = f"{r['ours_ms'] * 1e3:8.1f} us" if "ours_ms" in r else (r.get("ours_error") or "?").strip().splitlines()[-1][:120]
             print(f"q{q} ctx {ctx} b{b} {kv} {kw} splits {ns}: {t}", flush=True)
     print(f"verify_probe.json in {out_dir}")
-    return 0 if all(x["ok"] for x in res["correctness"]) else 1
+    return 0 if all(x["ok"] for x in res["correctness"] + res["decode_check"]) else 1
+
+
+# contexts around tile / page edges and the lengths of job 32's texts (SmolLM2: 21-31 prompt tokens
+# and ~1,920-2,070 with 96 generated), four ragged sequences a launch
+DECODE_LENS = [[1, 15, 16, 17], [27, 28, 31, 33], [63, 64, 65, 100], [123, 127, 128, 129],
+               [1920, 1921, 2016, 2047]]
+
+
+def poison_past_the_end(case) -> None:
+    """The slots past each sequence's end in its last page, and every block no sequence owns:
+    NaN scales and 0xFF codes (int8 / int4), NaN values (bf16): what a cache that vLLM allocated
+    without filling may hold (patch 0020 leaves scale views unfilled)."""
+    bs = case.key_cache.shape[1]
+    owned = set()
+    for s, sl in enumerate(case.seq_lens.tolist()):
+        nb = -(-sl // bs)
+        owned.update(int(b) for b in case.block_table[s, :nb].tolist())
+        last = int(case.block_table[s, nb - 1])
+        for p in range(sl - (nb - 1) * bs, bs):
+            _poison(case, last, p)
+    for blk in range(case.key_cache.shape[0]):
+        if blk not in owned:
+            for p in range(bs):
+                _poison(case, blk, p)
+
+
+def _poison(case, blk: int, slot: int) -> None:
+    import torch
+
+    if case.kv_dtype == "bf16":
+        case.key_cache[blk, slot] = float("nan")
+        case.value_cache[blk, slot] = float("nan")
+        return
+    d = case.q.shape[-1]
+    n = d if case.kv_dtype == "int8" else d // 2
+    for half, sc in ((case.key_cache, case.k_scale_cache), (case.value_cache, case.v_scale_cache)):
+        sc[blk, slot] = float("nan")
+        half[blk, slot].view(torch.uint8)[..., :n] = 0xFF
+
+
+def decode_check(dev, gen, smoke: bool = False) -> list[dict]:
+    """One-token (and 4-token) launches with the wrapper's defaults (auto splits from max_seq_len,
+    default launch, as patch 0070 calls it), NaN poison past the end, vs the float64 reference."""
+    from bench.kernel_verify import error_text, rel_err, run_ours
+    from onecard.kernels.reference import make_verify_case
+
+    import torch
+
+    geoms = [(9, 3, 64)] if smoke else [(9, 3, 64), (24, 4, 256)]
+    lens_sets = DECODE_LENS[:2] if smoke else DECODE_LENS
+    rows = []
+    for kv in ("int4", "int8", "bf16"):
+        for hq, hk, d in geoms:
+            for q_len in (1, 4):
+                for lens in lens_sets:
+                    lens_q = [min(q_len, sl) for sl in lens]
+                    c = make_verify_case(q_lens=lens_q, seq_lens=lens, num_q_heads=hq, num_kv_heads=hk,
+                                         head_dim=d, block_size=16, kv_dtype=kv, device=dev, generator=gen)
+                    poison_past_the_end(c)
+                    ref = c.reference()
+                    o = torch.full_like(c.q, float("nan"))
+                    row = {"kv": kv, "heads": [hq, hk], "head_dim": d, "q_len": q_len, "seq_lens": lens}
+                    try:
+                        run_ours(c, o)
+                        row["rel_err"] = rel_err(o, ref)
+                        row["nan"] = bool(torch.isnan(o).any())
+                        row["ok"] = row["rel_err"] <= 3e-2 and not row["nan"]
+                    except Exception as exc:  # noqa: BLE001
+                        row.update(error=error_text(exc), ok=False)
+                    rows.append(row)
+                    if not row["ok"]:
+                        print(f"decode-check FAILED {row}", flush=True)
+    n_bad = sum(not r["ok"] for r in rows)
+    print(f"decode-check: {len(rows) - n_bad}/{len(rows)} launches OK", flush=True)
+    return rows
 
 
 if __name__ == "__main__":
