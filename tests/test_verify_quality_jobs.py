@@ -191,6 +191,25 @@ def test_kv_quality_measure_and_compare(tmp_path, capsys):
     assert "| int8 |" in capsys.readouterr().out
 
 
+def test_kv_quality_compare_counts_a_failed_greedy_as_failed(tmp_path, capsys):
+    # session 30: int4's greedy continuation came back as HTTP 400 (a NaN logprob) on two texts;
+    # their teacher-forced log-probabilities still count, the table names the failure, exit 1
+    job = _load("32-kv-quality")
+
+    def arm(label, rows):
+        (tmp_path / f"kvq-{label}.json").write_text(json.dumps({"kind": "kvq", "label": label, "rows": rows}))
+
+    base = [{"id": "a", "logprobs": [-1.0, -2.0], "greedy": ["x", "y"]},
+            {"id": "b", "logprobs": [-1.5], "greedy": ["z"]}]
+    arm("bf16", base)
+    arm("int4", [{"id": "a", "logprobs": [-1.1, -2.0], "greedy": ["x", "q"]},
+                 {"id": "b", "logprobs": [-1.5], "error": "HTTPStatusError: HTTP 400: nan"}])
+    assert job.main(["compare", "--dir", str(tmp_path)]) == 1
+    res = json.loads((tmp_path / "compare.json").read_text())["arms"]["int4"]
+    assert res["tokens"] == 3 and res["failed"] == ["b"] and res["first_divergence"] == {"a": 1}
+    assert "b:ERROR" in capsys.readouterr().out
+
+
 def test_kv_quality_compare_without_base(tmp_path):
     job = _load("32-kv-quality")
     assert job.main(["compare", "--dir", str(tmp_path)]) == 1
@@ -581,3 +600,19 @@ def test_job31_table_sampled_arms(tmp_path):
     assert "depth 8192 d2k7: not compared (sampled requests: d2k7 [sampled T=0.7], off [sampled T=0.7])" in r.stdout
     assert ("same text d2k7 = d2k7-b, depth 8192: SAME (sampled: d2k7 [sampled T=0.7], d2k7-b [sampled T=0.7]; "
             "informative)") in r.stdout
+
+
+@pytest.mark.parametrize("arms, why", [("bf16 int4wd", "KVQ_ARMS names 'int4wd'"),
+                                       ("int8 int4", "must include bf16")])
+def test_job32_refuses_bad_arms_before_any_boot(tmp_path, arms, why):
+    """KVQ_ARMS is checked before the SmolLM2 conversion or a boot: a typo on a lease costs nothing,
+    and the line names what is valid (int4wd only exists with KVQ_INT4_WIDE_DECODE=1)."""
+    env = {**os.environ, "JOB_OUT": str(tmp_path / "out"), "MODELS": str(tmp_path / "models"),
+           "KVQ_ARMS": arms, "PYTHONPATH": str(REPO)}
+    (tmp_path / "out").mkdir()
+    r = subprocess.run(["bash", str(REPO / "gpu/jobs/32-kv-quality.sh")], env=env, capture_output=True,
+                       text=True, timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert why in r.stdout and "converting" not in r.stdout.lower()
+    if "int4wd" in arms:
+        assert "valid here: bf16 int8 int4 " in r.stdout

