@@ -91,3 +91,20 @@ def test_drafter_block_non_causal_on_gpu(kv_dtype, splits):
     assert not torch.isnan(out).any()
     err = (out.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)
     assert err <= 3e-2, f"rel err {err:.4g} seed {gen.initial_seed()}"
+
+
+def test_decode_at_smollm2_geometry_with_poison_on_gpu():
+    """Session 30: an int4 SmolLM2 server (9 q / 3 kv heads, head_dim 64) returned a NaN
+    log-probability while greedy decoding ran on this kernel. The probe's decode check on CUDA:
+    one- and four-token launches with the server's defaults for bf16 / int8 / int4 at that geometry
+    and the model's, ragged contexts up to 2,047, NaN scales and 0xFF codes past every end and in
+    every unowned block; each must match the float64 reference with no NaN."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gpu" / "lib"))
+    import verify_probe
+
+    rows = verify_probe.decode_check(torch.device("cuda"), torch.Generator().manual_seed(30))
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, bad[:4]
