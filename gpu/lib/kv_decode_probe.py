@@ -124,7 +124,9 @@ def main(argv=None) -> int:
     ap.add_argument("--texts", default="code-02,doc-README", help="job 32's text ids, comma-separated")
     ap.add_argument("--gen", type=int, default=96, help="greedy tokens per text")
     ap.add_argument("--follow", default="kernel", help="valid: kernel, ref (whose output the decoding takes)")
-    ap.add_argument("--tol", type=float, default=3e-2, help="largest relative error of a decode step")
+    ap.add_argument("--tol", type=float, default=0.1,
+                    help="largest relative error of a decode step (of the reference's largest |value|; "
+                         "SmolLM2 int4 on the CPU: 0.010-0.028 over 96 steps, bf16 rounding of P and O)")
     ap.add_argument("--device", default="", help="default: cuda if available, else cpu")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
