@@ -25,23 +25,19 @@ kernel's output holds a NaN or inf; that layer's inputs are saved as ``nan-<text
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (REPO, REPO / "gpu" / "lib"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from jobutil import write_json  # noqa: E402  (gpu/lib/jobutil.py: atomic)
 
 KVS = ("bf16", "int8", "int4")
-
-
-def save_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
 
 
 def job32_texts() -> dict[str, str]:
@@ -197,7 +193,7 @@ def main(argv=None) -> int:
                "max_rel_err": max(checker.step_err.values(), default=0.0),
                "step_err": checker.step_err, "first_bad": checker.first_bad}
         res["texts"][tid] = row
-        save_json(out_dir / "kv_decode_probe.json", res)
+        write_json(out_dir / "kv_decode_probe.json", res)
         ok = ok and checker.first_bad is None
         print(f"kv_decode_probe {a.kv} {tid}: {row['prompt_tokens']} prompt tokens, {len(tokens)} decoded, "
               f"max rel err {row['max_rel_err']:.4g}, first bad {checker.first_bad}", flush=True)
