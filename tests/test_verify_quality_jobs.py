@@ -203,11 +203,32 @@ def test_kv_quality_compare_counts_a_failed_greedy_as_failed(tmp_path, capsys):
             {"id": "b", "logprobs": [-1.5], "greedy": ["z"]}]
     arm("bf16", base)
     arm("int4", [{"id": "a", "logprobs": [-1.1, -2.0], "greedy": ["x", "q"]},
-                 {"id": "b", "logprobs": [-1.5], "error": "HTTPStatusError: HTTP 400: nan"}])
+                 {"id": "b", "logprobs": [-1.5], "error": "HTTPStatusError: HTTP 400: nan",
+                  "greedy_failure": {"step": 7, "passing_tokens": ["z"] * 7, "error": "nan"}}])
     assert job.main(["compare", "--dir", str(tmp_path)]) == 1
     res = json.loads((tmp_path / "compare.json").read_text())["arms"]["int4"]
     assert res["tokens"] == 3 and res["failed"] == ["b"] and res["first_divergence"] == {"a": 1}
-    assert "b:ERROR" in capsys.readouterr().out
+    assert res["failed_from_position"] == {"b": 7}
+    assert "b:ERROR@7" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("n,bad_from", [(96, 37), (96, 0), (96, 95), (1, 0), (2, 1)])
+def test_kv_quality_bisects_the_first_failing_position(n, bad_from):
+    # a greedy request whose continuation reaches position bad_from fails (as a NaN logprob did);
+    # the bisection names that position and keeps the longest passing continuation
+    job = _load("32-kv-quality")
+    calls = []
+
+    class Client:
+        def complete(self, body, text, max_tokens):
+            calls.append(max_tokens)
+            if max_tokens > bad_from:
+                raise RuntimeError("HTTP 400: nan")
+            return {"choices": [{"logprobs": {"tokens": [f"token_id:{i}" for i in range(max_tokens)]}}]}
+
+    r = job.first_failing_length(Client(), "text", n, "RuntimeError: HTTP 400: nan (the first request)")
+    assert r["step"] == bad_from and len(r["passing_tokens"]) == bad_from
+    assert "nan" in r["error"] and len(calls) <= n.bit_length() + 1
 
 
 def test_kv_quality_compare_without_base(tmp_path):

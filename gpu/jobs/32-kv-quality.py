@@ -5,10 +5,13 @@
       teacher-forced log-probabilities of every prompt token of the fixed texts (bench/prompts
       prose + code, through onecard.bench.runner.prompt_logprobs: echo+logprobs, else
       prompt_logprobs) and greedy continuations (temperature 0, GEN tokens, token ids from
-      logprobs.tokens with return_tokens_as_token_ids) of the same texts.
+      logprobs.tokens with return_tokens_as_token_ids) of the same texts. A greedy request that
+      fails (session 30: HTTP 400 on a NaN log-probability) is bisected on max_tokens: the row's
+      `greedy_failure.step` is the first generated position whose request fails.
   compare --dir DIR [--base bf16]
       per arm vs the base arm: perplexity and its delta (%), mean |delta logprob| per token,
-      first position where the greedy tokens differ (per prompt, and the minimum), as a table;
+      first position where the greedy tokens differ (per prompt, and the minimum), failed prompts
+      as `id:ERROR@position`, as a table;
       writes DIR/compare.json. Exit 1 if an arm's files are missing or token counts disagree.
 Writes are atomic. Exit 0 when every request succeeded; 2 on bad arguments.
 """
@@ -68,6 +71,21 @@ def greedy_tokens(c: Client, text: str, n: int) -> list[str]:
     return [str(t) for t in toks]
 
 
+def first_failing_length(c: Client, text: str, n: int, error: str = "") -> dict:
+    """After a greedy request of n tokens failed: bisect max_tokens for the shortest request that
+    still fails, so a NaN log-probability is pinned to one generated position (0-based `step`), and
+    keep the tokens the longest passing request returned. About log2(n) short requests."""
+    lo, hi, ok_tokens, last_err = 0, n, [], error
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            ok_tokens = greedy_tokens(c, text, mid)
+            lo = mid
+        except Exception as exc:  # noqa: BLE001
+            hi, last_err = mid, f"{type(exc).__name__}: {exc}"
+    return {"step": hi - 1, "passing_tokens": ok_tokens, "error": last_err[:300]}
+
+
 def measure(a) -> int:
     c = Client(a.url, a.model, timeout=120)
     rows, ok = [], True
@@ -76,7 +94,13 @@ def measure(a) -> int:
         try:
             lps, method = prompt_logprobs(c, text)
             row.update(logprobs=lps, method=method)
-            row["greedy"] = greedy_tokens(c, text, a.gen)
+            try:
+                row["greedy"] = greedy_tokens(c, text, a.gen)
+            except Exception as exc:
+                row["greedy_failure"] = first_failing_length(c, text, a.gen, f"{type(exc).__name__}: {exc}")
+                print(f"{a.label:<6} {pid:<14} greedy fails from generated position "
+                      f"{row['greedy_failure']['step']} on", flush=True)
+                raise
         except Exception as exc:  # noqa: BLE001
             row["error"] = f"{type(exc).__name__}: {exc}"
             ok = False
@@ -123,6 +147,7 @@ def compare(a) -> int:
         abs_d = 0.0
         divs = {}
         failed = []  # prompts whose request failed (their error is in the arm's kvq-*.json)
+        fail_at = {}  # prompt -> first generated position whose greedy request fails (bisected)
         for pid, r in rows.items():
             b = base.get(pid)
             if b is None or "logprobs" not in r or "logprobs" not in b:
@@ -142,6 +167,8 @@ def compare(a) -> int:
             else:  # teacher-forced log-probabilities counted, the greedy continuation failed
                 bad += 1
                 failed.append(pid)
+                if "greedy_failure" in r:
+                    fail_at[pid] = r["greedy_failure"]["step"]
         ppl = math.exp(-tot_lp / n) if n else None
         ppl_b = math.exp(-tot_base / n) if n else None
         delta = 100 * (ppl / ppl_b - 1) if ppl and ppl_b else None
@@ -150,10 +177,10 @@ def compare(a) -> int:
         out["arms"][label] = {"ppl": ppl, "base_ppl": ppl_b, "delta_ppl_pct": delta, "tokens": n,
                               "mean_abs_dlogprob": abs_d / n if n else None,
                               "first_divergence": divs, "first_divergence_min": first,
-                              "failed": failed}
+                              "failed": failed, "failed_from_position": fail_at}
         f = lambda x, nd=3: "-" if x is None else f"{x:.{nd}f}"  # noqa: E731
         per = ", ".join([f"{k}:{'none' if v is None else v}" for k, v in divs.items()]
-                        + [f"{k}:ERROR" for k in failed])
+                        + [f"{k}:ERROR" + (f"@{fail_at[k]}" if k in fail_at else "") for k in failed])
         print(f"| {label} | {f(ppl)} | {f(delta, 2)}% | {f(abs_d / n if n else None, 4)} | "
               f"{'none' if first is None else first} / {per} |")
     write_json(d / "compare.json", out)
