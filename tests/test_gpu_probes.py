@@ -90,10 +90,10 @@ def test_decode_check_runs_under_the_interpreter(tmp_path):
 
 
 def test_poison_reaches_past_the_end_only(gen_seed=30):
-    """The poison helper marks the slots past each end and the unowned blocks, never a live key."""
+    """VerifyCase.poison_past_the_end marks the slots past each end and the unowned blocks (NaN
+    scales, 0xFF codes; bf16 NaN), never a live key."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm.v1.attention.ops.int4_per_token_head")
-    import verify_probe
 
     from onecard.kernels.reference import make_verify_case
 
@@ -101,11 +101,17 @@ def test_poison_reaches_past_the_end_only(gen_seed=30):
         c = make_verify_case(q_lens=[1, 2], seq_lens=[5, 17], num_q_heads=4, num_kv_heads=2, head_dim=32,
                              block_size=16, kv_dtype=kv, generator=torch.Generator().manual_seed(gen_seed))
         want = c.reference()
-        verify_probe.poison_past_the_end(c)
+        c.poison_past_the_end()
         assert torch.equal(c.reference(), want)  # the live keys are untouched
         blk = int(c.block_table[0, 0])
-        probe = c.k_scale_cache[blk, 5] if kv != "bf16" else c.key_cache[blk, 5]
-        assert torch.isnan(probe).all()
+        spare = sorted(set(range(c.key_cache.shape[0])) - set(c.block_table[:, :2].flatten().tolist()))
+        for b, slot in ((blk, 5), (blk, 15)) + tuple((s, 0) for s in spare[:1]):
+            probe = c.k_scale_cache[b, slot] if kv != "bf16" else c.key_cache[b, slot]
+            assert torch.isnan(probe).all()
+            if kv != "bf16":
+                n = 32 if kv == "int8" else 16
+                assert (c.value_cache[b, slot].view(torch.uint8)[..., :n] == 0xFF).all()
+        assert not torch.isnan(c.k_scale_cache[blk, 4] if kv != "bf16" else c.key_cache[blk, 4]).any()
 
 
 @pytest.mark.parametrize("kv", ["int4", "int8"])

@@ -116,14 +116,8 @@ def _extreme_codes_case(kv_dtype, gen):
     case = ref_mod.make_verify_case(
         q_lens=[3, 1, 7], seq_lens=[21, 5, 50], num_q_heads=4, num_kv_heads=2, head_dim=32,
         block_size=16, kv_dtype=kv_dtype, generator=gen)
-    n = _fill_extreme_codes(case, kv_dtype, gen)
-    for s, sl in enumerate(case.seq_lens.tolist()):
-        for p in range(sl, -(-sl // 16) * 16):
-            blk, slot = int(case.block_table[s, p // 16]), p % 16
-            for half, sc in ((case.key_cache, case.k_scale_cache),
-                             (case.value_cache, case.v_scale_cache)):
-                sc[blk, slot] = float("nan")
-                half[blk, slot].view(torch.uint8)[..., :n] = 0xFF
+    _fill_extreme_codes(case, kv_dtype, gen)
+    case.poison_past_the_end(spare_blocks=False)
     return case
 
 
@@ -341,13 +335,7 @@ def test_slots_past_the_end_are_never_used(kv_dtype, gen):
         case = ref_mod.make_verify_case(
             q_lens=[3, 1, 7], seq_lens=[21, 5, 50], num_q_heads=4, num_kv_heads=2,
             head_dim=32, block_size=bs, kv_dtype=kv_dtype, generator=gen)
-        for s, sl in enumerate(case.seq_lens.tolist()):
-            for p in range(sl, -(-sl // bs) * bs):
-                blk, slot = int(case.block_table[s, p // bs]), p % bs
-                for half, sc in ((case.key_cache, case.k_scale_cache),
-                                 (case.value_cache, case.v_scale_cache)):
-                    sc[blk, slot] = float("nan")
-                    half[blk, slot].view(torch.uint8)[..., :32 if kv_dtype == "int8" else 16] = 0xFF
+        case.poison_past_the_end(spare_blocks=False)
         for splits in (1, 3):
             _check(case, _run(case, num_splits=splits, tile_n=tile), gen.initial_seed())
 

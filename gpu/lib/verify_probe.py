@@ -206,38 +206,6 @@ DECODE_LENS = [[1, 15, 16, 17], [27, 28, 31, 33], [63, 64, 65, 100], [123, 127, 
                [1920, 1921, 2016, 2047]]
 
 
-def poison_past_the_end(case) -> None:
-    """The slots past each sequence's end in its last page, and every block no sequence owns:
-    NaN scales and 0xFF codes (int8 / int4), NaN values (bf16): what a cache that vLLM allocated
-    without filling may hold (patch 0020 leaves scale views unfilled)."""
-    bs = case.key_cache.shape[1]
-    owned = set()
-    for s, sl in enumerate(case.seq_lens.tolist()):
-        nb = -(-sl // bs)
-        owned.update(int(b) for b in case.block_table[s, :nb].tolist())
-        last = int(case.block_table[s, nb - 1])
-        for p in range(sl - (nb - 1) * bs, bs):
-            _poison(case, last, p)
-    for blk in range(case.key_cache.shape[0]):
-        if blk not in owned:
-            for p in range(bs):
-                _poison(case, blk, p)
-
-
-def _poison(case, blk: int, slot: int) -> None:
-    import torch
-
-    if case.kv_dtype == "bf16":
-        case.key_cache[blk, slot] = float("nan")
-        case.value_cache[blk, slot] = float("nan")
-        return
-    d = case.q.shape[-1]
-    n = d if case.kv_dtype == "int8" else d // 2
-    for half, sc in ((case.key_cache, case.k_scale_cache), (case.value_cache, case.v_scale_cache)):
-        sc[blk, slot] = float("nan")
-        half[blk, slot].view(torch.uint8)[..., :n] = 0xFF
-
-
 def decode_check(dev, gen, smoke: bool = False) -> list[dict]:
     """One-token (and 4-token) launches with the wrapper's defaults (auto splits from max_seq_len,
     default launch, as patch 0070 calls it), NaN poison past the end, vs the float64 reference."""
@@ -256,7 +224,7 @@ def decode_check(dev, gen, smoke: bool = False) -> list[dict]:
                     lens_q = [min(q_len, sl) for sl in lens]
                     c = make_verify_case(q_lens=lens_q, seq_lens=lens, num_q_heads=hq, num_kv_heads=hk,
                                          head_dim=d, block_size=16, kv_dtype=kv, device=dev, generator=gen)
-                    poison_past_the_end(c)
+                    c.poison_past_the_end()
                     ref = c.reference()
                     o = torch.full_like(c.q, float("nan"))
                     row = {"kv": kv, "heads": [hq, hk], "head_dim": d, "q_len": q_len, "seq_lens": lens}

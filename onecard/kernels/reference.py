@@ -195,6 +195,37 @@ class VerifyCase:
         per_head = {"bf16": 2 * d, "int8": d + 4, "int4": d // 2 + 4}[self.kv_dtype]
         return int(self.seq_lens.sum().item()) * nkv * 2 * per_head
 
+    def poison_slots(self, blk, slot) -> None:
+        """Fill cache slots ``[blk, slot]`` (ints or slices, so the write lands in the cache) with
+        what an allocation vLLM never wrote may hold: NaN scales and 0xFF codes for int8 / int4
+        (patch 0020 leaves scale views unfilled), NaN values for bf16. A kernel must not let them
+        reach any output."""
+        if self.kv_dtype == "bf16":
+            self.key_cache[blk, slot] = float("nan")
+            self.value_cache[blk, slot] = float("nan")
+            return
+        d = self.q.shape[-1]
+        n = d if self.kv_dtype == "int8" else d // 2
+        for half, sc in ((self.key_cache, self.k_scale_cache), (self.value_cache, self.v_scale_cache)):
+            sc[blk, slot] = float("nan")
+            half[blk, slot].view(torch.uint8)[..., :n] = 0xFF
+
+    def poison_past_the_end(self, spare_blocks: bool = True) -> None:
+        """``poison_slots`` on every slot past each sequence's end in its last page and, with
+        ``spare_blocks``, on every block no sequence owns."""
+        bs = self.key_cache.shape[1]
+        owned = set()
+        for s, sl in enumerate(self.seq_lens.tolist()):
+            nb = -(-sl // bs)
+            owned.update(int(b) for b in self.block_table[s, :nb].tolist())
+            last = int(self.block_table[s, nb - 1])
+            if sl % bs:
+                self.poison_slots(last, slice(sl % bs, bs))
+        if spare_blocks:
+            for blk in range(self.key_cache.shape[0]):
+                if blk not in owned:
+                    self.poison_slots(blk, slice(None))
+
     def reference(self, causal: bool = True) -> torch.Tensor:
         return reference_verify_attention(
             self.q, self.key_cache, self.value_cache, cu_seqlens_q=self.cu_seqlens_q,
@@ -320,14 +351,14 @@ def case_from_tokens(
                    "int4": (head_dim // 2 + 4, torch.uint8)}[kv_dtype]
     kv_cache = torch.empty(num_blocks, num_kv_heads, block_size, 2 * padded, dtype=cdt, device=dev)
     k_c, v_c, ks_c, vs_c = paged_views(kv_cache, head_dim, kv_dtype)
-    if kv_dtype == "bf16":
-        k_c.fill_(float("nan"))
-        v_c.fill_(float("nan"))
-    else:
-        k_c.view(torch.uint8).fill_(0xFF)
-        v_c.view(torch.uint8).fill_(0xFF)
-        ks_c.fill_(float("nan"))
-        vs_c.fill_(float("nan"))
+    t = q.shape[0]
+    case = VerifyCase(
+        q=q, key_cache=k_c, value_cache=v_c, k_scale_cache=ks_c, v_scale_cache=vs_c,
+        cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=dev), block_table=block_table,
+        softmax_scale=softmax_scale, kv_dtype=kv_dtype, max_query_len=t, max_seq_len=seq_len,
+        kv_cache=kv_cache)
+    case.poison_slots(slice(None), slice(None))  # every slot, before the tokens are written
     pos = torch.arange(seq_len, device=dev)
     blk, slot = block_table[0, pos // block_size].long(), pos % block_size
     if kv_dtype == "bf16":
@@ -341,10 +372,4 @@ def case_from_tokens(
             rows[..., : data.shape[-1]] = data.to(dst.dtype)
             dst[blk, slot] = rows
             sdst[blk, slot] = scale
-    t = q.shape[0]
-    return VerifyCase(
-        q=q, key_cache=k_c, value_cache=v_c, k_scale_cache=ks_c, v_scale_cache=vs_c,
-        cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=dev), block_table=block_table,
-        softmax_scale=softmax_scale, kv_dtype=kv_dtype, max_query_len=t, max_seq_len=seq_len,
-        kv_cache=kv_cache)
+    return case
