@@ -27,8 +27,9 @@ WRITERS = ("onecard", "vllm")  # VerifyCase.append_tokens: the reference quantiz
 def interpreted_vllm_triton() -> None:
     """On a machine with no GPU driver, vLLM replaces Triton with a placeholder when it is first
     imported, so its own kernels (the cache write ops) cannot run under ``TRITON_INTERPRET=1``.
-    Call this before vLLM's first import: Triton's nvidia driver reports active while
-    ``vllm.triton_utils`` is imported, then reverts. No-op when a GPU driver is active."""
+    Call this, with ``TRITON_INTERPRET=1`` set, before vLLM's first import: Triton's nvidia driver
+    reports active while ``vllm.triton_utils`` is imported, then reverts. No-op once vLLM was
+    imported with a real Triton."""
     import os
     import sys
 
@@ -289,6 +290,8 @@ class VerifyCase:
         bs = self.key_cache.shape[1]
         owned = set()
         for s, sl in enumerate(self.seq_lens.tolist()):
+            if sl <= 0:
+                continue
             nb = -(-sl // bs)
             owned.update(int(b) for b in self.block_table[s, :nb].tolist())
             last = int(self.block_table[s, nb - 1])
