@@ -823,16 +823,15 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     kv, wide_off = plan.get("KV"), plan.get("WIDE_VERIFY") != "1"
     wide_off_why = "WIDE_VERIFY=0 (the wide-verify kernel is off)"
     if plan.get("WIDE_DECODE") == "1" and plan.values["WIDE_DECODE"].source != "default":
-        if not _note_no_effect(plan, "WIDE_DECODE", [
-                (kv not in PER_TOKEN_HEAD_KV, f"KV={kv} (only TRITON_ATTN with int8 / int4 per-token-head KV "
-                                              f"routes decode to the wide-verify kernel: CTX=long, or KV=...)"),
-                (wide_off, wide_off_why)]) and kv == "int4_per_token_head":
-            plan.notes.append("WIDE_DECODE=1: int4 decode on the wide-verify kernel, which auto leaves on stock: "
-                              "an int4 server's greedy decoding returned a NaN log-probability on an H100 "
-                              "(2026-12-06, docs/measurements.md), not yet explained")
-    elif plan.get("WIDE_DECODE") == "auto" and kv == "int4_per_token_head" and not wide_off:
-        plan.notes.append("WIDE_DECODE=auto: plain decode with KV=int4_per_token_head runs stock attention "
-                          "(verify blocks still run the wide-verify kernel); WIDE_DECODE=1 is the A/B")
+        _note_no_effect(plan, "WIDE_DECODE", [
+            (kv not in PER_TOKEN_HEAD_KV, f"KV={kv} (only TRITON_ATTN with int8 / int4 per-token-head KV "
+                                          f"routes decode to the wide-verify kernel: CTX=long, or KV=...)"),
+            (wide_off, wide_off_why)])
+    if kv == "int4_per_token_head" and (plan.get("WIDE_DECODE") == "0" or wide_off):
+        why = "WIDE_DECODE=0" if plan.get("WIDE_DECODE") == "0" else wide_off_why
+        plan.notes.append(f"{why} with KV=int4_per_token_head: plain decode runs stock int4 attention, which "
+                          "returned NaN log-probabilities in 4 of 4 SmolLM2 greedy texts on an H100 "
+                          "(2026-12-06, docs/measurements.md); the default (WIDE_DECODE=auto) did not")
     # MTP_DRAFT_WIDE's only reader is patch 0087 (llm_base_proposer.py, ONECARD_MTP_DRAFT_WIDE)
     _to_server(plan, "MTP_DRAFT_WIDE")
     if plan.values["MTP_DRAFT_WIDE"].source != "default":

@@ -154,9 +154,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("WIDE_DECODE", "auto", "auto|0|1", "plain decode batches (one token per request, none in its prompt) "
          "on TRITON_ATTN with int8/int4 KV also run the wide-verify kernel instead of stock unified_attention's "
          "decode path (H100, SPEC=off, int8 KV, 27B geometry: 16.88 -> 12.44 ms per step at 32k, 24.01 -> "
-         "14.19 ms at 72k, the same greedy text; docs/wide-verify.md). auto: int8 (CTX=long) yes, int4 no (an "
-         "int4 server's greedy decoding returned NaN on an H100, 2026-12-06, not yet explained); 1: int4 too; "
-         "0: stock decode. Needs WIDE_VERIFY=1. Passed to the server as ONECARD_WIDE_DECODE (patch 0070)",
+         "14.19 ms at 72k, the same greedy text; docs/wide-verify.md). auto / 1: int8 and int4 (stock int4 "
+         "decode returned NaN log-probabilities on an H100 in 4 of 4 SmolLM2 greedy texts, this kernel in "
+         "none of 16; 2026-12-06); 0: stock decode. Needs WIDE_VERIFY=1. Passed to the server as "
+         "ONECARD_WIDE_DECODE (patch 0070)",
          ("auto", "0", "1")),
     Knob("MTP_DRAFT_WIDE", "1", "0|1", "SPEC=mtp: 1: the MTP layer's draft passes (its first pass of 1 + k "
          "tokens over the whole context, and with WIDE_DECODE its one-token steps) run the wide-verify kernel "

@@ -123,7 +123,7 @@ def test_builder_marks_only_spec_verify_batches(patched_view):
     verify rows), 17 tokens, unknown is_prefilling and the knob off are all stock."""
     _run_child(patched_view, """
         b = builder()
-        assert t._ONECARD_WIDE_DECODE is None  # unset -> auto (int4 decode on stock since session 30)
+        assert t._ONECARD_WIDE_DECODE is None  # unset -> auto (every KV dtype on ours)
         t._ONECARD_WIDE_DECODE = False         # the verify-only rule first
         def mark(q_lens, prefilling, knob=True):
             t._ONECARD_WIDE_VERIFY = knob
@@ -235,11 +235,11 @@ def test_patched_forward_routes_and_matches_stock(patched_view):
             diff = float((ours_out.double() - stock_out.double()).abs().max())
             print(kv, "decode: ours vs ref", e1, "stock vs ref", e2, "ours vs stock", diff)
             assert e1 < 1e-2 and e2 < 1e-2 and diff < 1e-2, (kv, e1, e2, diff)
-        # auto (the default since session 30): bf16 / int8 decode on ours, int4 decode on stock
-        # (an int4 server's greedy decoding returned a NaN log-probability on an H100); an int4
-        # verify block still goes to ours
+        # auto (the default): every KV dtype's decode on ours, int4 included again since session
+        # 31 (stock int4 decode returned NaN log-probabilities on an H100 where ours did not);
+        # an int4 verify block goes to ours too
         t._ONECARD_WIDE_DECODE = None
-        for kv, want in (("bf16", "ours"), ("int8", "ours"), ("int4", "stock")):
+        for kv, want in (("bf16", "ours"), ("int8", "ours"), ("int4", "ours")):
             calls.clear()
             g.manual_seed(5)
             _, e = run(kv, [1, 1, 1], [40, 21, 77], [False, False, False])
