@@ -212,6 +212,33 @@ def test_kv_quality_compare_counts_a_failed_greedy_as_failed(tmp_path, capsys):
     assert "b:ERROR@7" in capsys.readouterr().out
 
 
+def test_kv_quality_compare_counts_texts_an_arm_never_reached(tmp_path, capsys):
+    # session 31: the stock int4 arm's measurement hit its time limit after 4 of 8 texts (each
+    # failure bisected); measure now writes its file after every text, and compare names the
+    # texts the arm never reached as failed
+    job = _load("32-kv-quality")
+    base = [{"id": i, "logprobs": [-1.0], "greedy": ["x"]} for i in ("a", "b", "c")]
+    (tmp_path / "kvq-bf16.json").write_text(json.dumps({"label": "bf16", "rows": base}))
+    (tmp_path / "kvq-int4st.json").write_text(json.dumps(
+        {"label": "int4st", "complete": False, "rows": [{"id": "a", "logprobs": [-1.0], "greedy": ["x"]}]}))
+    assert job.main(["compare", "--dir", str(tmp_path)]) == 1
+    res = json.loads((tmp_path / "compare.json").read_text())["arms"]["int4st"]
+    assert res["failed"] == ["b", "c"] and res["tokens"] == 1
+    assert "b:ERROR, c:ERROR" in capsys.readouterr().out
+
+
+def test_kv_quality_measure_keeps_each_text_as_it_goes(tmp_path):
+    job = _load("32-kv-quality")
+    fake = _Fake(False)
+    try:
+        assert job.main(["measure", "--url", fake.url, "--model", "m", "--label", "bf16",
+                         "--json", str(tmp_path / "kvq-bf16.json"), "--gen", "4"]) == 0
+    finally:
+        fake.close()
+    rec = json.loads((tmp_path / "kvq-bf16.json").read_text())
+    assert rec["complete"] is True and len(rec["rows"]) == len(job.texts()) and "provenance" in rec
+
+
 @pytest.mark.parametrize("n,bad_from", [(96, 37), (96, 0), (96, 95), (1, 0), (2, 1)])
 def test_kv_quality_bisects_the_first_failing_position(n, bad_from):
     # a greedy request whose continuation reaches position bad_from fails (as a NaN logprob did);
@@ -623,11 +650,11 @@ def test_job31_table_sampled_arms(tmp_path):
             "informative)") in r.stdout
 
 
-@pytest.mark.parametrize("arms, why", [("bf16 int4wd", "KVQ_ARMS names 'int4wd'"),
+@pytest.mark.parametrize("arms, why", [("bf16 int4st", "KVQ_ARMS names 'int4st'"),
                                        ("int8 int4", "must include bf16")])
 def test_job32_refuses_bad_arms_before_any_boot(tmp_path, arms, why):
     """KVQ_ARMS is checked before the SmolLM2 conversion or a boot: a typo on a lease costs nothing,
-    and the line names what is valid (int4wd only exists with KVQ_INT4_WIDE_DECODE=1)."""
+    and the line names what is valid (int4st only exists with KVQ_INT4_STOCK_DECODE=1)."""
     env = {**os.environ, "JOB_OUT": str(tmp_path / "out"), "MODELS": str(tmp_path / "models"),
            "KVQ_ARMS": arms, "PYTHONPATH": str(REPO)}
     (tmp_path / "out").mkdir()
@@ -635,5 +662,5 @@ def test_job32_refuses_bad_arms_before_any_boot(tmp_path, arms, why):
                        text=True, timeout=60, cwd=str(tmp_path))
     assert r.returncode == 2, r.stdout + r.stderr
     assert why in r.stdout and "converting" not in r.stdout.lower()
-    if "int4wd" in arms:
+    if "int4st" in arms:
         assert "valid here: bf16 int8 int4 " in r.stdout

@@ -89,6 +89,10 @@ def first_failing_length(c: Client, text: str, n: int, error: str = "") -> dict:
 def measure(a) -> int:
     c = Client(a.url, a.model, timeout=120)
     rows, ok = [], True
+    prov = provenance.build(
+        prompt_set=texts_id(), sampling={"temperature": 0.0, "greedy_tokens": a.gen},
+        token_count_source="server logprobs", warmup={"policy": "none (logprobs are exact)"},
+        server=c.server_info(), max_tokens=a.gen)
     for pid, text in texts():
         row = {"id": pid}
         try:
@@ -108,14 +112,12 @@ def measure(a) -> int:
         n = len(row.get("logprobs", []))
         print(f"{a.label:<6} {pid:<14} {n:>4} prompt tokens, {len(row.get('greedy', []))} greedy"
               + (f"  ERROR {row['error']}" if "error" in row else ""), flush=True)
-    rec = {"kind": "kv_quality", "label": a.label, "rows": rows,
-           "provenance": provenance.build(
-               prompt_set=texts_id(),
-               sampling={"temperature": 0.0, "greedy_tokens": a.gen},
-               token_count_source="server logprobs", warmup={"policy": "none (logprobs are exact)"},
-               server=c.server_info(), max_tokens=a.gen)}
+        # after every text: a measurement cut by the job's time limit keeps what it measured
+        write_json(a.json, {"kind": "kv_quality", "label": a.label, "rows": rows, "complete": False,
+                            "provenance": prov})
     c.close()
-    write_json(a.json, rec)
+    write_json(a.json, {"kind": "kv_quality", "label": a.label, "rows": rows, "complete": True,
+                        "provenance": prov})
     return 0 if ok else 1
 
 
@@ -148,6 +150,10 @@ def compare(a) -> int:
         divs = {}
         failed = []  # prompts whose request failed (their error is in the arm's kvq-*.json)
         fail_at = {}  # prompt -> first generated position whose greedy request fails (bisected)
+        for pid in base:
+            if pid not in rows:  # the arm's measurement stopped before this text (time limit)
+                bad += 1
+                failed.append(pid)
         for pid, r in rows.items():
             b = base.get(pid)
             if b is None or "logprobs" not in r or "logprobs" not in b:

