@@ -114,26 +114,28 @@ def test_poison_reaches_past_the_end_only(gen_seed=30):
         assert not torch.isnan(c.k_scale_cache[blk, 4] if kv != "bf16" else c.key_cache[blk, 4]).any()
 
 
-@pytest.mark.parametrize("kv,writer", [("int4", "onecard"), ("int8", "onecard"), ("int4", "vllm"),
-                                       ("int8", "vllm")])
-def test_kv_decode_probe_tiny_under_the_interpreter(tmp_path, kv, writer):
+@pytest.mark.parametrize("kv,writer,attn", [("int4", "onecard", "ours"), ("int8", "onecard", "ours"),
+                                            ("int4", "vllm", "ours"), ("int8", "vllm", "ours"),
+                                            ("int4", "vllm", "stock")])
+def test_kv_decode_probe_tiny_under_the_interpreter(tmp_path, kv, writer, attn):
     """gpu/lib/kv_decode_probe.py end to end on a random 2-layer Llama at SmolLM2's attention
     shape: prefill on the reference, every decode step through the kernel and checked; the JSON
     has the tokens and no bad step. The caches are written token by token, by the reference
     quantizers or by vLLM's own write op."""
     pytest.importorskip("triton")
     pytest.importorskip("transformers")
-    if writer == "vllm":
+    if writer == "vllm" or attn == "stock":
         pytest.importorskip("vllm.v1.attention.ops.triton_reshape_and_cache_flash")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, str(REPO / "gpu" / "lib" / "kv_decode_probe.py"), "--tiny", "--kv", kv,
-                        "--gen", "2", "--texts", "code-02", "--writer", writer, "--out", str(tmp_path)],
+                        "--gen", "2", "--texts", "code-02", "--writer", writer, "--attn", attn,
+                        "--out", str(tmp_path)],
                        capture_output=True,
                        text=True, env=env, cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads((tmp_path / "kv_decode_probe.json").read_text())
     row = res["texts"]["code-02"]
-    assert res["kv"] == kv and res["writer"] == writer and len(row["tokens"]) == 2
+    assert res["kv"] == kv and res["writer"] == writer and res["attn"] == attn and len(row["tokens"]) == 2
     assert row["first_bad"] is None and row["first_bad_write"] is None
     assert 0 < row["max_rel_err"] < 3e-2 and set(row["step_err"]) == {"0", "1"}
 
@@ -142,7 +144,9 @@ def test_kv_decode_probe_rejects_bad_arguments(capsys):
     import kv_decode_probe
 
     for argv, valid in ((["--kv", "fp8"], "valid: bf16, int8, int4"), (["--follow", "x"], "valid: kernel, ref"),
-                        (["--gen", "0"], "valid: 1 or more"), (["--writer", "x"], "valid: onecard, vllm")):
+                        (["--gen", "0"], "valid: 1 or more"), (["--writer", "x"], "valid: onecard, vllm"),
+                        (["--attn", "x"], "valid: ours, stock"),
+                        (["--attn", "stock", "--kv", "int8"], "valid: --attn stock with --kv int4")):
         with pytest.raises(SystemExit):
             kv_decode_probe.main(argv + ["--out", "/nonexistent"])
         assert valid in capsys.readouterr().err

