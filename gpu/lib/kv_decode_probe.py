@@ -182,7 +182,7 @@ class Checker:
                 name = f"nan-{self.text}-s{self.step}-l{layer}.pt"
                 torch.save({"q": case.q.cpu(), "kv_cache": case.kv_cache.cpu(), "block_table": case.block_table.cpu(),
                             "seq_lens": case.seq_lens.cpu(), "kv": self.kv, "softmax_scale": case.softmax_scale,
-                            "head_dim": q.shape[-1]}, self.out_dir / name)
+                            "head_dim": q.shape[-1], "attn": self.attn, "writer": self.writer}, self.out_dir / name)
                 self.first_bad = {"text": self.text, "step": self.step, "layer": layer,
                                   "seq_len": int(k.shape[0]), "finite": finite, "rel_err": err,
                                   "ref_finite": bool(torch.isfinite(ref).all()),
