@@ -17,7 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 # the server variables the patches read at import: a test sets them itself, never inherits them
-PATCH_KNOBS = ("ONECARD_WIDE_VERIFY", "ONECARD_WIDE_DECODE", "ONECARD_MTP_DRAFT_WIDE")
+PATCH_KNOBS = ("ONECARD_WIDE_VERIFY", "ONECARD_WIDE_DECODE", "ONECARD_MTP_DRAFT_WIDE", "ONECARD_HADACORE_PAD")
 
 
 def run_child(site: Path, code: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:

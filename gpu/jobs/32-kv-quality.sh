@@ -15,6 +15,8 @@
 # stock unified_attention; the int4 arm decodes on the wide-verify kernel, WIDE_DECODE=auto), the
 # A/B for the NaN log-probabilities of sessions 30-31 (session 31: stock 4 of 4 texts failed, the
 # wide kernel none of 8, twice). Each arm's measurement has 90 s and keeps the texts it finished.
+# KVQ_INT4_RAW=1 adds int4raw: int4st with ONECARD_HADACORE_PAD=0, i.e. vLLM's own hadacore calls
+# (patch 0021 pads the ones whose last chunk races its load; gpu/lib/hadacore_probe.py).
 # A rerun into the same JOB_OUT first moves the previous run's kvq-*.json into previous-<time>/.
 # Exit 0 when all three arms measured and compared (no quality threshold: the numbers are
 # what this job is for; the table is printed last).
@@ -29,11 +31,12 @@ job_header
 arms=("bf16 auto" "int8 int8_per_token_head" "int4 int4_per_token_head")
 [ "${KVQ_QK_INT8:-0}" = 1 ] && arms+=("int8qk int8_per_token_head")
 [ "${KVQ_INT4_STOCK_DECODE:-0}" = 1 ] && arms+=("int4st int4_per_token_head")
+[ "${KVQ_INT4_RAW:-0}" = 1 ] && arms+=("int4raw int4_per_token_head")
 # KVQ_ARMS="bf16 int8qk": only those arms (labels as above), e.g. a short lease's A/B.
 if [ -n "${KVQ_ARMS:-}" ]; then
   labels=" "; for a in "${arms[@]}"; do labels+="${a%% *} "; done
   for want in $KVQ_ARMS; do
-    case "$labels" in *" $want "*) ;; *) say "FAIL: KVQ_ARMS names '$want'; valid here:$labels(int8qk with KVQ_QK_INT8=1, int4st with KVQ_INT4_STOCK_DECODE=1)"; exit 2;; esac
+    case "$labels" in *" $want "*) ;; *) say "FAIL: KVQ_ARMS names '$want'; valid here:$labels(int8qk with KVQ_QK_INT8=1, int4st with KVQ_INT4_STOCK_DECODE=1, int4raw with KVQ_INT4_RAW=1)"; exit 2;; esac
   done
   case " $KVQ_ARMS " in *" bf16 "*) ;; *) say "FAIL: KVQ_ARMS must include bf16 (the compare's base)"; exit 2;; esac
   keep=(); for a in "${arms[@]}"; do case " $KVQ_ARMS " in *" ${a%% *} "*) keep+=("$a");; esac; done; arms=("${keep[@]}")
@@ -64,7 +67,8 @@ status=0
 for arm in "${arms[@]}"; do
   set -- $arm
   if [ "$1" = int8qk ]; then export ONECARD_VERIFY_QK_INT8=1; else unset ONECARD_VERIFY_QK_INT8; fi
-  if [ "$1" = int4st ]; then export ONECARD_WIDE_DECODE=0; else unset ONECARD_WIDE_DECODE; fi
+  case "$1" in int4st|int4raw) export ONECARD_WIDE_DECODE=0;; *) unset ONECARD_WIDE_DECODE;; esac
+  if [ "$1" = int4raw ]; then export ONECARD_HADACORE_PAD=0; else unset ONECARD_HADACORE_PAD; fi
   if boot "$1" "$2" 110; then
     timeout -k 5 90 python3 gpu/jobs/32-kv-quality.py measure --url "$URL" --model smol --label "$1" \
       --json "$JOB_OUT/kvq-$1.json" 2>&1 | tee -a "$summary"
@@ -76,7 +80,7 @@ for arm in "${arms[@]}"; do
   fi
 done
 
-unset ONECARD_VERIFY_QK_INT8 ONECARD_WIDE_DECODE
+unset ONECARD_VERIFY_QK_INT8 ONECARD_WIDE_DECODE ONECARD_HADACORE_PAD
 say "--- KV quality vs bf16 (SmolLM2-135M, TRITON_ATTN, 6 short texts + 2 documents; greedy ${GEN:-96} tokens)"
 python3 gpu/jobs/32-kv-quality.py compare --dir "$JOB_OUT" --base bf16 2>&1 | tee -a "$summary"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1

@@ -1,0 +1,133 @@
+"""Does vLLM's hadacore Hadamard transform return what it should, for every row count?
+
+Hypothesis (2026-12-06, read from vLLM 0.27.1's csrc/.../hadacore/hadamard_transform_cuda.cu):
+for a head size <= 256 and more than 256 elements, run_fht launches two 256-element chunks per
+warp; with an odd chunk count the last warp runs the masked kernel, whose cp.async.wait_group is
+chosen by `switch (k + diff_num_chunks)` = case -1, which matches nothing: the warp reads its
+shared memory before the copy of its chunk has landed. Its 256 elements (4 rows of 64, 2 of 128,
+1 of 256) then come out of whatever the shared memory last held. For SmolLM2 (head_dim 64, 9 query
+and 3 KV heads) every decode step's query (9 x 64 = 576 elements -> 3 chunks) is such a call.
+
+The probe fills the shared memory with NaN first (a hadacore call over a NaN tensor large enough
+to cover every SM), then transforms random rows and compares with a float64 reference, for head
+sizes 64 / 128 / 256 and 1..ROWS rows; and the same through vLLM's `fast_hadamard_transform`
+(the wrapper int4 KV calls: patched or not, whichever PYTHONPATH gives). Prints one line per bad
+case, a summary, and writes JSON to --out.
+
+    PYTHONPATH=/var/tmp/site python3 gpu/lib/hadacore_probe.py --out /var/tmp/out/hadacore
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+
+def predicted_bad(rows: int, d: int) -> bool:
+    """The launch the hypothesis blames: more than 256 elements, an odd count of 256-element
+    chunks after hadacore's own padding to a multiple of 256, head size <= 256."""
+    n = rows * d
+    chunks = -(-n // 256)
+    return d <= 256 and n > 256 and chunks % 2 == 1
+
+
+def reference(x: torch.Tensor) -> torch.Tensor:
+    """x @ (H / sqrt(d)) in float64, H the Sylvester Hadamard matrix (hadacore's convention)."""
+    d = x.shape[-1]
+    h = torch.ones(1, 1, dtype=torch.float64, device=x.device)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return x.double() @ h / math.sqrt(d)
+
+
+def check(y: torch.Tensor, x: torch.Tensor, tol: float) -> dict:
+    ref = reference(x)
+    y = y.double().reshape(ref.shape)
+    nan = int((~torch.isfinite(y)).sum())
+    err = float(((y - ref).abs().nan_to_num(float("inf"))).max() / ref.abs().max().clamp_min(1e-30))
+    rows_bad = [int(i) for i in torch.nonzero(((y - ref).abs().nan_to_num(float("inf")) >
+                                               tol * ref.abs().max()).any(-1)).flatten()]
+    return {"nonfinite": nan, "rel_err": err, "bad_rows": rows_bad, "ok": nan == 0 and err <= tol}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=40, help="row counts 1..ROWS per head size")
+    ap.add_argument("--sizes", default="64,128,256", help="head sizes (powers of two <= 256)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prime", default="nan", help="valid: nan, none (what the shared memory holds first)")
+    ap.add_argument("--tol", type=float, default=0.02, help="relative error allowed (bf16 rounding)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if a.prime not in ("nan", "none"):
+        ap.error(f"--prime {a.prime!r}: valid: nan, none")
+    if not torch.cuda.is_available():
+        print("hadacore_probe: needs a CUDA GPU (hadacore is a CUDA kernel)", file=sys.stderr)
+        return 2
+    from vllm import _custom_ops as ops
+    if not hasattr(torch.ops._C, "hadacore_transform"):
+        print("hadacore_probe: this vLLM build has no _C.hadacore_transform", file=sys.stderr)
+        return 2
+    from vllm.v1.attention.ops import int4_per_token_head as i4
+    patched = "onecard" in (open(i4.__file__).read())
+    dev = torch.device("cuda")
+    sizes = [int(s) for s in a.sizes.split(",")]
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    big = torch.full((1 << 16, 256), float("nan"), dtype=torch.bfloat16, device=dev)
+
+    def prime():
+        if a.prime == "nan":
+            ops.hadacore_transform(big.clone(), inplace=True)
+
+    cases = []
+    t0 = time.time()
+    for d in sizes:
+        for rows in range(1, a.rows + 1):
+            for path in ("hadacore", "fast_hadamard_transform"):
+                fails, worst = 0, {}
+                for _ in range(a.repeats):
+                    x = torch.randn(rows, d, generator=gen, device=dev).to(torch.bfloat16)
+                    prime()
+                    if path == "hadacore":
+                        y = ops.hadacore_transform(x.clone(), inplace=True)
+                    else:  # the wrapper returns the unnormalized H x: scale back to hadacore's
+                        y = i4.fast_hadamard_transform(x.clone()) / math.sqrt(d)
+                    torch.cuda.synchronize()
+                    r = check(y, x.float(), a.tol)
+                    if not r["ok"]:
+                        fails += 1
+                        if not worst or r["rel_err"] > worst["rel_err"]:
+                            worst = r
+                case = {"d": d, "rows": rows, "path": path, "predicted_bad": predicted_bad(rows, d),
+                        "failed": fails, "repeats": a.repeats, "worst": worst or None}
+                cases.append(case)
+                if fails:
+                    print(f"BAD {path} d={d} rows={rows} ({rows * d} elements): {fails}/{a.repeats} "
+                          f"failed, rel err {worst['rel_err']:.3g}, non-finite {worst['nonfinite']}, "
+                          f"rows {worst['bad_rows']}; predicted {'bad' if case['predicted_bad'] else 'ok'}")
+    raw = [c for c in cases if c["path"] == "hadacore"]
+    wrapped = [c for c in cases if c["path"] != "hadacore"]
+    summary = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "prime": a.prime,
+        "wrapper_patched": patched, "seconds": round(time.time() - t0, 1),
+        "hadacore_bad": sum(1 for c in raw if c["failed"]),
+        "hadacore_predicted_bad": sum(1 for c in raw if c["predicted_bad"]),
+        "hadacore_matches_prediction": all(bool(c["failed"]) == c["predicted_bad"] for c in raw),
+        "wrapper_bad": sum(1 for c in wrapped if c["failed"]), "cases": len(raw),
+    }
+    print(json.dumps(summary))
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "hadacore_probe.json.tmp"), "w") as f:
+            json.dump({"summary": summary, "cases": cases}, f, indent=1)
+        os.replace(os.path.join(a.out, "hadacore_probe.json.tmp"), os.path.join(a.out, "hadacore_probe.json"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
