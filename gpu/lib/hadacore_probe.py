@@ -10,11 +10,13 @@ and 3 KV heads) every decode step's query (9 x 64 = 576 elements -> 3 chunks) is
 
 The probe fills the shared memory with NaN first (a hadacore call over a NaN tensor large enough
 to cover every SM), then transforms random rows and compares with a float64 reference, for head
-sizes 64 / 128 / 256 and 1..ROWS rows; and the same through vLLM's `fast_hadamard_transform`
-(the wrapper int4 KV calls: patched or not, whichever PYTHONPATH gives). Prints one line per bad
-case, a summary, and writes JSON to --out.
+sizes 64 / 128 / 256 and 1..ROWS rows, three ways: hadacore as vLLM calls it; hadacore on the
+rows padded to chunk pairs (what patch 0021 does); and, when vLLM imports, through vLLM's
+`fast_hadamard_transform` (the wrapper int4 KV calls: patched or not, whichever PYTHONPATH gives).
+Prints one line per bad case, a summary, and writes JSON to --out.
 
     PYTHONPATH=/var/tmp/site python3 gpu/lib/hadacore_probe.py --out /var/tmp/out/hadacore
+    python3 gpu/lib/hadacore_probe.py --so _C_stable_libtorch.abi3.so   # the op alone, no vLLM
 """
 from __future__ import annotations
 
@@ -34,6 +36,18 @@ def predicted_bad(rows: int, d: int) -> bool:
     n = rows * d
     chunks = -(-n // 256)
     return d <= 256 and n > 256 and chunks % 2 == 1
+
+
+def padded(x: torch.Tensor) -> torch.Tensor:
+    """hadacore over x's rows padded with zero rows to a whole number of 512-element chunk pairs
+    (patch 0021's rule), the padding dropped."""
+    d = x.shape[-1]
+    rows = x.numel() // d
+    if d > 256 or rows * d <= 256 or rows % (512 // d) == 0:
+        return torch.ops._C.hadacore_transform(x, True)
+    per = 512 // d
+    x2 = torch.cat([x.reshape(rows, d), x.new_zeros(-(-rows // per) * per - rows, d)])
+    return torch.ops._C.hadacore_transform(x2, True)[:rows].reshape(x.shape)
 
 
 def reference(x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prime", default="nan", help="valid: nan, none (what the shared memory holds first)")
     ap.add_argument("--tol", type=float, default=0.02, help="relative error allowed (bf16 rounding)")
+    ap.add_argument("--so", default=None, help="load the op from this vLLM library instead of "
+                    "importing vLLM (the wheel's vllm/_C_stable_libtorch.abi3.so)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.prime not in ("nan", "none"):
@@ -69,12 +85,18 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("hadacore_probe: needs a CUDA GPU (hadacore is a CUDA kernel)", file=sys.stderr)
         return 2
-    from vllm import _custom_ops as ops
+    i4, patched = None, None
+    if a.so:
+        torch.ops.load_library(a.so)
+    else:
+        from vllm import _custom_ops  # noqa: F401  (registers torch.ops._C)
+        from vllm.v1.attention.ops import int4_per_token_head as i4
+        patched = "_onecard_hadacore" in open(i4.__file__).read()
     if not hasattr(torch.ops._C, "hadacore_transform"):
         print("hadacore_probe: this vLLM build has no _C.hadacore_transform", file=sys.stderr)
         return 2
-    from vllm.v1.attention.ops import int4_per_token_head as i4
-    patched = "onecard" in (open(i4.__file__).read())
+    hadacore = torch.ops._C.hadacore_transform
+    paths = ["hadacore", "padded"] + (["fast_hadamard_transform"] if i4 is not None else [])
     dev = torch.device("cuda")
     sizes = [int(s) for s in a.sizes.split(",")]
     gen = torch.Generator(device=dev).manual_seed(1234)
@@ -82,19 +104,21 @@ def main(argv=None) -> int:
 
     def prime():
         if a.prime == "nan":
-            ops.hadacore_transform(big.clone(), inplace=True)
+            hadacore(big.clone(), True)
 
     cases = []
     t0 = time.time()
     for d in sizes:
         for rows in range(1, a.rows + 1):
-            for path in ("hadacore", "fast_hadamard_transform"):
+            for path in paths:
                 fails, worst = 0, {}
                 for _ in range(a.repeats):
                     x = torch.randn(rows, d, generator=gen, device=dev).to(torch.bfloat16)
                     prime()
                     if path == "hadacore":
-                        y = ops.hadacore_transform(x.clone(), inplace=True)
+                        y = hadacore(x.clone(), True)
+                    elif path == "padded":
+                        y = padded(x.clone())
                     else:  # the wrapper returns the unnormalized H x: scale back to hadacore's
                         y = i4.fast_hadamard_transform(x.clone()) / math.sqrt(d)
                     torch.cuda.synchronize()
@@ -111,14 +135,16 @@ def main(argv=None) -> int:
                           f"failed, rel err {worst['rel_err']:.3g}, non-finite {worst['nonfinite']}, "
                           f"rows {worst['bad_rows']}; predicted {'bad' if case['predicted_bad'] else 'ok'}")
     raw = [c for c in cases if c["path"] == "hadacore"]
-    wrapped = [c for c in cases if c["path"] != "hadacore"]
+    pad = [c for c in cases if c["path"] == "padded"]
+    wrapped = [c for c in cases if c["path"] == "fast_hadamard_transform"]
     summary = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "prime": a.prime,
         "wrapper_patched": patched, "seconds": round(time.time() - t0, 1),
         "hadacore_bad": sum(1 for c in raw if c["failed"]),
         "hadacore_predicted_bad": sum(1 for c in raw if c["predicted_bad"]),
         "hadacore_matches_prediction": all(bool(c["failed"]) == c["predicted_bad"] for c in raw),
-        "wrapper_bad": sum(1 for c in wrapped if c["failed"]), "cases": len(raw),
+        "padded_bad": sum(1 for c in pad if c["failed"]),
+        "wrapper_bad": sum(1 for c in wrapped if c["failed"]) if wrapped else None, "cases": len(raw),
     }
     print(json.dumps(summary))
     if a.out:
