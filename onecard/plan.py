@@ -827,11 +827,8 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
             (kv not in PER_TOKEN_HEAD_KV, f"KV={kv} (only TRITON_ATTN with int8 / int4 per-token-head KV "
                                           f"routes decode to the wide-verify kernel: CTX=long, or KV=...)"),
             (wide_off, wide_off_why)])
-    if kv == "int4_per_token_head" and (plan.get("WIDE_DECODE") == "0" or wide_off):
-        why = "WIDE_DECODE=0" if plan.get("WIDE_DECODE") == "0" else wide_off_why
-        plan.notes.append(f"{why} with KV=int4_per_token_head: plain decode runs stock int4 attention, which "
-                          "returned NaN log-probabilities in 4 of 4 SmolLM2 greedy texts on an H100 "
-                          "(2026-12-06, docs/measurements.md); the default (WIDE_DECODE=auto) did not")
+    # (Sessions 31-32 warned here that WIDE_DECODE=0 / WIDE_VERIFY=0 left int4 decode on stock, whose
+    # NaN patch 0021 removed: 8 of 8 SmolLM2 texts on an H100, docs/measurements.md session 32.)
     # MTP_DRAFT_WIDE's only reader is patch 0087 (llm_base_proposer.py, ONECARD_MTP_DRAFT_WIDE)
     _to_server(plan, "MTP_DRAFT_WIDE")
     if plan.values["MTP_DRAFT_WIDE"].source != "default":

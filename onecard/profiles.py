@@ -155,8 +155,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          "on TRITON_ATTN with int8/int4 KV also run the wide-verify kernel instead of stock unified_attention's "
          "decode path (H100, SPEC=off, int8 KV, 27B geometry: 16.88 -> 12.44 ms per step at 32k, 24.01 -> "
          "14.19 ms at 72k, the same greedy text; docs/wide-verify.md). auto / 1: int8 and int4 (stock int4 "
-         "decode returned NaN log-probabilities on an H100 in 4 of 4 SmolLM2 greedy texts, this kernel in "
-         "none of 16; 2026-12-06); 0: stock decode. Needs WIDE_VERIFY=1. Passed to the server as "
+         "decode returned NaN on SmolLM2 until patch 0021 padded vLLM's hadacore calls; with it, 8 of 8 "
+         "texts on an H100, 2026-12-06); 0: stock decode. Needs WIDE_VERIFY=1. Passed to the server as "
          "ONECARD_WIDE_DECODE (patch 0070)",
          ("auto", "0", "1")),
     Knob("MTP_DRAFT_WIDE", "1", "0|1", "SPEC=mtp: 1: the MTP layer's draft passes (its first pass of 1 + k "

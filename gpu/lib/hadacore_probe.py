@@ -8,6 +8,11 @@ shared memory before the copy of its chunk has landed. Its 256 elements (4 rows 
 1 of 256) then come out of whatever the shared memory last held. For SmolLM2 (head_dim 64, 9 query
 and 3 KV heads) every decode step's query (9 x 64 = 576 elements -> 3 chunks) is such a call.
 
+Result (H100, 2026-12-06): the kernel alone was right in all 120 cases, the 53 predicted ones
+included, with and without vLLM; in a server the same calls made stock int4 decode return NaN in
+8 of 8 texts, and padding them removed it (docs/measurements.md, session 32). So the calls are
+the culprit; the race above is a candidate mechanism that this probe does not reproduce.
+
 The probe fills the shared memory with NaN first (a hadacore call over a NaN tensor large enough
 to cover every SM), then transforms random rows and compares with a float64 reference, for head
 sizes 64 / 128 / 256 and 1..ROWS rows, three ways: hadacore as vLLM calls it; hadacore on the
