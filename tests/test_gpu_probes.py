@@ -140,6 +140,30 @@ def test_kv_decode_probe_tiny_under_the_interpreter(tmp_path, kv, writer, attn):
     assert 0 < row["max_rel_err"] < 3e-2 and set(row["step_err"]) == {"0", "1"}
 
 
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+def test_kv_decode_probe_checks_written_values(tmp_path, kv):
+    """kv_decode_probe's write check compares every written (token, head) row, dequantized, with
+    the key / value written: a correct write passes with the quantization's error, a row whose
+    codes came from other data (as a hadacore call on the wrong input would write) is reported
+    with its position and head."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm.v1.attention.ops.int4_per_token_head")
+    import kv_decode_probe
+    from onecard.kernels.reference import case_from_tokens
+
+    g = torch.Generator().manual_seed(32)
+    q, k, v = (torch.randn(7, n, 64, generator=g).to(torch.bfloat16) for n in (9, 3, 3))
+    case = case_from_tokens(q, k, v, kv_dtype=kv, softmax_scale=0.125, generator=g)
+    chk = kv_decode_probe.Checker(kv, "kernel", 0.1, tmp_path)
+    chk.text, chk.step = "t", -1
+    chk._check_write(case, 0, 0, k, v)
+    assert chk.first_bad_write is None and 0 < chk.max_write_err < kv_decode_probe.WRITE_TOL[kv]
+    chk._check_write(case, 0, 0, k, torch.roll(v, 1, dims=1))  # head h's row holds head h-1's value
+    bad = chk.first_bad_write
+    assert bad is not None and bad["kind"] == "values" and bad["half"] == "v" and bad["rel_l2"] > 0.5
+    assert 0 in bad["positions"] and set(bad["heads"]) <= {0, 1, 2}
+
+
 def test_kv_decode_probe_rejects_bad_arguments(capsys):
     import kv_decode_probe
 

@@ -44,6 +44,11 @@ for _p in (REPO, REPO / "gpu" / "lib"):
 from jobutil import write_json  # noqa: E402  (gpu/lib/jobutil.py: atomic)
 
 KVS = ("bf16", "int8", "int4")
+# largest relative L2 error of a written (token, head) row against the keys / values written. On the
+# CPU with vLLM's writer: SmolLM2's real weights 0.019 (int8) / 0.143 (int4), the random --tiny
+# model 0.009 / 0.126 (int8's rounding bound is ~0.018 of a row whatever its outliers; int4's codes
+# are of the rotated row); a row written from the wrong data is off by ~100 %
+WRITE_TOL = {"int8": 0.05, "int4": 0.35}
 
 
 def job32_texts() -> dict[str, str]:
@@ -83,24 +88,43 @@ class Checker:
         self.step_err: dict[int, float] = {}
         self.first_bad: dict | None = None
         self.first_bad_write: dict | None = None
+        self.max_write_err = 0.0  # largest relative L2 error of a written (token, head) row
         self.cases: dict[int, object] = {}  # layer -> its paged cache, written token by token
 
-    def _check_write(self, case, layer: int, start: int) -> None:
-        """The scales just written (positions start..seq_len-1) must be finite and positive."""
+    def _check_write(self, case, layer: int, start: int, k, v) -> None:
+        """The positions just written (start..seq_len-1): finite, positive scales, and the
+        dequantized rows within quantization error of the keys / values ``k``, ``v`` [n, Hkv, D]
+        that were written (relative L2 per token and head <= WRITE_TOL: a write whose rotation or
+        codes went wrong lands far above it; session 32's hadacore calls were such a suspect)."""
         import torch
+
+        from onecard.kernels.reference import dequant_tokens
 
         if self.kv == "bf16" or self.first_bad_write is not None:
             return
         bs = case.key_cache.shape[1]
         pos = torch.arange(start, int(case.seq_lens[0]), device=case.key_cache.device)
         blk, slot = case.block_table[0, pos // bs].long(), pos % bs
-        for name, sc in (("k", case.k_scale_cache), ("v", case.v_scale_cache)):
+        for name, sc, cache, src in (("k", case.k_scale_cache, case.key_cache, k),
+                                     ("v", case.v_scale_cache, case.value_cache, v)):
             w = sc[blk, slot]
-            if not (torch.isfinite(w).all() and (w > 0).all()):
-                bad = (~torch.isfinite(w)) | (w <= 0)
+            bad_scale = (~torch.isfinite(w)) | (w <= 0)
+            if bad_scale.any():
                 self.first_bad_write = {"text": self.text, "step": self.step, "layer": layer, "half": name,
-                                        "positions": (pos[bad.any(-1)]).tolist()[:8],
-                                        "values": w[bad].float().tolist()[:8]}
+                                        "kind": "scale", "positions": (pos[bad_scale.any(-1)]).tolist()[:8],
+                                        "values": w[bad_scale].float().tolist()[:8]}
+            else:
+                ref = src.double()
+                deq = dequant_tokens(cache[blk, slot], w, self.kv, ref.shape[-1])
+                err = ((deq - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)).nan_to_num(float("inf"))
+                self.max_write_err = max(self.max_write_err, float(err.max()))
+                bad = err > WRITE_TOL[self.kv]
+                if bad.any():
+                    rows = bad.nonzero()[:8]
+                    self.first_bad_write = {"text": self.text, "step": self.step, "layer": layer, "half": name,
+                                            "kind": "values", "positions": pos[rows[:, 0]].tolist(),
+                                            "heads": rows[:, 1].tolist(), "rel_l2": float(err.max())}
+            if self.first_bad_write is not None:
                 print(f"kv_decode_probe: BAD WRITE {self.first_bad_write}", flush=True)
                 return
 
@@ -149,7 +173,7 @@ class Checker:
                                     capacity=k.shape[0] + self.capacity, writer=self.writer,
                                     generator=self.gen)
             self.cases[layer] = case
-            self._check_write(case, layer, 0)
+            self._check_write(case, layer, 0, k, v)
         else:
             # a decode step: the one new token written into the same cache, as a server does
             case = self.cases[layer]
@@ -160,7 +184,7 @@ class Checker:
             case.append_tokens(k[start:], v[start:], self.writer)
             case.q, case.max_query_len = q, 1
             case.cu_seqlens_q = torch.tensor([0, 1], dtype=torch.int32, device=q.device)
-            self._check_write(case, layer, start)
+            self._check_write(case, layer, start, k[start:], v[start:])
         ref = case.reference()
         if q.shape[0] > 1:  # prefill: vLLM reads the quantized cache on its own path
             out = ref.to(q.dtype)
@@ -273,7 +297,7 @@ def main(argv=None) -> int:
         else:
             prompt = tok(texts[tid], return_tensors="pt").input_ids.to(dev)
         checker.text, checker.step_err, checker.first_bad = tid, {}, None
-        checker.first_bad_write, checker.cases = None, {}
+        checker.first_bad_write, checker.cases, checker.max_write_err = None, {}, 0.0
         tokens = []
         with torch.no_grad():
             checker.step = -1  # the prefill
@@ -291,13 +315,14 @@ def main(argv=None) -> int:
         row = {"prompt_tokens": int(prompt.shape[1]), "tokens": tokens,
                "max_rel_err": max(checker.step_err.values(), default=0.0),
                "step_err": checker.step_err, "first_bad": checker.first_bad,
-               "first_bad_write": checker.first_bad_write}
+               "first_bad_write": checker.first_bad_write, "max_write_err": checker.max_write_err}
         res["texts"][tid] = row
         write_json(out_dir / "kv_decode_probe.json", res)
         ok = ok and checker.first_bad is None and checker.first_bad_write is None
         print(f"kv_decode_probe {a.kv} {tid}: {row['prompt_tokens']} prompt tokens, {len(tokens)} decoded, "
               f"max rel err {row['max_rel_err']:.4g}, first bad {checker.first_bad}, "
-              f"first bad write {checker.first_bad_write}", flush=True)
+              f"first bad write {checker.first_bad_write} (largest write error {checker.max_write_err:.3g})",
+              flush=True)
     return 0 if ok else 1
 
 
