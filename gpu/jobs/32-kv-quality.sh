@@ -16,7 +16,7 @@
 # A/B for the NaN log-probabilities of sessions 30-31 (session 31: stock 4 of 4 texts failed, the
 # wide kernel none of 8, twice). Each arm's measurement has 90 s and keeps the texts it finished.
 # KVQ_INT4_RAW=1 adds int4raw: int4st with ONECARD_HADACORE_PAD=0, i.e. vLLM's own hadacore calls
-# (patch 0021 pads the ones whose last chunk races its load; gpu/lib/hadacore_probe.py).
+# (patch 0021 pads the odd-chunk calls that made stock int4 decode return NaN, session 32).
 # A rerun into the same JOB_OUT first moves the previous run's kvq-*.json into previous-<time>/.
 # Exit 0 when all three arms measured and compared (no quality threshold: the numbers are
 # what this job is for; the table is printed last).
