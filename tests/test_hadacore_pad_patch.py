@@ -18,6 +18,7 @@ import json, math, sys, types
 import torch
 sys.path.insert(0, {str(REPO / "gpu" / "lib")!r})
 from hadacore_probe import predicted_bad
+from onecard.kernels.reference import _hadamard
 import vllm
 from vllm.v1.attention.ops import int4_per_token_head as i4
 
@@ -31,10 +32,7 @@ def hadacore_transform(x, inplace):
     rows = x2.shape[0]
     if x2.numel() % 256:
         x2 = torch.cat([x2, x2.new_zeros((256 - x2.numel() % 256) // d, d)])
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    y = (x2.double() @ h / math.sqrt(d)).to(x.dtype)
+    y = (x2.double() @ _hadamard(d) / math.sqrt(d)).to(x.dtype)
     launches["all"] += 1
     if predicted_bad(x2.shape[0], d):
         launches["masked"] += 1

@@ -28,11 +28,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+REPO = Path(__file__).resolve().parents[2]
+for _p in (REPO, REPO / "gpu" / "lib"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from jobutil import write_json  # noqa: E402  (gpu/lib/jobutil.py: atomic)
+from onecard.kernels.reference import _hadamard  # noqa: E402  (imports torch only)
 
 
 def predicted_bad(rows: int, d: int) -> bool:
@@ -58,19 +66,16 @@ def padded(x: torch.Tensor) -> torch.Tensor:
 def reference(x: torch.Tensor) -> torch.Tensor:
     """x @ (H / sqrt(d)) in float64, H the Sylvester Hadamard matrix (hadacore's convention)."""
     d = x.shape[-1]
-    h = torch.ones(1, 1, dtype=torch.float64, device=x.device)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return x.double() @ h / math.sqrt(d)
+    return x.double() @ _hadamard(d, device=x.device) / math.sqrt(d)
 
 
 def check(y: torch.Tensor, x: torch.Tensor, tol: float) -> dict:
     ref = reference(x)
     y = y.double().reshape(ref.shape)
     nan = int((~torch.isfinite(y)).sum())
-    err = float(((y - ref).abs().nan_to_num(float("inf"))).max() / ref.abs().max().clamp_min(1e-30))
-    rows_bad = [int(i) for i in torch.nonzero(((y - ref).abs().nan_to_num(float("inf")) >
-                                               tol * ref.abs().max()).any(-1)).flatten()]
+    diff = (y - ref).abs().nan_to_num(float("inf"))
+    err = float(diff.max() / ref.abs().max().clamp_min(1e-30))
+    rows_bad = [int(i) for i in torch.nonzero((diff > tol * ref.abs().max()).any(-1)).flatten()]
     return {"nonfinite": nan, "rel_err": err, "bad_rows": rows_bad, "ok": nan == 0 and err <= tol}
 
 
@@ -153,10 +158,7 @@ def main(argv=None) -> int:
     }
     print(json.dumps(summary))
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "hadacore_probe.json.tmp"), "w") as f:
-            json.dump({"summary": summary, "cases": cases}, f, indent=1)
-        os.replace(os.path.join(a.out, "hadacore_probe.json.tmp"), os.path.join(a.out, "hadacore_probe.json"))
+        write_json(Path(a.out) / "hadacore_probe.json", {"summary": summary, "cases": cases})
     return 0
 
 
