@@ -32,6 +32,7 @@ def test_probe_arms_and_ncu_labels_are_valid_launches():
         assert set(kw) <= params, set(kw) - params
     assert "occupancy" in verify_probe.ARMS and "int8-rs2-flat" in ncu_launch.LAUNCHES
     assert "qkint8" in verify_probe.ARMS and "int8-qk8" in ncu_launch.LAUNCHES
+    assert "server" in verify_probe.ARMS
 
 
 def test_probe_rejects_an_unknown_arm(capsys):
@@ -42,17 +43,29 @@ def test_probe_rejects_an_unknown_arm(capsys):
     assert "valid: flat" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("arm, rows", [("occupancy", 8), ("qkint8", 4)])
-def test_next_lease_arms_run_under_the_interpreter(tmp_path, arm, rows):
+@pytest.mark.parametrize("arm, rows, qs", [("occupancy", 8, None), ("qkint8", 4, None), ("server", 2, "1,4")])
+def test_next_lease_arms_run_under_the_interpreter(tmp_path, arm, rows, qs):
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, str(REPO / "gpu" / "lib" / "verify_probe.py"), "--smoke",
-                        "--arms", arm, "--out", str(tmp_path)], capture_output=True, text=True,
-                       env=env, cwd=REPO, timeout=900)
+                        "--arms", arm, "--out", str(tmp_path)] + (["--q", qs] if qs else []),
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads((tmp_path / "verify_probe.json").read_text())
     assert len(res["correctness"]) == rows and all(x["ok"] for x in res["correctness"])
-    assert len(res["timing"]) == rows and all("ours_ms" in x for x in res["timing"])
+    n_q = len(qs.split(",")) if qs else 1
+    assert len(res["timing"]) == rows * n_q and all("ours_ms" in x for x in res["timing"])
+    if qs:  # one row per (q, launch), in the order asked
+        assert [x["q_len"] for x in res["timing"]] == [int(q) for q in qs.split(",") for _ in range(rows)]
+
+
+def test_probe_rejects_a_bad_q_or_shape(capsys):
+    import verify_probe
+
+    for args in (["--q", "17"], ["--q", "x"], ["--shapes", "32768"], ["--shapes", "0x1"]):
+        with pytest.raises(SystemExit):
+            verify_probe.main(["--arms", "server", "--out", "/nonexistent", *args])
+        assert "expected e.g. --q 1,4,16" in capsys.readouterr().err
 
 
 def test_a_launch_that_raises_is_its_own_row(tmp_path):

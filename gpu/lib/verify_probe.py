@@ -67,6 +67,10 @@ ARMS = {
                ("int8", {**_D8, "flat_words": True, "qk_int8": True}),
                ("int8", {**_D8, "head_split": 2, "flat_words": True}),
                ("int8", {**_D8, "head_split": 2, "flat_words": True, "qk_int8": True})],
+    # session 33: the launches a CTX=long server makes (the wrapper's defaults, int8 KV), with and
+    # without qk_int8; run with --q 1,4 --shapes 32768x1,73728x1 to split SPEC=mtp's step at depth
+    # into its verify attention (q 4: MTP's block of 1 + 3 drafts) and a plain step's (q 1)
+    "server": [("int8", {}), ("int8", {"qk_int8": True})],
     # session 26: row_split 2 (4 warps, two programs an SM) vs each default
     "rowsplit": [("int8", dict(_D8)),
                  ("int8", {"tile_n": 16, "num_warps": 4, "num_stages": 3, "row_split": 2}),
@@ -116,7 +120,18 @@ def main(argv=None) -> int:
                     help="first, one-token decode (and 4-token) launches as a server makes them (auto "
                          "splits, default launch) for bf16 / int8 / int4 at SmolLM2's head geometry "
                          "(9 q / 3 kv heads, d 64) and the model's, ragged contexts, NaN past the end")
+    ap.add_argument("--q", default="16", help="comma-separated query tokens per sequence to time (1..16)")
+    ap.add_argument("--shapes", default="32768x1,32768x4,131072x1",
+                    help="comma-separated CONTEXTxBATCH to time (the --smoke run times 64x1)")
     a = ap.parse_args(argv)
+    try:
+        qs = [int(x) for x in a.q.split(",") if x]
+        shapes = [(int(c), int(b)) for c, b in (x.split("x") for x in a.shapes.split(",") if x)]
+        if not qs or not shapes or any(not 1 <= x <= 16 for x in qs) or any(c < 1 or b < 1 for c, b in shapes):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--q {a.q!r} / --shapes {a.shapes!r}: expected e.g. --q 1,4,16 (each 1..16) "
+                 "--shapes 32768x1,73728x4 (context x batch, each >= 1)")
     arms = [x for x in a.arms.split(",") if x]
     bad = [x for x in arms if x not in ARMS]
     if bad or not (arms or a.decode_check):
@@ -181,11 +196,11 @@ def main(argv=None) -> int:
         print(f"correctness {kv} {kw}: rel err {e:.4f} {'OK' if ok else 'FAILED'}", flush=True)
     save()
 
-    q = 16
-    shapes = [(64, 1)] if a.smoke else [(32768, 1), (32768, 4), (131072, 1)]
+    if a.smoke:
+        shapes = [(64, 1)]
     block = 16 if a.smoke else 64
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size if dev.type == "cuda" else 2 ** 20
-    for ctx, b in shapes:
+    for q, (ctx, b) in ((q, s) for s in shapes for q in qs):
         ns = choose_num_splits(ctx, b, NUM_KV_HEADS, _sm_count(dev))
         for kv, kw in launches:
             r = time_config(q, ctx, b, kv, device=dev, gen=tgen, block_size=block, l2_bytes=l2,
