@@ -859,9 +859,9 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
             (kv != "int8_per_token_head", f"KV={kv} (it concerns int8 KV: the key tile's bytes are the int8 dot's "
                                           f"operand)")]):
         plan.notes.append("VERIFY_QK_INT8=1: the wide-verify kernel's Q.K^T is an int8 dot of the query quantized "
-                          "per row (docs/wide-verify.md \"int8 Q.K^T\"); a second quantization error, so greedy "
-                          "text may differ from VERIFY_QK_INT8=0; the kernel measured 22-27 % faster on an H100, the "
-                          "end-to-end step not yet")
+                          "per row on any GPU (auto: on Hopper-class GPUs only; docs/wide-verify.md \"int8 Q.K^T\"); "
+                          "no 3090 (sm_86) has timed it, where this is the A/B to run; a second quantization error, "
+                          "so greedy text may differ from VERIFY_QK_INT8=0")
     # GDN_SHARED_META's only reader is patch 0082 (gdn_attn.py, ONECARD_GDN_SHARED_META)
     _to_server(plan, "GDN_SHARED_META")
     # PREFILL_LAUNCH's only reader is patch 0083 (triton_unified_attention.py), checked in resolve

@@ -177,9 +177,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("VERIFY_QK_INT8", "auto", "auto|0|1", "wide-verify kernel, int8 KV: 1: Q.K^T as an int8 x int8 dot "
          "(each query row quantized to int8 once, the key tile used as stored: no unpack of K, the int8 tensor "
          "rate; docs/wide-verify.md \"int8 Q.K^T\"). It adds a second quantization error beside the cache's, so "
-         "greedy text may differ from 0. auto / 0: off. The kernel was 22-27 % faster on an H100 (q=16, "
-         "32k-128k); the end-to-end step is not yet timed: an A/B for speed and quality. Passed to the server "
-         "as ONECARD_VERIFY_QK_INT8", ("auto", "0", "1")),
+         "greedy text may differ from 0. auto: 1 on Hopper-class GPUs (H100, 27B geometry, CTX=long: SPEC=mtp "
+         "16.37 -> 14.70 ms per step at 32k, 17.67 -> 16.20 at 72k, SPEC=off 14.10 -> 13.43 at 72k, the same "
+         "greedy text), 0 on sm_8x (a 3090 has not timed it: there 1 is the A/B); 0: the bf16 dot. Passed to "
+         "the server as ONECARD_VERIFY_QK_INT8", ("auto", "0", "1")),
     Knob("GDN_SHARED_META", "1", "0|1", "1: one GDN attention-metadata build per step serves every GDN KV cache "
          "group (patch 0082; 10 groups beside a DFlash2 drafter, 3 otherwise); 0: stock, a build per group. "
          "Passed to the server as ONECARD_GDN_SHARED_META", BOOL),

@@ -147,7 +147,7 @@ def test_flat_words_row_split_non_causal_extreme(kv_dtype, gen):
             _check(case, out, gen.initial_seed(), causal=causal)
 
 
-# qk_int8 (session 29, opt-in): Q.K^T as an int8 dot of the row-quantized query with the key
+# qk_int8 (session 29; the Hopper default since session 33): Q.K^T as an int8 dot of the row-quantized query with the key
 # bytes as stored. Against the float64 reference fed the same quantized query (the kernel's only
 # new error is that quantization), and against the plain reference (how far the quantization
 # moves the output); head_split 1 / 2, row_split 2, non-causal, and the extreme codes with NaN
@@ -164,7 +164,8 @@ def test_qk_int8_matches_reference(name, gen):
         cu_seqlens_q=case.cu_seqlens_q, seq_lens=case.seq_lens, block_table=case.block_table,
         softmax_scale=case.softmax_scale, kv_dtype="int8", k_scale_cache=case.k_scale_cache,
         v_scale_cache=case.v_scale_cache)
-    for kw in ({}, {"head_split": 2}, {"row_split": 2}):
+    # flat words + qk_int8: the Hopper default launch for int8 since session 33
+    for kw in ({}, {"head_split": 2}, {"row_split": 2}, {"flat_words": True}):
         out = _run(case, num_splits=splits, tile_n=tile, qk_int8=True, **kw)
         _check(case, out, gen.initial_seed())
         err = (out.double() - want_q8).abs().max()

@@ -214,16 +214,32 @@ def test_verify_qk_int8_knob_passed_by_env_with_notes(tmp_path):
 
 
 def test_kernel_reads_verify_qk_int8(monkeypatch):
-    """The kernel's side: off unless the setting is 1, and then only for int8 launches on the
-    page-tile path (int4 / bf16 and tiles that straddle pages keep the bf16 dot)."""
+    """The kernel's side: auto -> on for int8 page-tile launches on a GPU with Hopper's shared
+    memory (never on the CPU or an sm_8x-sized block); 0 / 1 -> that, for int8 page-tile launches
+    only (int4 / bf16 and tiles that straddle pages keep the bf16 dot)."""
     wv = pytest.importorskip("onecard.kernels.wide_verify")
-    for setting in (None, False):
-        monkeypatch.setattr(wv, "_QK_INT8_SETTING", setting)
-        assert wv.default_qk_int8(2, True) is False
+    torch = pytest.importorskip("torch")
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(wv, "_QK_INT8_SETTING", None)
+    monkeypatch.setattr(wv, "QK_INT8_HOPPER", True)
+    assert wv.default_qk_int8(2, True, cpu) is False and wv.default_qk_int8(2, True) is False
+    monkeypatch.setattr(wv, "block_shared", lambda d: 232448)
+    assert wv.default_qk_int8(2, True, cpu) is True
+    assert wv.default_qk_int8(2, False, cpu) is False
+    assert wv.default_qk_int8(4, True, cpu) is False and wv.default_qk_int8(0, True, cpu) is False
+    monkeypatch.setattr(wv, "QK_INT8_HOPPER", False)
+    assert wv.default_qk_int8(2, True, cpu) is False
+    monkeypatch.setattr(wv, "QK_INT8_HOPPER", True)
+    monkeypatch.setattr(wv, "block_shared", lambda d: 101376)  # a 3090's block: not timed there
+    assert wv.default_qk_int8(2, True, cpu) is False
+    monkeypatch.setattr(wv, "_QK_INT8_SETTING", False)
+    monkeypatch.setattr(wv, "block_shared", lambda d: 232448)
+    assert wv.default_qk_int8(2, True, cpu) is False
     monkeypatch.setattr(wv, "_QK_INT8_SETTING", True)
-    assert wv.default_qk_int8(2, True) is True
-    assert wv.default_qk_int8(2, False) is False
-    assert wv.default_qk_int8(4, True) is False and wv.default_qk_int8(0, False) is False
+    monkeypatch.setattr(wv, "block_shared", lambda d: 101376)
+    assert wv.default_qk_int8(2, True, cpu) is True
+    assert wv.default_qk_int8(2, False, cpu) is False
+    assert wv.default_qk_int8(4, True, cpu) is False and wv.default_qk_int8(0, False, cpu) is False
 
 
 def test_kernel_reads_verify_flat_words(monkeypatch):

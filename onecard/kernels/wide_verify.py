@@ -48,6 +48,9 @@ _LOG2E = 1.4426950408889634
 # with Hopper's shared memory when ONECARD_VERIFY_FLAT_WORDS is auto: default_flat_words().
 # On since session 28 (H100, q=16, 32k, b1: int8 182 -> 122 us, twice; docs/wide-verify.md)
 FLAT_WORDS_HOPPER = True
+# int8 Q.K^T (QK_INT8 in the split kernel) on GPUs with Hopper's shared memory when
+# ONECARD_VERIFY_QK_INT8 is auto: default_qk_int8(). On since session 33 (H100, end to end)
+QK_INT8_HOPPER = True
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -198,7 +201,7 @@ def _wide_verify_split_kernel(
     # part), both over the same keys: half the rows, half the accumulator, so that a program
     # fits twice per SM and one program's per-tile wait (copy, unpack, barrier, wgmma) overlaps
     # the other's work. Every query token is still owned by exactly one program.
-    # QK_INT8 (int8 KV on the PAGE_TILES path; opt-in, an A/B of gpu/lib/verify_probe.py): each
+    # QK_INT8 (int8 KV on the PAGE_TILES path; default_qk_int8: on for Hopper-class GPUs): each
     # query row quantized once to int8 (symmetric, its absmax / 127), and Q.K^T an int8 x int8
     # dot into int32 over the key tile's bytes as stored: no unpack of K, no bf16 copy of it in
     # shared memory, and the int8 tensor rate (2x bf16 on Hopper, 4x on an RTX 3090's fp32
@@ -724,20 +727,31 @@ _FLAT_WORDS_SETTING = _flat_words_setting()
 
 
 def _qk_int8_setting() -> bool | None:
-    """ONECARD_VERIFY_QK_INT8 (the launcher's VERIFY_QK_INT8): auto (default) / 0 -> off; 1 ->
-    ``qk_int8`` for every int8 launch that can take it (the PAGE_TILES path), an A/B for a server
-    (speed: job 31 arms; numerics: job 32's int8qk arm, whose greedy continuation decodes on this
-    kernel; its teacher-forced perplexity runs prefill, which does not). Never a default before both."""
+    """ONECARD_VERIFY_QK_INT8 (the launcher's VERIFY_QK_INT8): auto (default) -> None (the GPU's
+    default, :func:`default_qk_int8`); 0 -> off; 1 -> ``qk_int8`` for every int8 launch that can take
+    it (the PAGE_TILES path)."""
     return _env_setting("ONECARD_VERIFY_QK_INT8", {"0": False, "1": True})
 
 
 _QK_INT8_SETTING = _qk_int8_setting()
 
 
-def default_qk_int8(mode: int, page_tiles: bool) -> bool:
-    """``qk_int8`` when the caller gives none: ONECARD_VERIFY_QK_INT8=1 on an int8 launch whose
-    tiles lie in one page; off otherwise (int4 / bf16 ignore the knob)."""
-    return bool(_QK_INT8_SETTING) and mode == 2 and page_tiles
+def default_qk_int8(mode: int, page_tiles: bool, device: torch.device | None = None) -> bool:
+    """``qk_int8`` when the caller gives none, for an int8 launch whose tiles lie in one page (int4 /
+    bf16 and page-straddling tiles never take it): ONECARD_VERIFY_QK_INT8's 0 / 1 if set, else
+    ``QK_INT8_HOPPER`` (True) on a GPU with Hopper's shared memory and False elsewhere. Why on there
+    (session 33, the lent H100, docs/measurements.md): 27B geometry, CTX=long, C1 greedy, ms per
+    step at 32k / 72k: SPEC=off 12.49 / 14.10 -> 12.18 / 13.43, SPEC=mtp 16.37 / 17.67 -> 14.70 /
+    16.20, the same greedy text in all four; the kernel alone 22-27 % faster (session 30). On
+    SmolLM2, every position scored as decode reads the cache (bench/qk_int8_quality.py, 4,052
+    tokens): perplexity vs bf16 KV int8 +0.04 %, int8 + qk_int8 -0.14 %; mean |delta log-prob|
+    0.059 and 0.062, against 0.047 for a change of attention arithmetic alone.
+    It stays off on sm_8x: no 3090 has timed it (its compile: docs/wide-verify.md)."""
+    if mode != 2 or not page_tiles:
+        return False
+    if _QK_INT8_SETTING is not None:
+        return _QK_INT8_SETTING
+    return device is not None and QK_INT8_HOPPER and block_shared(device) >= DEEP_PIPELINE_SHARED
 
 
 def default_flat_words(mode: int, device: torch.device) -> bool:
@@ -832,9 +846,9 @@ def wide_verify_attention(
     ``flat_words`` (None: :func:`default_flat_words`): int8 / int4 tiles loaded as one flat vector
     of words, so that they are staged in shared memory without bank conflicts (docs/wide-verify.md,
     "bank conflicts").
-    ``qk_int8`` (None: :func:`default_qk_int8`, off unless ONECARD_VERIFY_QK_INT8=1; True: int8 KV
-    with page a multiple of tile_n only): Q.K^T as an int8 dot of the query, quantized per row,
-    with the key tile's bytes as stored (docs/wide-verify.md, "int8 Q.K^T"). An A/B, not a default.
+    ``qk_int8`` (None: :func:`default_qk_int8`, on for int8 page-tile launches on Hopper-class GPUs;
+    True: int8 KV with page a multiple of tile_n only): Q.K^T as an int8 dot of the query, quantized
+    per row, with the key tile's bytes as stored (docs/wide-verify.md, "int8 Q.K^T").
     ``row_split`` (None: :func:`default_row_split`; 1 or 2): each sequence's query tokens in
     ``row_split`` programs of half the rows over the same keys (twice the programs, each small
     enough to share an SM with another); the launch's tile / stages then default to those of the
@@ -935,7 +949,7 @@ def wide_verify_attention(
 
     page_tiles = mode != 0 and page % tile_n == 0
     if qk_int8 is None:
-        qk_int8 = default_qk_int8(mode, page_tiles)
+        qk_int8 = default_qk_int8(mode, page_tiles, q.device)
     elif qk_int8 and not (mode == 2 and page_tiles):
         raise ValueError(f"qk_int8 is not valid for kv_mode {kv_mode!r} with page {page} and tile_n "
                          f"{tile_n}; valid: int8 KV with page a multiple of tile_n")
