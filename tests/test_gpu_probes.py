@@ -32,7 +32,7 @@ def test_probe_arms_and_ncu_labels_are_valid_launches():
         assert set(kw) <= params, set(kw) - params
     assert "occupancy" in verify_probe.ARMS and "int8-rs2-flat" in ncu_launch.LAUNCHES
     assert "qkint8" in verify_probe.ARMS and "int8-qk8" in ncu_launch.LAUNCHES
-    assert "server" in verify_probe.ARMS
+    assert "server" in verify_probe.ARMS and [kv for kv, _ in verify_probe.ARMS["defaults"]] == ["bf16", "int8", "int4"]
 
 
 def test_probe_rejects_an_unknown_arm(capsys):

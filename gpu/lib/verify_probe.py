@@ -71,6 +71,9 @@ ARMS = {
     # without qk_int8; run with --q 1,4 --shapes 32768x1,73728x1 to split SPEC=mtp's step at depth
     # into its verify attention (q 4: MTP's block of 1 + 3 drafts) and a plain step's (q 1)
     "server": [("int8", {}), ("int8", {"qk_int8": True})],
+    # session 33: every KV dtype at the wrapper's defaults (what a server runs), for issue #7's
+    # table with % of the copy bandwidth (--shapes 8192x1,...,131072x4 --q 1,8,16)
+    "defaults": [("bf16", {}), ("int8", {}), ("int4", {})],
     # session 26: row_split 2 (4 warps, two programs an SM) vs each default
     "rowsplit": [("int8", dict(_D8)),
                  ("int8", {"tile_n": 16, "num_warps": 4, "num_stages": 3, "row_split": 2}),
@@ -198,6 +201,14 @@ def main(argv=None) -> int:
 
     if a.smoke:
         shapes = [(64, 1)]
+    copy_gbps = None
+    if dev.type == "cuda":  # device-to-device copy, read + write, as job 30 measures it
+        from bench.kernel_verify import copy_bandwidth_gbps
+
+        res["copy"] = copy_bandwidth_gbps(dev, 1 << 30)
+        copy_gbps = res["copy"]["gbps_read_plus_write"]
+        print(f"copy bandwidth {copy_gbps:.0f} GB/s (read + write)", flush=True)
+        save()
     block = 16 if a.smoke else 64
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size if dev.type == "cuda" else 2 ** 20
     for q, (ctx, b) in ((q, s) for s in shapes for q in qs):
@@ -207,9 +218,15 @@ def main(argv=None) -> int:
                             have_stock=False, ours_kw={**launch(kw), "num_splits": ns},
                             with_stock=False)
             r.pop("case", None)
+            if "ours_ms" in r:
+                r["kv_gbps"] = r["kv_bytes"] / (r["ours_ms"] * 1e-3) / 1e9
+                if copy_gbps:
+                    r["pct_copy"] = 100.0 * r["kv_gbps"] / copy_gbps
             res["timing"].append(r)
             save()
             t = f"{r['ours_ms'] * 1e3:8.1f} us" if "ours_ms" in r else (r.get("ours_error") or "?").strip().splitlines()[-1][:120]
+            if "pct_copy" in r:
+                t += f", {r['kv_gbps']:.0f} GB/s of KV, {r['pct_copy']:.1f} % of copy"
             print(f"q{q} ctx {ctx} b{b} {kv} {kw} splits {ns}: {t}", flush=True)
     print(f"verify_probe.json in {out_dir}")
     return 0 if all(x["ok"] for x in res["correctness"] + res["decode_check"]) else 1
