@@ -652,6 +652,7 @@ def test_job31_table_sampled_arms(tmp_path):
 
 @pytest.mark.parametrize("arms, why", [("bf16 int4st", "KVQ_ARMS names 'int4st'"),
                                        ("bf16 int4raw", "KVQ_ARMS names 'int4raw'"),
+                                       ("bf16 int8bf", "KVQ_ARMS names 'int8bf'"),
                                        ("int8 int4", "must include bf16")])
 def test_job32_refuses_bad_arms_before_any_boot(tmp_path, arms, why):
     """KVQ_ARMS is checked before the SmolLM2 conversion or a boot: a typo on a lease costs nothing,
@@ -663,5 +664,6 @@ def test_job32_refuses_bad_arms_before_any_boot(tmp_path, arms, why):
                        text=True, timeout=60, cwd=str(tmp_path))
     assert r.returncode == 2, r.stdout + r.stderr
     assert why in r.stdout and "converting" not in r.stdout.lower()
-    if "int4st" in arms or "int4raw" in arms:
+    if "int4st" in arms or "int4raw" in arms or "int8bf" in arms:
         assert "valid here: bf16 int8 int4 " in r.stdout and "int4raw with KVQ_INT4_RAW=1" in r.stdout
+        assert "int8qk / int8bf with KVQ_QK_INT8=1" in r.stdout

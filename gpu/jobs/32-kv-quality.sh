@@ -7,9 +7,13 @@
 # 96-token greedy continuations; then perplexity delta vs bf16, mean |delta logprob| per token
 # and the first greedy divergence position.
 # Writes $JOB_OUT/{kvq-bf16,kvq-int8,kvq-int4,compare}.json, server-*.log, summary.txt.
-# KVQ_QK_INT8=1 adds a fourth arm, int8qk: int8 KV with ONECARD_VERIFY_QK_INT8=1 (the wide-verify
-# kernel's int8 Q.K^T, docs/wide-verify.md). Prefill does not run that kernel, so its teacher-forced
-# perplexity equals int8's; its greedy continuation (decode on the wide kernel) is what moves.
+# The int8 arm runs the GPU's default Q.K^T (VERIFY_QK_INT8=auto: the int8 dot on Hopper-class
+# GPUs since session 33, the bf16 dot on sm_8x). KVQ_QK_INT8=1 adds two arms: int8qk, int8 KV with
+# ONECARD_VERIFY_QK_INT8=1 (the wide-verify kernel's int8 Q.K^T, docs/wide-verify.md), and int8bf
+# with ONECARD_VERIFY_QK_INT8=0 (the bf16 dot); on a Hopper GPU int8qk is the int8 arm's launch.
+# Prefill does not run that kernel, so their teacher-forced perplexity equals int8's; their greedy
+# continuations (decode on the wide kernel) are what moves (bench/qk_int8_quality.py scores every
+# position as decode reads the cache, on the CPU).
 # KVQ_ARMS="bf16 int8qk" runs only the arms named (labels as above; bf16 is the compare's base).
 # KVQ_INT4_STOCK_DECODE=1 adds int4st: int4 KV with ONECARD_WIDE_DECODE=0 (plain decode steps on
 # stock unified_attention; the int4 arm decodes on the wide-verify kernel, WIDE_DECODE=auto), the
@@ -29,14 +33,14 @@ BOOT_TAIL=20
 job_header
 
 arms=("bf16 auto" "int8 int8_per_token_head" "int4 int4_per_token_head")
-[ "${KVQ_QK_INT8:-0}" = 1 ] && arms+=("int8qk int8_per_token_head")
+[ "${KVQ_QK_INT8:-0}" = 1 ] && arms+=("int8qk int8_per_token_head" "int8bf int8_per_token_head")
 [ "${KVQ_INT4_STOCK_DECODE:-0}" = 1 ] && arms+=("int4st int4_per_token_head")
 [ "${KVQ_INT4_RAW:-0}" = 1 ] && arms+=("int4raw int4_per_token_head")
 # KVQ_ARMS="bf16 int8qk": only those arms (labels as above), e.g. a short lease's A/B.
 if [ -n "${KVQ_ARMS:-}" ]; then
   labels=" "; for a in "${arms[@]}"; do labels+="${a%% *} "; done
   for want in $KVQ_ARMS; do
-    case "$labels" in *" $want "*) ;; *) say "FAIL: KVQ_ARMS names '$want'; valid here:$labels(int8qk with KVQ_QK_INT8=1, int4st with KVQ_INT4_STOCK_DECODE=1, int4raw with KVQ_INT4_RAW=1)"; exit 2;; esac
+    case "$labels" in *" $want "*) ;; *) say "FAIL: KVQ_ARMS names '$want'; valid here:$labels(int8qk / int8bf with KVQ_QK_INT8=1, int4st with KVQ_INT4_STOCK_DECODE=1, int4raw with KVQ_INT4_RAW=1)"; exit 2;; esac
   done
   case " $KVQ_ARMS " in *" bf16 "*) ;; *) say "FAIL: KVQ_ARMS must include bf16 (the compare's base)"; exit 2;; esac
   keep=(); for a in "${arms[@]}"; do case " $KVQ_ARMS " in *" ${a%% *} "*) keep+=("$a");; esac; done; arms=("${keep[@]}")
@@ -66,7 +70,8 @@ boot() {  # boot LABEL KV_DTYPE WAIT_S
 status=0
 for arm in "${arms[@]}"; do
   set -- $arm
-  if [ "$1" = int8qk ]; then export ONECARD_VERIFY_QK_INT8=1; else unset ONECARD_VERIFY_QK_INT8; fi
+  case "$1" in int8qk) export ONECARD_VERIFY_QK_INT8=1;; int8bf) export ONECARD_VERIFY_QK_INT8=0;;
+    *) unset ONECARD_VERIFY_QK_INT8;; esac
   case "$1" in int4st|int4raw) export ONECARD_WIDE_DECODE=0;; *) unset ONECARD_WIDE_DECODE;; esac
   if [ "$1" = int4raw ]; then export ONECARD_HADACORE_PAD=0; else unset ONECARD_HADACORE_PAD; fi
   if boot "$1" "$2" 110; then
