@@ -55,8 +55,11 @@ def test_next_lease_arms_run_under_the_interpreter(tmp_path, arm, rows, qs):
     assert len(res["correctness"]) == rows and all(x["ok"] for x in res["correctness"])
     n_q = len(qs.split(",")) if qs else 1
     assert len(res["timing"]) == rows * n_q and all("ours_ms" in x for x in res["timing"])
-    if qs:  # one row per (q, launch), in the order asked
+    if qs:  # one row per (q, launch), in the order asked; then the first (q, shape) once more
         assert [x["q_len"] for x in res["timing"]] == [int(q) for q in qs.split(",") for _ in range(rows)]
+        assert [(x["q_len"], x["kv"]) for x in res["recheck"]] == [(x["q_len"], x["kv"]) for x in res["timing"][:rows]]
+    else:  # one (q, shape): nothing to recheck against
+        assert res["recheck"] == []
 
 
 def test_probe_rejects_a_bad_q_or_shape(capsys):
