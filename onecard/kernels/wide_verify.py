@@ -604,6 +604,14 @@ def block_shared(device: torch.device) -> int:
     return _BLOCK_SHARED[idx]
 
 
+def deep_pipeline_shared(device: torch.device) -> bool:
+    """True when a block on ``device`` may have Hopper-class shared memory (>= 200 KiB: sm_90 /
+    sm_100), the test every Hopper-only default of this file makes (launch, head split, flat words,
+    qk_int8). Decided by the shared memory, not the architecture: an RTX 5090 (sm_120) is newer
+    than Hopper but has a 3090's 99 KiB, where the deep pipelines (up to 192 KiB) fail."""
+    return block_shared(device) >= DEEP_PIPELINE_SHARED
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 16
@@ -666,9 +674,7 @@ def default_launch(mode: int, block_m: int, head_dim: int, device: torch.device)
     """
     big = block_m * head_dim >= 64 * 256
     warps = 8 if big else 4
-    # decided by the shared memory a block may have, not the architecture: an RTX 5090 (sm_120)
-    # is newer than Hopper but has a 3090's 99 KiB, where the deep pipelines (up to 192 KiB) fail
-    if block_shared(device) >= DEEP_PIPELINE_SHARED:
+    if deep_pipeline_shared(device):
         return (32, warps, 4) if mode == 0 else (16, warps, 4)
     if mode == 0 and block_m * head_dim > 64 * 256:
         # 128 query rows x 256 (a verify block of 9..16 tokens, bf16 KV): 2 stages take 104 KiB of
@@ -751,7 +757,7 @@ def default_qk_int8(mode: int, page_tiles: bool, device: torch.device | None = N
         return False
     if _QK_INT8_SETTING is not None:
         return _QK_INT8_SETTING
-    return device is not None and QK_INT8_HOPPER and block_shared(device) >= DEEP_PIPELINE_SHARED
+    return device is not None and QK_INT8_HOPPER and deep_pipeline_shared(device)
 
 
 def default_flat_words(mode: int, device: torch.device) -> bool:
@@ -771,7 +777,7 @@ def default_flat_words(mode: int, device: torch.device) -> bool:
         return False
     if _FLAT_WORDS_SETTING is not None:
         return _FLAT_WORDS_SETTING
-    return FLAT_WORDS_HOPPER and block_shared(device) >= DEEP_PIPELINE_SHARED
+    return FLAT_WORDS_HOPPER and deep_pipeline_shared(device)
 
 
 def default_head_split(mode: int, block_m: int, head_dim: int, device: torch.device) -> int:
@@ -789,8 +795,7 @@ def default_head_split(mode: int, block_m: int, head_dim: int, device: torch.dev
     131k; session 28, twice), bf16 5 % (75.4 vs 79.3 us), each under the 10 % a default moves on;
     q <= 8 (64 rows) and the sm_8x launches (1 stage, 99 KiB of shared memory) were not timed
     with it."""
-    if mode == 4 and block_m * head_dim > 64 * 256 and head_dim >= 32 \
-            and block_shared(device) >= DEEP_PIPELINE_SHARED:
+    if mode == 4 and block_m * head_dim > 64 * 256 and head_dim >= 32 and deep_pipeline_shared(device):
         return 2
     return 1
 
