@@ -25,6 +25,7 @@ NOT_KNOBS = {"MODELS"}
 # the quantized KV caches stock vLLM serves on TRITON_ATTN only, and the wide-verify kernel reads
 PER_TOKEN_HEAD_KV = ("int8_per_token_head", "int4_per_token_head")
 SERVE_PREFIX = ["-m", "vllm.entrypoints.cli.main", "serve"]
+SERVER_KEEP_ALIVE_S = 30  # VLLM_HTTP_TIMEOUT_KEEP_ALIVE when unset (make_plan: longer than clients keep idle)
 
 
 def is_loopback(host: str) -> bool:
@@ -917,6 +918,15 @@ def make_plan(environ: Mapping[str, str] | None = None, root: Path | str = ".", 
     # they are. An explicit CUDA_CACHE_MAXSIZE is the user's.
     if environ.get("CUDA_CACHE_MAXSIZE", "") == "":
         plan.child_env["CUDA_CACHE_MAXSIZE"] = str(4 << 30)
+    # vLLM's HTTP server (uvicorn) closes a keep-alive connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    # idle seconds, 5 by default, and httpx (under OpenAI's Python client) keeps an idle one for 5 s
+    # too. With equal timers a request can leave on a connection the server is closing at that
+    # moment and fail with "Server disconnected without sending a response" (job 71, 2026-12-07: one
+    # request in ~1,500, the server healthy). A server that waits longer than its clients lets them
+    # drop idle connections first: 30 s is above httpx's 5, Node's 4-5 and aiohttp's 15. An explicit
+    # value is the user's.
+    if environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "") == "":
+        plan.child_env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] = str(SERVER_KEEP_ALIVE_S)
     if check_paths:  # a real launch: look at this machine (dry runs stay machine-independent)
         if plan.get("CTX") == "huge":
             problem = kvarn_install_problem()

@@ -18,6 +18,23 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+#: Seconds our pooled HTTP clients keep an idle connection. vLLM's server closes one after
+#: VLLM_HTTP_TIMEOUT_KEEP_ALIVE idle seconds (uvicorn; 5 by default, 30 under onecard's launcher)
+#: and httpx keeps one 5 s by default: with equal timers a request can leave on a connection the
+#: server is closing and fail with "Server disconnected without sending a response" (job 71's
+#: first run, 2026-12-07: one request in ~1,500 against a healthy server). Expiring first closes
+#: that window against any server that keeps connections 3 s or more.
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+def http_limits(max_connections: int = 256, max_keepalive_connections: int = 64):
+    """httpx.Limits for a pooled client of a vLLM server: the pool sizes given, and idle connections
+    dropped after KEEPALIVE_EXPIRY_S, before the server would close them."""
+    import httpx
+
+    return httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive_connections,
+                        keepalive_expiry=KEEPALIVE_EXPIRY_S)
+
 TOKEN_SOURCE = "usage.completion_tokens"
 
 
@@ -108,7 +125,7 @@ class Client:
         import contextlib
         import httpx
         if getattr(self, "_pool", None) is None:
-            limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+            limits = http_limits(max_connections=256, max_keepalive_connections=64)
             self._pool = httpx.Client(timeout=httpx.Timeout(self.timeout, connect=10.0),
                                       headers=self._headers(), limits=limits,
                                       verify=not self.base_url.startswith("http://"))

@@ -225,7 +225,10 @@ class Sampler:
         try:
             if getattr(self, "_http", None) is None:
                 import httpx
-                self._http = httpx.Client(verify=not self.base_url.startswith("http://"))
+
+                from onecard.bench.client import http_limits
+                self._http = httpx.Client(verify=not self.base_url.startswith("http://"),
+                                          limits=http_limits(max_connections=4, max_keepalive_connections=1))
             self.samples.append(scrape(self.base_url, api_key=self.api_key, http=self._http))
         except Exception as exc:  # noqa: BLE001
             self.errors.append(f"{type(exc).__name__}: {exc}")

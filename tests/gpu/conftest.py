@@ -275,8 +275,9 @@ class Server:
 
         with self._client_lock:
             if self._client is None:
-                self._client = httpx.Client(limits=httpx.Limits(max_connections=256,
-                                                                max_keepalive_connections=256))
+                from onecard.bench.client import http_limits  # idle connections dropped first
+
+                self._client = httpx.Client(limits=http_limits(max_connections=256, max_keepalive_connections=256))
             return self._client
 
     def post(self, path: str, payload: dict, timeout: float = 120) -> dict:

@@ -311,9 +311,10 @@ class Server:
         an SSL context each time, ~60 ms of CPU, i.e. a whole core of the GPU host per sweep."""
         import httpx
 
+        from onecard.bench.client import http_limits  # idle connections dropped before the server's
+
         if self._client is None:
-            self._client = httpx.Client(limits=httpx.Limits(max_connections=128,
-                                                            max_keepalive_connections=128))
+            self._client = httpx.Client(limits=http_limits(max_connections=128, max_keepalive_connections=128))
         return self._client
 
     def start(self, env: dict) -> None:
