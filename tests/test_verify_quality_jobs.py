@@ -650,6 +650,29 @@ def test_job31_table_sampled_arms(tmp_path):
             "informative)") in r.stdout
 
 
+@pytest.mark.parametrize("labels, goals", [(("off", "mtp"), ("MET", "MISSED")),
+                                            (("off", "mtp-wide1"), ("MISSED", "MET")),
+                                            (("off", "mtp", "mtp-wide1"), ("MISSED", "MET"))])
+def test_job31_table_goal_column(tmp_path, labels, goals):
+    """The goal column judges the mtp arm whether it is labelled mtp-wide1 or mtp (gpu/README's
+    next lease names it mtp; session 36's table printed '-' for it); mtp-wide1 wins when both ran."""
+    script = (REPO / "gpu/jobs/31-verify-e2e.sh").read_text()
+    block = script.split("<<'PY'", 2)[2].split("\n", 1)[1].split("\nPY\n", 1)[0]
+    (tmp_path / "t.py").write_text(block)
+    ms = {"off": {8192: 10.0, 32768: 10.0}, "mtp": {8192: 12.9, 32768: 13.2},
+          "mtp-wide1": {8192: 13.5, 32768: 12.0}}
+    for label in labels:
+        rows = [{"depth": d, "server_ms_per_step": v, "client_ms_per_step": v, "text": "abc",
+                 "tokens_per_step": 1.0} for d, v in ms[label].items()]
+        (tmp_path / f"{label}.json").write_text(json.dumps({"rows": rows}))
+    argv = [f"{lb}:{'off' if lb == 'off' else 'mtp'}:1:-:1" for lb in labels]
+    r = subprocess.run([sys.executable, str(tmp_path / "t.py"), str(tmp_path), *argv],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| 8192 ") or ln.startswith("| 32768 ")]
+    assert [ln.rstrip(" |").rsplit("| ", 1)[1] for ln in rows] == list(goals), r.stdout
+
+
 @pytest.mark.parametrize("arms, why", [("bf16 int4st", "KVQ_ARMS names 'int4st'"),
                                        ("bf16 int4raw", "KVQ_ARMS names 'int4raw'"),
                                        ("bf16 int8bf", "KVQ_ARMS names 'int8bf'"),
