@@ -309,11 +309,10 @@ class Server:
     def client(self):
         """One pooled HTTP client per server (thread-safe): a fresh httpx.post per request builds
         an SSL context each time, ~60 ms of CPU, i.e. a whole core of the GPU host per sweep."""
-        import httpx
-
-        from onecard.bench.client import http_limits  # idle connections dropped before the server's
-
         if self._client is None:
+            import httpx
+
+            from onecard.bench.client import http_limits  # idle connections dropped before the server's
             self._client = httpx.Client(limits=http_limits(max_connections=128, max_keepalive_connections=128))
         return self._client
 
